@@ -1,0 +1,68 @@
+"""Frozen configuration: the model's shape and the engine's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of a Llama-architecture decoder."""
+
+    vocab_size: int = 49152  # rows of the embedding and the LM head
+    hidden_size: int = 576  # width of the residual stream
+    intermediate_size: int = 1536  # width of the SwiGLU MLP
+    num_layers: int = 30  # decoder blocks
+    num_heads: int = 9  # query heads
+    num_kv_heads: int = 3  # key/value heads (grouped-query attention)
+    head_dim: int = 64  # per-head width
+    rope_theta: float = 100000.0  # RoPE base frequency
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    max_position: int = 8192  # context window the model was trained for
+    tie_word_embeddings: bool = True  # LM head shares the embedding matrix
+
+    @property
+    def num_params(self) -> int:
+        h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+
+# Named shapes for dummy weights: benchmarks need no checkpoint, only the right sizes.
+DUMMY_SHAPES: dict[str, ModelShape] = {
+    "smollm2-135m": ModelShape(),
+    "llama-1b": ModelShape(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position=131072,
+    ),
+    "llama-8b": ModelShape(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=131072,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to know before it loads a model."""
+
+    model: str | None = None  # GGUF file, HF checkpoint dir, or "dummy:NAME"; None = bundled default
+    device: str = "cpu"  # torch device the model runs on
+    dtype: str = "float32"  # compute dtype of weights and activations
+    block_size: int = 16  # tokens per KV cache block
+    kv_cache_memory: int = 512 * 2**20  # bytes given to the KV cache
+    max_num_seqs: int = 64  # most requests in one iteration
+    max_num_batched_tokens: int = 2048  # per-iteration token budget (prefill chunks + decodes)
+    max_model_len: int | None = None  # context cap; None = the model's own window
+    scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
+    kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front
+    attention_backend: str = "torch"  # which AttentionBackend runs attention
+    seed: int = 0  # seeds dummy weights and unseeded sampling
+    num_threads: int | None = None  # torch CPU threads; None = torch's default
+
+    def with_(self, **changes) -> EngineConfig:
+        return replace(self, **changes)

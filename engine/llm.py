@@ -1,0 +1,62 @@
+"""The offline API: `LLM(...).generate(prompts, params)` runs every prompt through the scheduler at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import Request, TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Completion:
+    """One finished generation."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # 'stop' | 'length'
+    logprobs: list[TokenLogprobs] | None = field(default=None)
+
+
+class LLM:
+    """Load a model (the bundled default when `model` is None) and generate offline."""
+
+    def __init__(self, model: str | None = None, **config):
+        self.engine = EngineCore(EngineConfig(model=model, **config))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[Completion]:
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        requests = [
+            self.engine.add_request(self._ids(p), sp) for p, sp in zip(prompts, params_list)
+        ]
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="generating") as bar:
+            while self.engine.has_unfinished():
+                bar.update(sum(r.status.finished for r in self.engine.step()))
+        return [self._completion(r) for r in requests]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([prompt], params)[0]
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _completion(self, req: Request) -> Completion:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return Completion(
+            req.prompt_token_ids, list(req.output_token_ids), text, req.finish_reason,
+            list(req.output_logprobs) if req.params.logprobs is not None else None,
+        )

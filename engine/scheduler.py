@@ -1,0 +1,182 @@
+"""Decides who runs this iteration (Orca's iteration-level scheduling, FCFS, with preemption)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus, TokenLogprobs
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True):
+    """One request's share of an iteration: compute `token_ids` starting at `num_computed_tokens`."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool  # these tokens reach the end of what is known: sample the next one
+
+
+class Batch(msgspec.Struct):
+    """The scheduler -> runner contract for one iteration."""
+
+    requests: list[ScheduledRequest]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class IterationLevel:
+    """Orca: new requests may join at every iteration while the token budget has room."""
+
+    def may_admit(self, num_running_at_start: int, budget_left: int) -> bool:
+        return budget_left > 0
+
+
+class RequestLevel:
+    """Baseline (FasterTransformer/Triton style): form a batch only once the previous one has drained."""
+
+    def may_admit(self, num_running_at_start: int, budget_left: int) -> bool:
+        return num_running_at_start == 0
+
+
+ADMISSION_POLICIES = {"iteration": IterationLevel, "request": RequestLevel}
+
+
+class Scheduler:
+    """FCFS over a waiting queue; running requests first; preempts the newest when blocks run out."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.kv_policy)
+        self.admission = ADMISSION_POLICIES[config.scheduling]()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: oldest first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is and free its blocks; call between iterations."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
+    def schedule(self) -> Batch:
+        budget = self.config.max_num_batched_tokens
+        num_running_at_start = len(self.running)
+        scheduled: list[tuple[Request, int]] = []
+
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, num_new):
+                if self._preempt_newest() is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        while (
+            self.waiting
+            and len(self.running) < self.config.max_num_seqs
+            and self.admission.may_admit(num_running_at_start, budget)
+        ):
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req, num_new):
+                break  # FCFS: nobody overtakes a request that does not fit
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if num_new:
+                scheduled.append((req, num_new))
+                budget -= num_new
+
+        return Batch([self._to_scheduled(req, n) for req, n in scheduled])
+
+    def _to_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + num_new
+        return ScheduledRequest(
+            req.request_id, req.token_ids(start, end), start, list(req.block_table), end == req.num_tokens
+        )
+
+    def _preempt_newest(self) -> Request:
+        # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def update(
+        self, batch: Batch, sampled: dict[str, tuple[int, TokenLogprobs | None]]
+    ) -> list[Request]:
+        """Account computed tokens, append sampled ones, retire finished requests; returns those that got a token."""
+        updated = []
+        for sr in batch.requests:
+            req = self.requests[sr.request_id]
+            req.num_computed_tokens += len(sr.token_ids)
+            if not sr.sample:
+                continue
+            token_id, logprobs = sampled[sr.request_id]
+            req.output_token_ids.append(token_id)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self._finish(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        if token_id in req.stop_token_ids and req.num_output_tokens >= req.params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.running.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]
