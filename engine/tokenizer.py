@@ -1,0 +1,184 @@
+"""Byte-level BPE tokenizer read from a GGUF file, encoding with tiktoken like Hugging Face `tokenizers` does."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import regex
+import tiktoken
+
+TOKEN_TYPE_CONTROL = 3
+
+# SmolLM2's pre-tokenizer, Digits(individual_digits=True) then GPT-2's ByteLevel regex, as one pattern: every
+# \p{N} is a piece of its own (so ` ?\p{N}+` loses its space and its `+`), and since the digit split ends a piece,
+# whitespace before a digit must pass the `(?!\S)` test as if the text ended there.
+PRETOKENIZE_PATTERN = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from each byte to a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _field_value(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+class Tokenizer:
+    """Encode text to token ids and back; render chat prompts with the model's template."""
+
+    def __init__(
+        self,
+        tokens: list[str],
+        token_types: list[int],
+        *,
+        bos_token_id: int,
+        eos_token_id: int,
+        chat_template: str | None = None,
+        name: str = "gguf",
+    ) -> None:
+        """`tokens` are GGUF token strings in GPT-2 byte-level form; ids are their positions, already BPE ranks."""
+        char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        self.vocab_size = len(tokens)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        special = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == TOKEN_TYPE_CONTROL}
+        ranks = {
+            bytes(char_to_byte[c] for c in t): i
+            for i, (t, kind) in enumerate(zip(tokens, token_types))
+            if kind != TOKEN_TYPE_CONTROL
+        }
+        self.special_token_ids = frozenset(special.values())
+        self._special_tokens = special
+        self._token_bytes = [t.encode() if i in self.special_token_ids else b"" for i, t in enumerate(tokens)]
+        for token, i in ranks.items():
+            self._token_bytes[i] = token
+        # tiktoken panics on a byte it has no rank for, so the bytes without a token get ranks past the
+        # vocabulary; those never merge, and the ids they yield are dropped, as Hugging Face's BPE (no unk token) does.
+        self.unknown_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
+        for n, b in enumerate(self.unknown_bytes):
+            ranks[bytes([b])] = self.vocab_size + n
+        self._encoding = tiktoken.Encoding(name, pat_str=PRETOKENIZE_PATTERN, mergeable_ranks=ranks,
+                                           special_tokens=special)
+        unknown_chars = "".join(re.escape(chr(b)) for b in self.unknown_bytes if b < 0x80)
+        # A missing lead byte (0xf1, 0xf2) can only come from code points U+40000..U+BFFFF; 0xc0, 0xc1 and 0xf5..0xff
+        # never occur in UTF-8.
+        lead_ranges = "".join(f"{chr((b & 0x07) << 18)}-{chr(((b & 0x07) << 18) | 0x3FFFF)}"
+                              for b in self.unknown_bytes if 0xF0 <= b <= 0xF4)
+        self._unknown_char_re = re.compile(f"[{unknown_chars}{lead_ranges}]") if unknown_chars or lead_ranges else None
+        alternatives = "|".join(map(re.escape, sorted(special, key=len, reverse=True)))
+        self._special_split_re = re.compile(f"({alternatives})" if special else "(?!)")
+        self._pretokenize_re = regex.compile(PRETOKENIZE_PATTERN)
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Build from an open GGUF reader (shared with the weight loader)."""
+        model = _field_value(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"unsupported tokenizer model {model!r}: only byte-level BPE ('gpt2') is implemented")
+        tokens = _field_value(reader, "tokenizer.ggml.tokens")
+        types = _field_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+        return cls(
+            tokens,
+            [int(t) for t in types],
+            bos_token_id=int(_field_value(reader, "tokenizer.ggml.bos_token_id", 0)),
+            eos_token_id=int(_field_value(reader, "tokenizer.ggml.eos_token_id", 0)),
+            chat_template=_field_value(reader, "tokenizer.chat_template"),
+            name=str(_field_value(reader, "general.name", "gguf")),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """Build from a GGUF file path."""
+        return cls.from_gguf(gguf.GGUFReader(path))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token text such as "<|im_start|>" becomes its special id."""
+        if self._unknown_char_re is None or not self._unknown_char_re.search(text):
+            return self._encoding.encode(text, allowed_special="all")
+        return self._encode_dropping_unknown(text)
+
+    def _encode_dropping_unknown(self, text: str) -> list[int]:
+        # Hugging Face drops a tokenless byte inside a piece and merges its neighbours as if it were not there;
+        # tiktoken would keep it as a barrier, so these (rare) texts get their pieces split here and BPE'd one by one.
+        ids: list[int] = []
+        for n, segment in enumerate(self._special_split_re.split(text)):
+            if n % 2:
+                ids.append(self._special_tokens[segment])
+                continue
+            for piece in self._pretokenize_re.findall(segment):
+                kept = bytes(b for b in piece.encode() if b not in self.unknown_bytes)
+                if kept:
+                    ids.extend(self._encoding._encode_single_piece(kept))
+        return ids
+
+    def decode_bytes(self, ids: list[int], skip_special_tokens: bool = False) -> bytes:
+        """Concatenated bytes of `ids`; ids outside the vocabulary (dummy models have larger ones) are skipped."""
+        skip = self.special_token_ids if skip_special_tokens else frozenset()
+        return b"".join(self._token_bytes[i] for i in ids if 0 <= i < self.vocab_size and i not in skip)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; invalid UTF-8 (e.g. a cut multi-byte character) becomes U+FFFD."""
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (the literal text for a special token)."""
+        return self._token_bytes[token_id]
+
+    @property
+    def bos_token(self) -> str:
+        return self._token_bytes[self.bos_token_id].decode("utf-8", errors="replace")
+
+    @property
+    def eos_token(self) -> str:
+        return self._token_bytes[self.eos_token_id].decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, as transformers' apply_chat_template(tokenize=False)."""
+        if self.chat_template is None:
+            raise ValueError("the model has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandboxed environment transformers uses."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)

@@ -1,0 +1,187 @@
+"""Scheduler and KV cache invariants, driven by fake model outputs (no model)."""
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BS = 4  # small blocks make the arithmetic visible
+
+
+def make(num_blocks=64, **cfg) -> Scheduler:
+    config = EngineConfig(block_size=BS, **{"max_num_batched_tokens": 256, **cfg})
+    return Scheduler(config, num_blocks, max_model_len=1024)
+
+
+def req(rid, prompt_len=6, max_tokens=4, **params) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **params), eos_token_id=0)
+
+
+def step(s: Scheduler, token=7):
+    """One fake iteration: every sampling request gets `token`. Returns {id: num tokens computed}."""
+    batch = s.schedule()
+    s.update(batch, {r.request_id: (token, None) for r in batch.requests if r.sample})
+    return {r.request_id: len(r.token_ids) for r in batch.requests}
+
+
+def test_new_request_joins_the_very_next_iteration():
+    s = make()
+    s.add(req("a", max_tokens=10))
+    assert step(s) == {"a": 6}
+    assert step(s) == {"a": 1}
+    s.add(req("b", prompt_len=5))
+    assert step(s) == {"a": 1, "b": 5}  # prefill of b batched with the decode of a
+    assert step(s) == {"a": 1, "b": 1}
+
+
+def test_finished_request_leaves_at_end_of_its_iteration_and_frees_blocks():
+    s = make(num_blocks=10)
+    s.add(req("a", prompt_len=6, max_tokens=2))
+    s.add(req("b", prompt_len=6, max_tokens=5))
+    step(s)  # prefill both; each samples its first token
+    assert s.kv.num_free_blocks == 10 - 2 - 2
+    assert step(s) == {"a": 1, "b": 1}  # a samples its 2nd (last) token here
+    assert s.requests.keys() == {"b"}
+    assert s.kv.num_free_blocks == 10 - 2  # a's two blocks are back; b holds ceil(7/4)=2
+    assert step(s) == {"b": 1}
+    assert step(s) == {"b": 1}
+    assert step(s) == {"b": 1}  # b's 5th token
+    assert not s.has_unfinished()
+    assert s.kv.num_free_blocks == 10
+    assert sorted(s.kv.free_blocks) == list(range(10))
+
+
+def test_stop_token_finishes_with_stop_and_respects_min_tokens():
+    s = make()
+    a = req("a", max_tokens=8)
+    b = req("b", max_tokens=8, min_tokens=3)
+    s.add(a)
+    s.add(b)
+    step(s, token=0)  # eos for both
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.output_token_ids == [0]
+    assert b.status == RequestStatus.RUNNING  # the sampler masks eos below min_tokens; the scheduler agrees
+    step(s, token=0)
+    step(s, token=0)
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.num_output_tokens == 3
+
+
+def test_ignore_eos_and_extra_stop_ids():
+    s = make()
+    a = req("a", max_tokens=3, ignore_eos=True)
+    b = req("b", max_tokens=3, stop_token_ids=(7,))
+    s.add(a)
+    s.add(b)
+    step(s, token=0)
+    assert a.status == RequestStatus.RUNNING and b.status == RequestStatus.FINISHED_STOPPED
+    step(s, token=7)
+    step(s, token=0)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [0, 7, 0]
+    c = req("c", max_tokens=3, stop_token_ids=(7,))
+    s.add(c)
+    step(s, token=5)
+    step(s, token=7)
+    assert c.status == RequestStatus.FINISHED_STOPPED and c.output_token_ids == [5, 7]
+
+
+def test_fcfs_under_block_pressure_no_overtaking():
+    s = make(num_blocks=6)
+    s.add(req("a", prompt_len=12, max_tokens=4))  # 3 blocks
+    s.add(req("big", prompt_len=16, max_tokens=4))  # needs 4 blocks: does not fit next to a
+    s.add(req("small", prompt_len=2, max_tokens=1))  # would fit, but must not overtake big
+    assert step(s) == {"a": 12}
+    assert [r.request_id for r in s.waiting] == ["big", "small"]
+    while "a" in s.requests:
+        assert "small" not in step(s)
+    assert step(s) == {"big": 16, "small": 2}
+
+
+def test_preempts_newest_when_blocks_run_out_and_recomputes_it():
+    s = make(num_blocks=4)
+    old, new = req("old", prompt_len=4, max_tokens=8), req("new", prompt_len=4, max_tokens=8)
+    s.add(old)
+    s.add(new)
+    assert step(s) == {"old": 4, "new": 4}  # 1 block each
+    assert step(s) == {"old": 1, "new": 1}  # token 5 opens a 2nd block each: the pool is empty
+    assert s.kv.num_free_blocks == 0
+    for _ in range(3):  # tokens 6..8 fit in the blocks they hold
+        assert step(s) == {"old": 1, "new": 1}
+    # Token 9 needs a 3rd block; old gets it by evicting the newest request.
+    assert step(s) == {"old": 1}
+    assert new.status == RequestStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
+    assert new.num_preemptions == 1 and new.output_token_ids == [7] * 5
+    assert list(s.waiting) == [new]
+    while "old" in s.requests:
+        assert "new" not in step(s)
+    # Recompute: the whole prompt plus the tokens it had generated, in one prefill.
+    assert step(s) == {"new": 9}
+    assert new.num_output_tokens == 6
+    while s.has_unfinished():
+        step(s)
+    assert new.output_token_ids == [7] * 8 and s.kv.num_free_blocks == 4
+
+
+def test_request_level_admits_nothing_until_the_batch_drains():
+    s = make(scheduling="request")
+    s.add(req("a", max_tokens=2))
+    s.add(req("b", max_tokens=4))
+    assert step(s) == {"a": 6, "b": 6}
+    s.add(req("c", max_tokens=1))
+    assert step(s) == {"a": 1, "b": 1}  # a finishes here; c still waits
+    assert step(s) == {"b": 1}
+    assert step(s) == {"b": 1}  # b's last token
+    assert step(s) == {"c": 6}
+
+
+def test_iteration_level_admits_into_a_running_batch():
+    s = make(scheduling="iteration")
+    s.add(req("a", max_tokens=4))
+    step(s)
+    s.add(req("c", max_tokens=1))
+    assert step(s) == {"a": 1, "c": 6}
+
+
+def test_token_budget_chunks_long_prefills_fcfs():
+    s = make(max_num_batched_tokens=8)
+    s.add(req("a", prompt_len=20, max_tokens=2))
+    s.add(req("b", prompt_len=3, max_tokens=2))
+    assert step(s) == {"a": 8}
+    assert step(s) == {"a": 8}
+    assert step(s) == {"a": 4, "b": 3}  # a's last chunk samples; b fits in what is left
+    a = s.requests["a"]
+    assert a.num_output_tokens == 1 and a.num_computed_tokens == 20
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = make(max_num_seqs=2)
+    for rid in "abc":
+        s.add(req(rid, max_tokens=3))
+    assert step(s) == {"a": 6, "b": 6}
+    assert s.num_waiting == 1
+
+
+def test_orca_reserve_holds_max_tokens_slots_from_admission():
+    s = make(num_blocks=8, kv_policy="orca-reserve")
+    s.add(req("a", prompt_len=4, max_tokens=12))  # 16 slots = 4 blocks up front
+    s.add(req("b", prompt_len=4, max_tokens=12))
+    s.add(req("c", prompt_len=4, max_tokens=12))
+    assert step(s) == {"a": 4, "b": 4}
+    assert s.kv.num_free_blocks == 0
+    paged = make(num_blocks=8, kv_policy="paged")
+    for rid in "abc":
+        paged.add(req(rid, prompt_len=4, max_tokens=12))
+    assert step(paged) == {"a": 4, "b": 4, "c": 4}
+
+
+@pytest.mark.parametrize("where", ["waiting", "running"])
+def test_abort_frees_blocks(where):
+    s = make(num_blocks=8)
+    s.add(req("a", max_tokens=5))
+    if where == "running":
+        step(s)
+        assert s.kv.num_free_blocks == 6
+    aborted = s.abort("a")
+    assert aborted.status == RequestStatus.FINISHED_ABORTED
+    assert s.kv.num_free_blocks == 8 and not s.has_unfinished()
+    assert s.abort("a") is None
