@@ -2,8 +2,9 @@
 
 Selective batching: every token-wise op runs on the flattened `[T, hidden]` batch; only
 attention is split per request, driven by this metadata. A KV cache layer is one tensor
-`[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, then values); token `t` of a
-request lives in slot `block_table[t // block_size] * block_size + t % block_size`.
+`[2, num_kv_heads, num_blocks, block_size, head_dim]` (keys, then values; head-major so that
+a gathered context is already `[heads, tokens, head_dim]` for matmul); token `t` of a request
+lives in slot `block_table[t // block_size] * block_size + t % block_size`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ class AttentionBackend(Protocol):
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] cache, [..., nb] tables -> [Hkv, ..., nb * bs, D] (one copy)."""
+    return cache[:, block_tables].flatten(-3, -2)
 
 
 class TorchAttention:
@@ -64,42 +70,35 @@ class TorchAttention:
         return out
 
     def _decode(self, q, kv_cache, meta, rows, qsl, out):
-        block_size = kv_cache.shape[2]
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
         lens = [meta.context_lens_cpu[i] for i in rows]
-        num_blocks = -(-max(lens) // block_size)
-        tables = meta.block_tables[rows, :num_blocks].long()  # [B, nb]
-        keys = kv_cache[0][tables].flatten(1, 2)  # [B, L, Hkv, D]
-        values = kv_cache[1][tables].flatten(1, 2)
+        tables = meta.block_tables[rows, : -(-max(lens) // block_size)].long()  # [B, nb]
+        keys = gather_context(kv_cache[0], tables)  # [Hkv, B, L, D]
+        values = gather_context(kv_cache[1], tables)
         token_rows = torch.tensor([qsl[i] for i in rows])
-        query = q[token_rows]  # [B, Hq, D]
-        b, num_heads = query.shape[0], query.shape[1]
-        query = query.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", query.float(), keys.float()) / math.sqrt(head_dim)
-        pad = torch.arange(keys.shape[1]) >= torch.tensor(lens)[:, None]  # [B, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
-        out[token_rows] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+        b, num_heads = len(rows), q.shape[1]
+        # [B, Hq, D] -> [Hkv, B, G, D]: each KV head serves its group of G query heads.
+        query = q[token_rows].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+        scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) / math.sqrt(head_dim)
+        pad = torch.arange(keys.shape[2]) >= torch.tensor(lens)[:, None]  # [B, L]
+        scores.masked_fill_(pad[None, :, None, :], float("-inf"))
+        o = torch.matmul(scores.softmax(dim=-1), values.float())  # [Hkv, B, G, D]
+        out[token_rows] = o.transpose(0, 1).reshape(b, num_heads, head_dim).to(out.dtype)
 
     def _prefill(self, q, kv_cache, meta, i, qsl, out):
-        block_size = kv_cache.shape[2]
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        block_size = kv_cache.shape[3]
         n, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
         table = meta.block_tables[i, : -(-ctx // block_size)].long()
-        keys = kv_cache[0][table].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        values = kv_cache[1][table].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        query = q[qsl[i] : qsl[i + 1]]
+        keys = gather_context(kv_cache[0], table)[:, :ctx]  # [Hkv, ctx, D]
+        values = gather_context(kv_cache[1], table)[:, :ctx]
+        query = q[qsl[i] : qsl[i + 1]].transpose(0, 1)  # [Hq, n, D]
         if n == ctx:
             mask, causal = None, True
         else:
             # Queries are the last n of ctx positions (chunked prefill, or recompute after preemption).
             mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
             causal = False
-        o = F.scaled_dot_product_attention(
-            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, enable_gqa=True,
-        )
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
         out[qsl[i] : qsl[i + 1]] = o.transpose(0, 1)
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import load_checkpoint
+from engine.loader import Checkpoint, load_checkpoint
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.runner import ModelRunner, kv_bytes_per_block
@@ -20,11 +20,12 @@ from engine.scheduler import Scheduler
 class EngineCore:
     """Owns the model, the scheduler and the sampler; callers add requests and call `step()`."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
+        """`checkpoint` reuses weights already loaded (e.g. to try several configs on one model)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        ckpt = load_checkpoint(config.model, config.seed)
+        ckpt = checkpoint or load_checkpoint(config.model, config.seed)
         self.model_name = ckpt.name
         self.shape = ckpt.shape
         self.tokenizer = ckpt.tokenizer

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.loader import Checkpoint
 from engine.request import Request, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -26,8 +27,8 @@ class Completion:
 class LLM:
     """Load a model (the bundled default when `model` is None) and generate offline."""
 
-    def __init__(self, model: str | None = None, **config):
-        self.engine = EngineCore(EngineConfig(model=model, **config))
+    def __init__(self, model: str | None = None, checkpoint: Checkpoint | None = None, **config):
+        self.engine = EngineCore(EngineConfig(model=model, **config), checkpoint)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

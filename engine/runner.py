@@ -25,7 +25,7 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         s = model.shape
         self.kv_caches = [
-            torch.zeros(2, num_blocks, config.block_size, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(2, s.num_kv_heads, num_blocks, config.block_size, s.head_dim, dtype=self.dtype, device=self.device)
             for _ in range(s.num_layers)
         ]
         self.attention = make_backend(config.attention_backend)

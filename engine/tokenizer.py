@@ -15,12 +15,19 @@ import tiktoken
 
 TOKEN_TYPE_CONTROL = 3
 
-# SmolLM2's pre-tokenizer, Digits(individual_digits=True) then GPT-2's ByteLevel regex, as one pattern: every
-# \p{N} is a piece of its own (so ` ?\p{N}+` loses its space and its `+`), and since the digit split ends a piece,
-# whitespace before a digit must pass the `(?!\S)` test as if the text ended there.
-PRETOKENIZE_PATTERN = (
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
-)
+# Rust's char::is_numeric, which HF's Digits pre-tokenizer uses, knows Unicode 17; tiktoken's (and HF's own regex)
+# \p{N} stops at Unicode 16. These are the numerics in between, so they too stand alone as digits.
+UNICODE_17_NUMERICS = r"\U00011de0-\U00011de9\U00016ff4-\U00016ff6"
+
+
+def pretokenize_pattern(letters: str = r"\p{L}", numerics: str = r"\p{N}" + UNICODE_17_NUMERICS) -> str:
+    """SmolLM2's pre-tokenizer, Digits(individual_digits=True) then GPT-2's ByteLevel regex, as one regex."""
+    # Every numeric stands alone (so ` ?\p{N}+` becomes a bare class), and since the digit split ends a piece,
+    # whitespace right before a numeric must pass GPT-2's `\s+(?!\S)` as if the text ended there.
+    return (
+        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+|[{numerics}]| ?[^\s{letters}{numerics}]+"
+        rf"|\s+(?![^\s{numerics}])|\s+"
+    )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -70,12 +77,12 @@ class Tokenizer:
         self._token_bytes = [t.encode() if i in self.special_token_ids else b"" for i, t in enumerate(tokens)]
         for token, i in ranks.items():
             self._token_bytes[i] = token
-        # tiktoken panics on a byte it has no rank for, so the bytes without a token get ranks past the
-        # vocabulary; those never merge, and the ids they yield are dropped, as Hugging Face's BPE (no unk token) does.
+        # tiktoken panics on a byte it has no rank for. encode() keeps such bytes away from it, dropping them as
+        # Hugging Face's BPE (no unk token) does; ranks past the vocabulary are a guard, never merged or emitted.
         self.unknown_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
         for n, b in enumerate(self.unknown_bytes):
             ranks[bytes([b])] = self.vocab_size + n
-        self._encoding = tiktoken.Encoding(name, pat_str=PRETOKENIZE_PATTERN, mergeable_ranks=ranks,
+        self._encoding = tiktoken.Encoding(name, pat_str=pretokenize_pattern(), mergeable_ranks=ranks,
                                            special_tokens=special)
         unknown_chars = "".join(re.escape(chr(b)) for b in self.unknown_bytes if b < 0x80)
         # A missing lead byte (0xf1, 0xf2) can only come from code points U+40000..U+BFFFF; 0xc0, 0xc1 and 0xf5..0xff
@@ -85,7 +92,7 @@ class Tokenizer:
         self._unknown_char_re = re.compile(f"[{unknown_chars}{lead_ranges}]") if unknown_chars or lead_ranges else None
         alternatives = "|".join(map(re.escape, sorted(special, key=len, reverse=True)))
         self._special_split_re = re.compile(f"({alternatives})" if special else "(?!)")
-        self._pretokenize_re = regex.compile(PRETOKENIZE_PATTERN)
+        self._pretokenize_re: regex.Pattern | None = None
         self._template: jinja2.Template | None = None
 
     @classmethod
@@ -106,6 +113,35 @@ class Tokenizer:
         )
 
     @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Build from a Hugging Face `tokenizer.json` of the same byte-level BPE kind (ids must be merge ranks)."""
+        path = Path(path)
+        spec = json.loads((path / "tokenizer.json").read_text())
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        vocab: dict[str, int] = dict(spec["model"]["vocab"])
+        added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+        tokens = [""] * (max([*vocab.values(), *added.values()]) + 1)
+        types = [1] * len(tokens)
+        for t, i in vocab.items():
+            tokens[i] = t
+        for t, i in added.items():
+            tokens[i], types[i] = t, TOKEN_TYPE_CONTROL
+        merged = [vocab["".join(m.split(" ", 1) if isinstance(m, str) else m)] for m in spec["model"].get("merges", [])]
+        if any(a >= b for a, b in zip(merged, merged[1:])):
+            raise ValueError(f"{path}: token ids are not in merge order, so they cannot serve as BPE ranks")
+
+        def token_id(key: str, default: int) -> int:
+            value = cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            return added.get(value, vocab.get(value, default)) if value else default
+
+        return cls(
+            tokens, types, bos_token_id=token_id("bos_token", 0), eos_token_id=token_id("eos_token", 0),
+            chat_template=cfg.get("chat_template"), name=path.name,
+        )
+
+    @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         """Build from a GGUF file path."""
         return cls.from_gguf(gguf.GGUFReader(path))
@@ -119,6 +155,12 @@ class Tokenizer:
     def _encode_dropping_unknown(self, text: str) -> list[int]:
         # Hugging Face drops a tokenless byte inside a piece and merges its neighbours as if it were not there;
         # tiktoken would keep it as a barrier, so these (rare) texts get their pieces split here and BPE'd one by one.
+        if self._pretokenize_re is None:
+            # The `regex` module's Unicode tables are newer than tiktoken's; spelling out tiktoken's own \p{L} and
+            # \p{N} keeps both splitters in agreement.
+            self._pretokenize_re = regex.compile(
+                pretokenize_pattern(_class_ranges(r"\p{L}"), _class_ranges(r"\p{N}" + UNICODE_17_NUMERICS))
+            )
         ids: list[int] = []
         for n, segment in enumerate(self._special_split_re.split(text)):
             if n % 2:
@@ -163,6 +205,21 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
+
+
+def _class_ranges(char_class: str) -> str:
+    """The code points tiktoken's regex puts in `char_class`, as ranges for a character class of the `regex` module."""
+    byte_ranks = {bytes([b]): b for b in range(256)}
+    probe = tiktoken.Encoding("class-probe", pat_str=f"[{char_class}]+", mergeable_ranks=byte_ranks, special_tokens={})
+    every_char = "".join(map(chr, [*range(0xD800), *range(0xE000, 0x110000)]))
+    members = [ord(c) for c in probe.decode(probe.encode_ordinary(every_char))]
+    ranges = []
+    for cp in members:
+        if ranges and ranges[-1][1] == cp - 1:
+            ranges[-1][1] = cp
+        else:
+            ranges.append([cp, cp])
+    return "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ranges)
 
 
 def _raise_exception(message: str):

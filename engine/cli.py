@@ -1,0 +1,74 @@
+"""`orcinus generate` (offline) and `orcinus serve` (the HTTP gateway)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from engine.config import EngineConfig
+
+# Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields.
+_ENGINE_FLAGS = {
+    "model": dict(default=None, help="GGUF file, HF checkpoint dir, or dummy:NAME (default: bundled SmolLM2-135M)"),
+    "device": dict(default=None, help="torch device (default: cpu)"),
+    "block_size": dict(type=int, help="tokens per KV cache block"),
+    "kv_cache_memory": dict(type=int, help="bytes for the KV cache"),
+    "max_num_seqs": dict(type=int, help="most requests in one iteration"),
+    "max_num_batched_tokens": dict(type=int, help="per-iteration token budget"),
+    "max_model_len": dict(type=int, help="context window cap"),
+    "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
+    "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),
+    "attention_backend": dict(help="attention backend (torch)"),
+    "num_threads": dict(type=int, help="torch CPU threads"),
+}
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    for name, kw in _ENGINE_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, **{"default": None, **kw})
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields given on the command line."""
+    names = {f.name for f in fields(EngineConfig)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    [c] = llm.generate([prompt], params)
+    print(c.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orcinus", description="Orca-style LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline from one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

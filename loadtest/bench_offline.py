@@ -1,0 +1,121 @@
+"""Decode tokens/s of Orcinus vs transformers `generate` (static padded batch) on the same weights.
+
+Both systems run the same prompts at each batch size, interleaved and repeated; decode time is
+(time for N tokens) - (time for 1 token), so prefill is excluded for both. Reports medians.
+
+    .venv/bin/python loadtest/bench_offline.py --out benchmarks/offline_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.loader import default_model_path, load_checkpoint  # noqa: E402
+
+SEED_TEXTS = [
+    "The history of the printing press begins",
+    "A recipe for a simple tomato soup:",
+    "def quicksort(xs):",
+    "Dear team, I am writing to let you know that",
+    "The three laws of thermodynamics are",
+    "In a distant galaxy, a small robot",
+    "Photosynthesis is the process by which",
+    "The best way to learn a language is",
+]
+
+
+def prompts_for(tokenizer, batch: int) -> list[list[int]]:
+    return [tokenizer.encode(f"{SEED_TEXTS[i % len(SEED_TEXTS)]} (note {i})") for i in range(batch)]
+
+
+def time_orcinus(llm: LLM, prompts: list[list[int]], num_tokens: int) -> float:
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == num_tokens for o in outs)
+    return time.perf_counter() - t
+
+
+def time_transformers(model, prompts: list[list[int]], num_tokens: int, pad_id: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+            do_sample=False, pad_token_id=pad_id,
+        )
+    assert out.shape[1] == width + num_tokens
+    return time.perf_counter() - t
+
+
+def machine() -> dict:
+    cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
+    return {
+        "cpu": cpu.stdout.strip(), "cores": torch.get_num_threads(), "platform": platform.platform(),
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/offline_cpu.json")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = load_checkpoint(None)
+    llm = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches))
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    pad_id = ckpt.tokenizer.eos_token_id
+
+    runners = {
+        "orcinus": lambda p, n: time_orcinus(llm, p, n),
+        "transformers": lambda p, n: time_transformers(hf, p, n, pad_id),
+    }
+    results = {}
+    for batch in args.batches:
+        prompts = prompts_for(ckpt.tokenizer, batch)
+        for run in runners.values():  # warm-up
+            run(prompts, 2)
+        samples = {name: [] for name in runners}
+        for _ in range(args.repeats):
+            for name, run in runners.items():  # interleaved, so drift hits both alike
+                full, first = run(prompts, args.tokens), run(prompts, 1)
+                samples[name].append(batch * (args.tokens - 1) / max(full - first, 1e-9))
+        med = {name: statistics.median(v) for name, v in samples.items()}
+        results[batch] = {"samples_tok_s": samples, "median_tok_s": med, "ratio": med["orcinus"] / med["transformers"]}
+        print(f"batch {batch:>3}: orcinus {med['orcinus']:7.1f} tok/s  transformers {med['transformers']:7.1f} tok/s"
+              f"  ratio {results[batch]['ratio']:.2f}x", flush=True)
+
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": machine(),
+        "what": "decode tokens/s, greedy, fp32, prefill excluded; median of interleaved repeats",
+        "tokens_per_request": args.tokens,
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

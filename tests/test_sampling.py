@@ -1,0 +1,105 @@
+"""Sampling on the real model: seeds, finish reasons, logprobs, penalties, bias."""
+
+import math
+
+import pytest
+
+from engine import LLM, InvalidRequestError, SamplingParams
+
+PROMPT = "Write a short story about a robot:"
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint=checkpoint)
+
+
+def test_same_seed_same_tokens_whatever_else_is_in_the_batch(llm):
+    p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
+    [alone] = llm.generate([PROMPT], p)
+    others = [SamplingParams(max_tokens=30, temperature=1.0), SamplingParams(max_tokens=8, temperature=0.7, seed=9)]
+    batched = llm.generate(["Hello there", PROMPT, "Numbers: 1 2 3"], [others[0], p, others[1]])
+    assert batched[1].token_ids == alone.token_ids
+    [other_seed] = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=4321))
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_max_tokens_finishes_with_length(llm):
+    [c] = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert c.finish_reason == "length" and len(c.token_ids) == 5
+
+
+def test_stop_token_finishes_with_stop(llm, tokenizer):
+    [free] = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0))
+    stop_id = free.token_ids[3]
+    [c] = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_id,)))
+    assert c.finish_reason == "stop"
+    assert c.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+
+
+def test_eos_finishes_with_stop_and_min_tokens_masks_it(llm, tokenizer):
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    [c] = llm.generate([chat], SamplingParams(max_tokens=200, temperature=0.0))
+    assert c.finish_reason == "stop" and c.token_ids[-1] == tokenizer.eos_token_id
+    n = len(c.token_ids)
+    [longer] = llm.generate([chat], SamplingParams(max_tokens=n + 5, min_tokens=n + 5, temperature=0.0))
+    assert tokenizer.eos_token_id not in longer.token_ids and len(longer.token_ids) == n + 5
+
+
+def test_logprobs_of_chosen_and_top_tokens(llm):
+    [c] = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5))
+    assert len(c.logprobs) == 4
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 5
+        assert lp.top[0][0] == tok  # greedy picks the top token
+        assert math.isclose(lp.top[0][1], lp.logprob, rel_tol=1e-6)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+        assert lp.logprob <= 0.0
+    assert sum(math.exp(v) for _, v in c.logprobs[0].top) <= 1.0 + 1e-5
+
+
+def test_logit_bias_forces_a_token(llm):
+    [c] = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={42: 100.0}))
+    assert c.token_ids == [42, 42, 42]
+
+
+def test_frequency_penalty_breaks_repetition(llm):
+    prompt = "a a a a a a a a a a a a"
+    [plain] = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    [pen] = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.5))
+    assert len(set(pen.token_ids)) > len(set(plain.token_ids))
+
+
+def test_top_k_1_is_greedy(llm):
+    [g] = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))
+    [k1] = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=1.5, top_k=1))
+    assert g.token_ids == k1.token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_invalid_params_are_rejected(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_engine_rejects_what_can_never_run(llm):
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=engine.max_model_len))
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine.add_request([10**6], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        engine.add_request([1], SamplingParams(logit_bias={-1: 1.0}))
+    assert not engine.has_unfinished()
