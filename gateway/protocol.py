@@ -1,0 +1,375 @@
+"""OpenAI API request/response structs; msgspec decodes and type-checks, `validate()` does the rest."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from gateway.errors import request_too_large
+
+MAX_N = 16  # choices per prompt (`n`)
+MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_STOP_LEN = 256  # characters per stop string
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_BODY_BYTES = 4 * 1024 * 1024  # request body size; larger is a 413
+MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, as OpenAI
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)
+
+TokenId = Annotated[int, Meta(ge=0)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # int64, what torch.Generator takes
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+FinishReason = Literal["stop", "length"]
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty")
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(Struct, kw_only=True):
+    """Fields both endpoints share. Unknown fields (`user`, `metadata`, ...) are ignored."""
+
+    model: str | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI sends token ids as string keys
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[TokenId] | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Stop strings; the gateway matches them on detokenized text (they are not in SamplingParams)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
+        given = {k: getattr(self, k) for k in _OPTIONAL_SAMPLING}
+        given["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+        return SamplingParams(  # a None keeps SamplingParams' default; SamplingParams checks the ranges
+            **{k: v for k, v in given.items() if v is not None},
+            logprobs=logprobs,
+            min_tokens=self.min_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+    def _validate_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be between 1 and {MAX_N}", "n")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP:
+            raise InvalidRequestError(f"at most {MAX_STOP} stop strings are allowed", "stop")
+        if any(not 0 < len(s) <= MAX_STOP_LEN for s in stops):
+            raise InvalidRequestError(f"stop strings must be 1 to {MAX_STOP_LEN} characters long", "stop")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    bad = [k for k in bias if not (k.isascii() and k.isdigit())]
+    if bad:
+        raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {bad[0]!r}", "logit_bias")
+    return {int(k): v for k, v in bias.items()}
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: str | list[str | TokenId | list[TokenId]]  # str, list[str], list[int] or list[list[int]]
+    max_tokens: int | None = 16  # null: up to the context window
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None  # only 1 is supported
+    suffix: str | None = None  # not supported
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return [p] if isinstance(p[0], int) else list(p)
+
+    def to_sampling_params(self, *, default_max_tokens: int | None = None) -> SamplingParams:
+        """`default_max_tokens` stands in for `max_tokens: null` (the gateway passes the room left in the
+        context window); without it SamplingParams' default applies."""
+        return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
+
+    def validate(self) -> None:
+        p = self.prompt
+        if not isinstance(p, str):
+            if not p:
+                raise InvalidRequestError("prompt must not be an empty list", "prompt")
+            kinds = {type(x) for x in p}
+            if len(kinds) > 1:
+                raise InvalidRequestError(
+                    "prompt must be a string, a list of strings, a list of token ids or a list of token id lists",
+                    "prompt")
+            if kinds != {int} and len(p) > MAX_PROMPTS:
+                raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts are allowed per request", "prompt")
+            if kinds == {list} and not all(p):
+                raise InvalidRequestError("token id prompts must not be empty", "prompt")
+        if self.best_of is not None and self.best_of != 1:
+            raise InvalidRequestError("best_of is not supported (only 1)", "best_of")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", "logprobs")
+        self._validate_common()
+        self.to_sampling_params(default_max_tokens=max(self.min_tokens, 1))
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string; text parts are joined with newlines."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None  # not supported (an empty list is fine)
+    response_format: ResponseFormat | None = None  # only {"type": "text"}
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """`[{"role", "content"}]` for the tokenizer's chat template."""
+        return [{"role": m.role, "content": m.text} for m in self.messages]
+
+    def to_sampling_params(self, *, default_max_tokens: int | None = None) -> SamplingParams:
+        """As CompletionRequest.to_sampling_params; logprobs -> top_logprobs (0 when absent)."""
+        explicit = self.max_completion_tokens is not None
+        max_tokens = self.max_completion_tokens if explicit else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._sampling(max_tokens, logprobs, default_max_tokens)
+        except InvalidRequestError as e:
+            if e.param == "max_tokens" and explicit:
+                raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
+                                          "max_completion_tokens") from None
+            raise
+
+    def validate(self) -> None:
+        if not self.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise InvalidRequestError(
+                    f"unknown role {m.role!r}; expected one of {', '.join(sorted(ROLES))}", f"messages[{i}].role")
+            if m.content is None and m.role != "assistant":
+                raise InvalidRequestError("content is required", f"messages[{i}].content")
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type != "text":
+                    raise InvalidRequestError(f"content part type {part.type!r} is not supported; only 'text'",
+                                              f"messages[{i}].content[{j}].type")
+                if part.text is None:
+                    raise InvalidRequestError("a text content part needs `text`", f"messages[{i}].content[{j}].text")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tools:
+            raise InvalidRequestError("tools are not supported", "tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError("only response_format type 'text' is supported", "response_format")
+        self._validate_common()
+        self.to_sampling_params(default_max_tokens=max(self.min_tokens, 1))
+
+
+# --- responses (encode with msgspec.json.encode) ---
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for an echoed first prompt token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(Struct, kw_only=True):
+    """A streamed completion event. `usage`: left UNSET it is omitted; with include_usage it is null on
+    every chunk but the last, which has empty choices."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+class TopLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob, kw_only=True):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(Struct, kw_only=True):
+    role: str = "assistant"
+    content: str | None
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(Struct, kw_only=True, omit_defaults=True):
+    """Only the fields set appear: `{"role": "assistant", "content": ""}`, `{"content": "Hi"}`, `{}`."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None  # always present, null when not asked for
+    finish_reason: FinishReason | None = None  # always present, null until the last chunk
+
+
+class ChatCompletionChunk(Struct, kw_only=True):
+    """A streamed chat event; `usage` as CompletionChunk."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "orcinus"
+
+
+class ModelList(Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- decoding ---
+
+T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
+_decoders: dict[type, msgspec.json.Decoder] = {}
+_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+
+
+def _param(path: str) -> str | None:
+    path = path.replace("[...]", "").lstrip(".")
+    return path or None
+
+
+def decode_request(body: bytes, kind: type[T]) -> T:
+    """Decode and validate a request body; raises InvalidRequestError (400) naming the offending
+    `param` (a path such as `max_tokens` or `messages[0].role`), or a 413 APIError for a huge body."""
+    if len(body) > MAX_BODY_BYTES:
+        raise request_too_large(MAX_BODY_BYTES)
+    decoder = _decoders.get(kind) or _decoders.setdefault(kind, msgspec.json.Decoder(kind))
+    try:
+        req = decoder.decode(body)
+    except msgspec.ValidationError as e:
+        m = _AT.match(str(e))
+        detail, param = m["detail"], _param(m["path"] or "")
+        if missing := _FIELD.match(detail):
+            field = missing["field"]
+            param = f"{param}.{field}" if param else field
+            raise InvalidRequestError(f"Missing required field `{param}`", param) from None
+        if param is None and detail.startswith("Expected `object`"):
+            raise InvalidRequestError(f"The request body must be a JSON object ({detail})", None) from None
+        where = f" at `{param}`" if param else ""
+        raise InvalidRequestError(f"Invalid value{where}: {detail}", param) from None
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError(f"Invalid JSON: {e}", None) from None
+    req.validate()
+    return req
