@@ -59,11 +59,10 @@ import threading
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
 
 assert sys.byteorder == "little", "the ring header is little-endian uint64"
 
@@ -75,48 +74,6 @@ _LEN = struct.Struct("<I")
 _TRACKER_LOCK = threading.Lock()
 
 
-# ----------------------------------------------------------------------------- messages
-class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-class Abort(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-
-
-class Shutdown(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class TokenDelta(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str | None  # None while the request runs
-    logprobs: list | None = None  # [[chosen_id, chosen_logprob, [[id, lp], ...]], ...] per token
-
-
-class RequestError(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-    message: str
-    param: str | None = None
-
-
-class EngineStats(msgspec.Struct, tag=True, array_like=True):
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    num_iterations: int
-    last_batch_size: int
-    num_preemptions: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-
-
-ToEngine = Union[AddRequest, Abort, Shutdown]
-FromEngine = Union[TokenDelta, RequestError, EngineStats]
 
 
 # ----------------------------------------------------------------------------- ring

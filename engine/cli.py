@@ -51,6 +51,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import GatewayConfig, build_app
+
+    config = GatewayConfig(EngineConfig(**engine_kwargs(args)), args.api_key, args.served_model_name)
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="orcinus", description="Orca-style LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you mean otherwise)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send")
+    add_engine_flags(srv)
+    srv.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -40,6 +40,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.num_iterations = 0
         self.last_batch_size = 0
+        self.last_batch_tokens = 0
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -77,6 +78,7 @@ class EngineCore:
         """One iteration; returns the requests that got a new token (finished ones included)."""
         batch = self.scheduler.schedule()
         self.last_batch_size = len(batch)
+        self.last_batch_tokens = batch.num_tokens
         if not batch.requests:
             return []
         logits = self.runner.run(batch)

@@ -13,21 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.channel import (
-    Abort,
-    AddRequest,
-    Channel,
-    ChannelFullError,
-    ChannelHandle,
-    Doorbell,
-    EngineStats,
-    FromEngine,
-    RequestError,
-    ShmRing,
-    Shutdown,
-    TokenDelta,
-    ToEngine,
-)
+from engine.channel import Channel, ChannelFullError, ChannelHandle, Doorbell, ShmRing
+from engine.messages import Abort, AddRequest, EngineStats, FromEngine, RequestError, Shutdown, TokenDelta, ToEngine
 from engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,17 +170,14 @@ def test_attach_rejects_foreign_segment():
 
 
 # Run as its own process so the resource_tracker (which prints "leaked shared_memory" warnings when
-# its owner exits) writes into a stderr we capture. engine/__init__ imports torch (2+ s per process);
-# the channel needs none of it, so the script loads the engine package without running __init__.
+# its owner exits) writes into a stderr we capture.
 _ECHO_SCRIPT = """
-import sys, types
+import sys
 ROOT = {root!r}
 sys.path.insert(0, ROOT)
-_pkg = types.ModuleType("engine")
-_pkg.__path__ = [ROOT + "/engine"]
-sys.modules.setdefault("engine", _pkg)
 import json, multiprocessing, os, time
 from engine.channel import *
+from engine.messages import *
 from engine.sampling_params import SamplingParams
 
 
@@ -289,7 +273,7 @@ def test_unrelated_attacher_process_neither_unlinks_nor_warns(channels):
     ch.send(Abort("r9"))
     h = ch.handle()
     code = _ECHO_SCRIPT.split("import json", 1)[0].format(root=str(ROOT)) + (
-        "from engine.channel import Channel, ChannelHandle, ToEngine\n"
+        "from engine.channel import Channel, ChannelHandle\nfrom engine.messages import ToEngine\n"
         f"c = Channel.attach(ChannelHandle({h.shm_name!r}, {h.doorbell_path!r}), ToEngine)\n"
         "print(c.recv_all()[0].request_id)\n"
         "c.close()\n"

@@ -1,0 +1,71 @@
+"""Frames between the gateway and the engine process (msgspec, never pickle)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- gateway -> engine
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+# ---------------------------------------------------------------- engine -> gateway
+
+
+class EngineReady(msgspec.Struct, tag=True, array_like=True):
+    """Sent once the model is loaded: what the gateway needs to validate requests without asking."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+
+class TokenDelta(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None  # None while the request runs
+    logprobs: list | None = None  # [[chosen_id, chosen_logprob, [[id, lp], ...]], ...] per token
+
+
+class RequestError(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    message: str
+    param: str | None = None
+
+
+class EngineStats(msgspec.Struct, tag=True, array_like=True):
+    """Sent after every iteration (and about once a second when idle)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_iterations: int
+    last_batch_size: int  # requests in the last iteration
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    last_batch_tokens: int = 0  # tokens in the last iteration
+    last_iteration_seconds: float = 0.0  # 0 when this report follows no iteration
+
+
+ToEngine = Union[AddRequest, Abort, Shutdown]
+FromEngine = Union[EngineReady, TokenDelta, RequestError, EngineStats]

@@ -1,0 +1,91 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.sampling_params import InvalidRequestError
+from gateway.detokenizer import token_text
+from gateway.generation import ChoiceEvent
+from gateway.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+    ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, TopLogprob, Usage, decode_request,
+)
+from gateway.serving import ServerState, json_response, read_body, sse, until_done_or_disconnect
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    req = decode_request(await read_body(request), ChatCompletionRequest)
+    state.check_model(req.model)
+    if state.tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
+    limits = state.engine_limits()
+    prompt = state.tokenizer.encode(state.tokenizer.apply_chat_template(req.template_messages()))
+    params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1))
+    state.check_prompt(prompt, params, "messages")
+    gen = state.generation([prompt], params, req.n, req.stop_strings)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    top_n = params.logprobs
+
+    def logprobs(event: ChoiceEvent) -> ChatLogprobs | None:
+        if top_n is None:
+            return None
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**_top(state, t, lp), top_logprobs=[TopLogprob(**_top(state, i, v)) for i, v in top[:top_n]])
+            for t, lp, top in event.logprobs
+        ])
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage = None if include_usage else msgspec.UNSET
+
+        def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+
+        async def chunks():
+            # OpenAI opens every choice with a role-only delta.
+            for i in range(req.n):
+                yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            async for event in gen.events():
+                delta = ChatDelta(content=event.text) if event.text else ChatDelta()
+                if event.text or event.logprobs or event.finish_reason:
+                    yield chunk([ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs(event),
+                                                 finish_reason=event.finish_reason)])
+            if include_usage:
+                yield ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
+                                          usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens))
+
+        return sse(chunks())
+
+    async def collect() -> Response:
+        texts: dict[int, list[str]] = {}
+        content: dict[int, list[ChatTokenLogprob]] = {}
+        finish: dict[int, str] = {}
+        async for event in gen.events():
+            texts.setdefault(event.index, []).append(event.text)
+            if (lp := logprobs(event)) is not None:
+                content.setdefault(event.index, []).extend(lp.content)
+            if event.finish_reason:
+                finish[event.index] = event.finish_reason
+        choices = [
+            ChatChoice(index=i, message=ChatResponseMessage(content="".join(texts[i])),
+                       logprobs=ChatLogprobs(content=content.get(i, [])) if top_n is not None else None,
+                       finish_reason=finish.get(i))
+            for i in sorted(texts)
+        ]
+        return json_response(ChatCompletionResponse(
+            id=rid, created=created, model=state.model_name, choices=choices,
+            usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens),
+        ))
+
+    return await until_done_or_disconnect(request, collect())
+
+
+def _top(state: ServerState, token_id: int, logprob: float) -> dict:
+    text = token_text(state.tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(state.tokenizer.token_bytes(token_id))}

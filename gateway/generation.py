@@ -1,0 +1,122 @@
+"""Run the choices of one API request in the engine and turn their token deltas into text events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine.messages import TokenDelta
+from engine.sampling_params import SamplingParams
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.engine_client import EngineClient
+from gateway.metrics import Metrics
+
+
+@dataclass
+class ChoiceEvent:
+    """New text of one choice; `logprobs` has one `[id, logprob, [[id, lp], ...]]` per new token."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list
+    token_offsets: list[int]  # where each new token's text starts in the choice's text
+    finish_reason: str | None
+
+
+@dataclass
+class _Choice:
+    index: int
+    num_prompt_tokens: int
+    detok: IncrementalDetokenizer
+    started: float
+    last_token_at: float | None = None
+    num_tokens: int = 0
+    finished: bool = False
+    offsets: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """Every choice of a request: `prompts` x `n`, choice index = prompt index * n + i."""
+
+    client: EngineClient
+    metrics: Metrics
+    tokenizer: object
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stop: list[str]
+    choices: dict[str, _Choice] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts) * self.n
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Yield events as tokens arrive; closing the iterator early aborts every unfinished choice."""
+        queue: asyncio.Queue = asyncio.Queue()
+        base = uuid.uuid4().hex
+        try:
+            for p, prompt in enumerate(self.prompts):
+                for i in range(self.n):
+                    index = p * self.n + i
+                    params = self.params
+                    if self.n > 1 and params.seed is not None:  # distinct yet reproducible choices
+                        params = msgspec.structs.replace(params, seed=params.seed + i)
+                    rid = f"{base}-{index}"
+                    self.choices[rid] = _Choice(index, len(prompt), IncrementalDetokenizer(self.tokenizer, self.stop),
+                                                time.monotonic())
+                    self.metrics.prompt_tokens.inc(len(prompt))
+                    await self.client.add(rid, prompt, params, queue)
+            pending = len(self.choices)
+            while pending:
+                rid, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                choice = self.choices[rid]
+                if choice.finished:
+                    continue  # a delta already in flight when a stop string ended this choice
+                event = self._advance(rid, choice, item)
+                if event.finish_reason is not None:
+                    pending -= 1
+                yield event
+        finally:
+            for rid, choice in self.choices.items():
+                if not choice.finished:
+                    self.client.abort(rid)
+                else:
+                    self.client.release(rid)
+
+    def _advance(self, rid: str, choice: _Choice, delta: TokenDelta) -> ChoiceEvent:
+        now = time.monotonic()
+        if choice.last_token_at is None:
+            self.metrics.ttft.observe(now - choice.started)
+        else:
+            self.metrics.itl.observe(now - choice.last_token_at)
+        choice.last_token_at = now
+        choice.num_tokens += len(delta.token_ids)
+        self.metrics.generation_tokens.inc(len(delta.token_ids))
+
+        detok = choice.detok
+        first = detok.num_tokens
+        text = detok.push(delta.token_ids)
+        offsets = detok.token_offsets[first:]
+        finish = delta.finish_reason
+        if detok.stopped and finish is None:
+            finish = "stop"
+            self.client.abort(rid)  # the engine does not know stop strings: free its blocks now
+        if finish is not None:
+            text += detok.flush()
+            choice.finished = True
+            self.metrics.finished.labels(finish).inc()
+        return ChoiceEvent(choice.index, text, list(delta.token_ids), delta.logprobs or [], offsets, finish)

@@ -1,0 +1,48 @@
+"""Prometheus metrics of the gateway and, from its stats frames, of the engine."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.messages import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    """One registry per server (no process-global state)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("orcinus_requests_running", "Requests the engine is running", registry=r)
+        self.waiting = Gauge("orcinus_requests_waiting", "Requests waiting for admission", registry=r)
+        self.kv_used = Gauge("orcinus_kv_blocks_used", "KV cache blocks held by requests", registry=r)
+        self.kv_free = Gauge("orcinus_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.preemptions = Gauge("orcinus_preemptions", "Preemptions since start", registry=r)
+        self.iterations = Gauge("orcinus_iterations", "Engine iterations since start", registry=r)
+        self.prompt_tokens = Counter("orcinus_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("orcinus_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("orcinus_requests_finished", "Finished sequences", ["finish_reason"], registry=r)
+        self.ttft = Histogram("orcinus_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("orcinus_inter_token_latency_seconds", "Time between tokens", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.iteration_seconds = Histogram("orcinus_iteration_seconds", "Engine iteration time", registry=r,
+                                           buckets=_LATENCY_BUCKETS)
+        self.batch_size = Histogram("orcinus_iteration_batch_size", "Requests per engine iteration", registry=r,
+                                    buckets=_BATCH_BUCKETS)
+
+    def observe_stats(self, s: EngineStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_used.set(s.kv_blocks_used)
+        self.kv_free.set(s.kv_blocks_free)
+        self.preemptions.set(s.num_preemptions)
+        self.iterations.set(s.num_iterations)
+        if s.last_iteration_seconds > 0:
+            self.iteration_seconds.observe(s.last_iteration_seconds)
+            self.batch_size.observe(s.last_batch_size)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,131 @@
+"""What every OpenAI endpoint shares: the server's state, body limits, prompt checks, SSE and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+import msgspec
+from sse_starlette import EventSourceResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from gateway import errors
+from gateway.engine_client import EngineClient, EngineUnavailableError
+from gateway.generation import Generation
+from gateway.metrics import Metrics
+from gateway.protocol import MAX_BODY_BYTES
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: object | None  # None for dummy models without the default tokenizer: token-id prompts only
+    metrics: Metrics
+    model_name: str
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise errors.model_not_found(model)
+
+    def engine_limits(self):
+        ready = self.client.ready
+        if ready is None or not self.client.healthy:
+            raise errors.service_unavailable("The engine is not available; retry shortly.", retry_after=1)
+        return ready
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send prompts as token ids", "prompt")
+        return self.tokenizer.encode(prompt)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
+        """Reject here what the engine would reject, so a bad request never reaches it."""
+        limits = self.engine_limits()
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param)
+        if any(not 0 <= t < limits.vocab_size for t in ids):
+            raise InvalidRequestError(f"token ids must be in [0, {limits.vocab_size})", param)
+        total = len(ids) + params.max_tokens
+        if total > limits.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(ids)} in the prompt, {params.max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.", param)
+        if -(-total // limits.block_size) > limits.num_kv_blocks:
+            raise InvalidRequestError("the request needs more KV cache than the server has", param)
+        params.check_vocab(limits.vocab_size)
+
+    def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str]) -> Generation:
+        return Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop)
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing (413) past MAX_BODY_BYTES without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise errors.request_too_large(MAX_BODY_BYTES)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise errors.request_too_large(MAX_BODY_BYTES)
+    except ClientDisconnect:
+        raise errors.invalid_request("the client disconnected while sending the body") from None
+    return bytes(body)
+
+
+def sse(events: AsyncIterator[object]) -> EventSourceResponse:
+    """Stream msgspec structs as `data:` events, then `data: [DONE]`; an error mid-stream is an error event."""
+
+    async def gen():
+        try:
+            async for event in events:
+                yield {"data": _json.encode(event).decode()}
+        except (EngineUnavailableError, InvalidRequestError, errors.APIError) as e:
+            api = _as_api_error(e)
+            yield {"data": errors.error_body(api).decode()}
+        yield {"data": "[DONE]"}
+
+    return EventSourceResponse(gen(), ping=15)
+
+
+async def until_done_or_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=499)  # nobody is listening; the status is for the access log
+    try:
+        return task.result()
+    except (EngineUnavailableError, InvalidRequestError) as e:
+        raise _as_api_error(e) from None
+
+
+def _as_api_error(e: Exception) -> errors.APIError:
+    if isinstance(e, errors.APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return errors.from_invalid_request(e)
+    return errors.service_unavailable(str(e), retry_after=1)
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status_code=status, media_type="application/json")
