@@ -42,6 +42,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._ready_event = asyncio.Event()
         self.to_engine = self.from_engine = None
+        self._stopping = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -61,6 +62,7 @@ class EngineClient:
             raise EngineUnavailableError("the engine process exited while loading the model")
 
     async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
         if self.proc is not None and self.proc.returncode is None:
             self.to_engine.try_send(Shutdown())
             try:
@@ -141,7 +143,8 @@ class EngineClient:
 
     async def _watch_process(self) -> None:
         code = await self.proc.wait()
-        log.error("engine process exited with code %s", code)
+        if not self._stopping:
+            log.error("engine process exited with code %s", code)
         self._ready_event.set()
         self.ready = None
         error = EngineUnavailableError(f"the engine process exited (code {code})")
