@@ -56,7 +56,8 @@ class Generation:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts) * self.n
+        """Each prompt counts once, however many choices it has (as OpenAI's and vLLM's usage)."""
+        return sum(len(p) for p in self.prompts)
 
     @property
     def num_completion_tokens(self) -> int:

@@ -20,7 +20,8 @@ MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, as OpenAI
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)
 
 TokenId = Annotated[int, Meta(ge=0)]
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # int64, what torch.Generator takes
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what msgspec can send to the engine
+Seed = Int64  # int64, what torch.Generator takes
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 FinishReason = Literal["stop", "length"]
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -37,7 +38,7 @@ class _SamplingFields(Struct, kw_only=True):
     model: str | None = None
     temperature: float | None = 1.0
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None  # k >= vocab means all; larger than int64 cannot cross to the engine
     min_p: float | None = None
     n: int = 1
     stream: bool = False
@@ -369,7 +370,7 @@ def decode_request(body: bytes, kind: type[T]) -> T:
             raise InvalidRequestError(f"The request body must be a JSON object ({detail})", None) from None
         where = f" at `{param}`" if param else ""
         raise InvalidRequestError(f"Invalid value{where}: {detail}", param) from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter on invalid UTF-8
         raise InvalidRequestError(f"Invalid JSON: {e}", None) from None
     req.validate()
     return req

@@ -1,4 +1,12 @@
-"""Shared fixtures: the default model loaded once, and the transformers reference loaded once."""
+"""Shared fixtures: the default model loaded once, the transformers reference loaded once, live gateway servers."""
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,3 +33,107 @@ def hf_model():
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+# ---------------------------------------------------------------- the HTTP gateway (tests/test_gateway*.py)
+
+SHM_DIR = Path("/dev/shm")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shm_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("orcinus_*")}
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextlib.contextmanager
+def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
+    """`orcinus serve` on a free loopback port: yields its base URL once /health is 200; on exit
+    SIGTERMs it and checks that none of the shared-memory segments it created remain."""
+    import httpx
+
+    port = _free_port()
+    before = _shm_segments()
+    log_path = log_dir / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--max-num-seqs", "64", *args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+
+    def log_tail() -> str:
+        return log_path.read_text(errors="replace")[-4000:]
+
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with code {proc.returncode} while starting:\n{log_tail()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not healthy within {startup_timeout:.0f}s:\n{log_tail()}")
+            time.sleep(0.25)
+        # The gateway (this pid) creates the rings, named orcinus_<its pid>_<random>.
+        ours = {n for n in _shm_segments() - before if n.startswith(f"orcinus_{proc.pid}_")}
+        assert ours, f"the server created no /dev/shm/orcinus_{proc.pid}_* ring: {sorted(_shm_segments())}"
+        children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
+        assert children, "the server has no engine process"
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"the server did not exit within 60s of SIGTERM:\n{log_tail()}")
+    leaked = {n for n in _shm_segments() - before if n.startswith(f"orcinus_{proc.pid}_")}
+    assert not leaked, f"shared-memory segments left behind by the server: {sorted(leaked)}"
+    # uvicorn re-raises the SIGTERM it handled once shutdown is done, so -SIGTERM is a clean exit too.
+    assert proc.returncode in (0, -signal.SIGTERM), f"the server exited with code {proc.returncode}:\n{log_tail()}"
+    assert "Application shutdown complete" in log_path.read_text(errors="replace"), log_tail()
+    deadline = time.monotonic() + 10
+    while (alive := [c for c in children if _alive(c)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"the server's child processes {alive} outlived it"
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory):
+    """`with server_factory("--api-key", "k") as url:` starts an extra server for a module's tests."""
+    log_dir = tmp_path_factory.mktemp("servers")
+    return lambda *args: run_server(log_dir, *args)
+
+
+@pytest.fixture(scope="session")
+def server(server_factory):
+    """One gateway (default model, `--max-num-seqs 64`) shared by every gateway test; yields its base URL."""
+    with server_factory() as url:
+        yield url
