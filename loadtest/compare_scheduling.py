@@ -1,0 +1,171 @@
+"""Orca's result on your machine: iteration-level vs request-level scheduling, same model and limits.
+
+Starts Orcinus twice on loopback (`--scheduling iteration`, then `request`; same max batch size and
+KV budget), sweeps Poisson request rates with the bench_serving workload, and writes the points,
+a plot of median normalized latency vs throughput (like the paper's Figures 8-10) and a summary:
+each mode's throughput at the same p50 normalized latency, and their ratio.
+
+    python loadtest/compare_scheduling.py --out benchmarks/scheduling.json --plot benchmarks/scheduling.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serving import Workload, run, summarize  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(mode: str, args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--scheduling", mode,
+           "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {mode} server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"the {mode} server did not come up")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def throughput_at(points: list[dict], latency: float) -> float:
+    """Highest throughput along the curve with p50 normalized latency <= `latency` (linear between points)."""
+    pts = sorted(points, key=lambda p: p["rate"])
+    best = 0.0
+    for a, b in zip([None] + pts, pts):
+        if b["p50_normalized_latency"] <= latency:
+            best = max(best, b["throughput"])
+        elif a is not None and a["p50_normalized_latency"] <= latency:
+            f = (latency - a["p50_normalized_latency"]) / (b["p50_normalized_latency"] - a["p50_normalized_latency"])
+            best = max(best, a["throughput"] + f * (b["throughput"] - a["throughput"]))
+    return best
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for mode, style in (("iteration", "o-"), ("request", "s--")):
+        pts = sorted(result["modes"][mode], key=lambda p: p["rate"])
+        ax.plot([p["throughput"] for p in pts], [p["p50_normalized_latency"] * 1000 for p in pts], style,
+                label=f"{mode}-level")
+    slo = result["summary"]["latency_target_s"] * 1000
+    ax.axhline(slo, color="gray", lw=0.8, ls=":", label=f"latency target {slo:.0f} ms/token")
+    ax.set_xlabel("throughput (requests/s)")
+    ax.set_ylabel("median normalized latency (ms/token)")
+    ax.set_yscale("log")
+    ax.set_title(f"Orcinus, {result['model']}: iteration- vs request-level scheduling", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="as `orcinus serve --model` (default: the bundled model)")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.2, 0.35, 0.5, 0.8])
+    ap.add_argument("--num-prompts", type=int, default=24, help="requests per rate")
+    ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[1, 128])
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="max batch size, both modes")
+    ap.add_argument("--kv-cache-memory", type=int, default=512 * 2**20, help="KV cache bytes, both modes")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024, help="per-iteration token budget, both modes")
+    ap.add_argument("--latency-target", type=float, default=None,
+                    help="p50 normalized latency (s/token) at which to compare; default 2x the best seen")
+    ap.add_argument("--out", default="benchmarks/scheduling.json")
+    ap.add_argument("--plot", default="benchmarks/scheduling.png")
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    modes: dict[str, list[dict]] = {}
+    for mode in ("iteration", "request"):
+        proc, url = start_server(mode, args)
+        try:
+            # model=None: Orcinus serves one model and accepts requests that do not name it.
+            asyncio.run(run(url, None, Workload(2, (16, 16), (4, 4)), float("inf"), None, progress=False))  # warm-up
+            modes[mode] = []
+            for rate in args.rates:
+                workload = Workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed=1)
+                results, duration = asyncio.run(run(url, None, workload, rate, None))
+                s = summarize(results, duration)
+                point = {"rate": rate, "throughput": s["request_throughput"],
+                         "output_tok_s": s["output_throughput"],
+                         "p50_normalized_latency": s["normalized_latency_s"]["p50"],
+                         "p50_ttft": s["ttft_s"]["p50"], "failed": s["failed"], "duration_s": duration}
+                modes[mode].append(point)
+                print(f"{mode:>9} rate {rate:5.2f}/s: {point['throughput']:.3f} req/s "
+                      f"{point['output_tok_s']:6.1f} tok/s  p50 norm. latency "
+                      f"{point['p50_normalized_latency'] * 1000:8.1f} ms/token  failed {s['failed']}", flush=True)
+        finally:
+            stop_server(proc)
+
+    best = min(p["p50_normalized_latency"] for pts in modes.values() for p in pts)
+    target = args.latency_target or 2 * best
+    tput = {mode: throughput_at(pts, target) for mode, pts in modes.items()}
+    ratio = tput["iteration"] / tput["request"] if tput["request"] else float("inf")
+    summary = {"latency_target_s": target, "throughput_req_s": tput, "ratio": ratio}
+    line = (f"at p50 normalized latency <= {target * 1000:.0f} ms/token: iteration-level {tput['iteration']:.3f} req/s, "
+            f"request-level {tput['request']:.3f} req/s, ratio {ratio:.2f}x")
+    print(line)
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "model": args.model or "SmolLM2-135M-Instruct (bundled GGUF, fp32 CPU)",
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
+        "workload": asdict(Workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed=1)),
+        "modes": modes, "summary": summary, "summary_line": line,
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.plot)
+    print(f"wrote {args.out} and {args.plot} in {result['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
