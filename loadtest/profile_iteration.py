@@ -1,0 +1,96 @@
+"""Where an iteration's time goes: decode steps at several batch sizes, split by phase and by kind of op.
+
+    python loadtest/profile_iteration.py --batches 1 8 32 --context 128 --out benchmarks/iteration_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+
+GEMM = {"aten::mm", "aten::addmm", "aten::linear"}
+ATTENTION = {"aten::index", "aten::index_copy_", "aten::bmm", "aten::_softmax", "aten::masked_fill_",
+             "aten::_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def decode_engine(batch: int, context: int, model: str | None) -> EngineCore:
+    engine = EngineCore(EngineConfig(model=model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context)))
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)  # outlasts the profiled steps
+    for i in range(batch):
+        engine.add_request([1000 + (i * 7 + j) % 20000 for j in range(context)], params)
+    engine.step()  # the prefill; what follows are pure decode iterations
+    return engine
+
+
+def phases(engine: EngineCore, steps: int) -> dict[str, float]:
+    """Median ms per phase of `steps` decode iterations (the same split as EngineCore.step)."""
+    t = {"schedule": [], "model": [], "sample": [], "update": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        logits = engine.runner.run(batch)
+        t2 = time.perf_counter()
+        sampled = engine.sampler(logits, [engine.scheduler.requests[r.request_id] for r in batch.requests])
+        t3 = time.perf_counter()
+        engine.scheduler.update(batch, sampled)
+        t4 = time.perf_counter()
+        for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            t[k].append(v * 1000)
+    return {k: statistics.median(v) for k, v in t.items()}
+
+
+def op_split(engine: EngineCore, steps: int) -> dict[str, float]:
+    """Share of model time in GEMMs, attention ops and everything else (torch profiler, self CPU time)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.runner.run(engine.scheduler.schedule())
+    total = gemm = attn = 0.0
+    for e in prof.key_averages():
+        total += e.self_cpu_time_total
+        gemm += e.self_cpu_time_total if e.key in GEMM else 0
+        attn += e.self_cpu_time_total if e.key in ATTENTION else 0
+    return {"gemm": gemm / total, "attention": attn / total, "other": (total - gemm - attn) / total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="benchmarks/iteration_profile.json")
+    args = ap.parse_args()
+    rows = {}
+    for b in args.batches:
+        engine = decode_engine(b, args.context, args.model)
+        phases(engine, 3)  # warm-up
+        ph = phases(engine, args.steps)
+        split = op_split(engine, max(3, args.steps // 3))
+        rows[b] = {"phases_ms": ph, "model_op_share": split, "step_ms": sum(ph.values()),
+                   "tokens_per_s": b / sum(ph.values()) * 1000}
+        print(f"batch {b:>3}: step {rows[b]['step_ms']:7.1f} ms ({rows[b]['tokens_per_s']:6.1f} tok/s)  "
+              + "  ".join(f"{k} {v:6.1f}" for k, v in ph.items())
+              + f"  | model: gemm {split['gemm']:.0%} attention {split['attention']:.0%} other {split['other']:.0%}",
+              flush=True)
+    report = {"command": "python " + " ".join(sys.argv), "threads": torch.get_num_threads(),
+              "context": args.context, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
