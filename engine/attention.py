@@ -75,12 +75,12 @@ class TorchAttention:
         tables = meta.block_tables[rows, : -(-max(lens) // block_size)].long()  # [B, nb]
         keys = gather_context(kv_cache[0], tables)  # [Hkv, B, L, D]
         values = gather_context(kv_cache[1], tables)
-        token_rows = torch.tensor([qsl[i] for i in rows])
+        token_rows = torch.tensor([qsl[i] for i in rows], device=q.device)
         b, num_heads = len(rows), q.shape[1]
         # [B, Hq, D] -> [Hkv, B, G, D]: each KV head serves its group of G query heads.
         query = q[token_rows].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
         scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) / math.sqrt(head_dim)
-        pad = torch.arange(keys.shape[2]) >= torch.tensor(lens)[:, None]  # [B, L]
+        pad = torch.arange(keys.shape[2], device=q.device) >= torch.tensor(lens, device=q.device)[:, None]  # [B, L]
         scores.masked_fill_(pad[None, :, None, :], float("-inf"))
         o = torch.matmul(scores.softmax(dim=-1), values.float())  # [Hkv, B, G, D]
         out[token_rows] = o.transpose(0, 1).reshape(b, num_heads, head_dim).to(out.dtype)
@@ -96,13 +96,26 @@ class TorchAttention:
             mask, causal = None, True
         else:
             # Queries are the last n of ctx positions (chunked prefill, or recompute after preemption).
-            mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
             causal = False
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
         out[qsl[i] : qsl[i + 1]] = o.transpose(0, 1)
 
 
-BACKENDS = {"torch": TorchAttention}
+def _cuda_backend():
+    from engine.cuda_attention import CudaAttention  # lazy: CuPy is optional
+
+    return CudaAttention()
+
+
+def _auto_backend():
+    from engine.cuda_attention import cuda_backend_available
+
+    return _cuda_backend() if cuda_backend_available() else TorchAttention()
+
+
+# "auto": the CUDA kernels when torch sees a GPU and CuPy imports, else the PyTorch reference.
+BACKENDS = {"torch": TorchAttention, "cuda": _cuda_backend, "auto": _auto_backend}
 
 
 def make_backend(name: str) -> AttentionBackend:

@@ -19,7 +19,7 @@ _ENGINE_FLAGS = {
     "max_model_len": dict(type=int, help="context window cap"),
     "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
     "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),
-    "attention_backend": dict(help="attention backend (torch)"),
+    "attention_backend": dict(choices=["auto", "torch", "cuda"], help="attention backend: auto|torch|cuda"),
     "num_threads": dict(type=int, help="torch CPU threads"),
 }
 

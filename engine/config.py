@@ -60,7 +60,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context cap; None = the model's own window
     scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
     kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front
-    attention_backend: str = "torch"  # which AttentionBackend runs attention
+    attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cuda
     seed: int = 0  # seeds dummy weights and unseeded sampling
     num_threads: int | None = None  # torch CPU threads; None = torch's default
 

@@ -1,0 +1,193 @@
+"""The CUDA attention backend: cuda/ragged_paged_attention.cu launched through CuPy.
+
+One kernel writes this iteration's K/V into the paged cache; one kernel attends every query of a
+mixed prefill/decode batch (grid: query token x KV head x KV split); a small reduction combines the
+splits when there is more than one. Everything runs on PyTorch's current stream on the tensors'
+own memory (raw `data_ptr()`s), so there are no copies and no synchronisation. The split count is
+chosen from the host-side length lists in the metadata, so choosing it costs no device sync either.
+
+CuPy is imported lazily so this module imports on machines without it; constructing the backend
+there raises a RuntimeError that says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttention
+
+KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "cuda" / "ragged_paged_attention.cu"
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+MAX_HEAD_DIM = 128  # kMaxHeadDim in the kernel
+MAX_HEADS_PER_BLOCK = 16  # kMaxHeadsPerBlock: one warp per query head
+TILE = 32  # kTile: partitions are whole tiles
+MIN_PARTITION = 256  # fewer keys per split than this and the reduction costs more than it saves
+MAX_SPLITS = 64
+WAVES = 4  # aim for this many thread blocks per SM before splitting stops
+
+
+def _cupy():
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CuPy build that cannot load its CUDA libraries
+        raise RuntimeError(f"the cuda attention backend needs CuPy and an NVIDIA GPU: cannot import cupy ({e})") from e
+    return cupy
+
+
+def cuda_backend_available() -> bool:
+    """Whether CudaAttention can be constructed here (a CUDA device and an importable CuPy)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _cupy()
+    except RuntimeError:
+        return False
+    return True
+
+
+class CudaAttention:
+    """Ragged paged attention in one launch per layer (plus the cache write and, if split, a reduction).
+
+    Tensors not on a CUDA device, or head dims above 128, go to the PyTorch reference instead, so
+    "auto" stays correct for an engine configured with device="cpu" on a GPU machine.
+    """
+
+    _module = None  # the compiled RawModule, shared by every instance (NVRTC runs once per process)
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the cuda attention backend needs CuPy and an NVIDIA GPU: torch sees no CUDA device")
+        self._cp = _cupy()
+        self._fallback = TorchAttention()
+        self._sm_count: dict[int, int] = {}
+        self._kernels: dict = {}  # compiled on first use, so CPU tensors (the fallback) never pay for NVRTC
+
+    @classmethod
+    def _load_module(cls, cp):
+        """Compile once per process. NVRTC finds cuda_fp16.h / cuda_bf16.h itself in recent CUDA; if it
+        does not, retry with the include directories of a CUDA toolkit or of NVIDIA's pip packages."""
+        if cls._module is not None:
+            return cls._module
+        source, errors = KERNEL_SOURCE.read_text(), []
+        for extra in [()] + [(f"-I{d}",) for d in _header_dirs(cp)]:
+            module = cp.RawModule(code=source, options=("-std=c++17", *extra))
+            try:
+                module.get_function("ragged_paged_attention_bf16")  # RawModule compiles lazily: force it
+            except Exception as e:  # cupy.cuda.compiler.CompileException, mostly
+                errors.append(f"{' '.join(extra) or 'no -I'}: {e}")
+                continue
+            cls._module = module
+            return module
+        raise RuntimeError(f"cannot compile {KERNEL_SOURCE} with NVRTC:\n" + "\n".join(errors))
+
+    def _kernel(self, name: str, dtype: torch.dtype):
+        key = f"{name}_{_SUFFIX[dtype]}"
+        if key not in self._kernels:
+            self._kernels[key] = self._load_module(self._cp).get_function(key)
+        return self._kernels[key]
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        if not q.is_cuda or q.shape[2] > MAX_HEAD_DIM or q.dtype not in _SUFFIX:
+            return self._fallback.forward(q, k, v, kv_cache, meta)
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta)
+
+    # ----------------------------------------------------------------------------- launches
+
+    def _on_torch_stream(self, t: torch.Tensor) -> contextlib.ExitStack:
+        """Make t's device and PyTorch's current stream on it CuPy's current ones, so launches order
+        correctly with the surrounding torch ops without any synchronisation."""
+        cp, stack = self._cp, contextlib.ExitStack()
+        stack.enter_context(cp.cuda.Device(t.device.index))
+        stack.enter_context(cp.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream, t.device.index))
+        return stack
+
+    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if num_tokens == 0:
+            return
+        k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.to(torch.int64).contiguous()
+        num_slots = kv_cache.shape[2] * kv_cache.shape[3]
+        total = num_tokens * num_kv_heads * head_dim
+        threads = 256
+        blocks = min(-(-total // threads), 65535)  # grid-stride loop covers the rest
+        with self._on_torch_stream(k):
+            self._kernel("reshape_and_cache", kv_cache.dtype)(
+                (blocks,), (threads,),
+                (_ptr(kv_cache), _ptr(k), _ptr(v), _ptr(slot_mapping),
+                 np.int32(num_tokens), np.int32(num_kv_heads), np.int32(head_dim), np.int64(num_slots)),
+            )
+
+    def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
+        out = torch.empty_like(q)
+        if num_tokens == 0:
+            return out
+        q = q.contiguous()
+        qsl = meta.query_start_loc.to(torch.int32).contiguous()
+        ctx = meta.context_lens.to(torch.int32).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        group = num_q_heads // num_kv_heads
+        # Groups wider than 16 heads are cut into equal head blocks (one warp per head).
+        blocks_per_kv = -(-group // MAX_HEADS_PER_BLOCK)
+        heads_per_block = -(-group // blocks_per_kv)
+        base_blocks = num_tokens * num_kv_heads * blocks_per_kv
+        num_splits, partition = self._splits(base_blocks, max(meta.context_lens_cpu), q.device)
+
+        if num_splits > 1:
+            ws_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim, dtype=torch.float32, device=q.device)
+            ws_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=q.device)
+        else:  # the kernel writes `out` directly and never touches the workspace
+            ws_acc = ws_ml = out
+        shared = 4 * (heads_per_block * head_dim + TILE * (head_dim + 1) + TILE * head_dim)
+        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        with self._on_torch_stream(q):
+            self._kernel("ragged_paged_attention", q.dtype)(
+                (num_tokens, num_kv_heads * blocks_per_kv, num_splits), (heads_per_block * 32,),
+                (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(q), _ptr(kv_cache), _ptr(qsl), _ptr(ctx), _ptr(tables),
+                 np.int32(meta.num_requests), np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
+                 np.int32(heads_per_block), np.int32(head_dim), np.int32(block_size),
+                 np.int64(kv_cache.shape[2] * block_size), np.int32(partition), np.float32(scale_log2)),
+                shared_mem=shared,
+            )
+            if num_splits > 1:
+                self._kernel("ragged_paged_attention_reduce", q.dtype)(
+                    (num_tokens, num_q_heads), (min(head_dim, 128),),
+                    (_ptr(out), _ptr(ws_acc), _ptr(ws_ml),
+                     np.int32(num_q_heads), np.int32(head_dim), np.int32(num_splits)),
+                )
+        return out
+
+    def _splits(self, base_blocks: int, max_ctx: int, device: torch.device) -> tuple[int, int]:
+        """(splits, keys per split): split the KV range only while the grid is short of WAVES blocks per SM."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._sm_count:
+            self._sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        wanted = -(-WAVES * self._sm_count[index] // base_blocks)
+        num_splits = max(1, min(wanted, -(-max_ctx // MIN_PARTITION), MAX_SPLITS))
+        partition = -(-max_ctx // num_splits)
+        partition = -(-partition // TILE) * TILE
+        return -(-max_ctx // partition), partition
+
+
+def _header_dirs(cp) -> list[Path]:
+    """Directories holding cuda_bf16.h: the toolkit CuPy uses, then the nvidia-* pip packages."""
+    candidates = []
+    if cp.cuda.get_cuda_path():
+        candidates.append(Path(cp.cuda.get_cuda_path()) / "include")
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
+        candidates += sorted(Path(root).glob("*/include"))
+    return [d for d in candidates if (d / "cuda_bf16.h").exists()]
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    """A device pointer as a kernel argument (8 bytes, exactly what a `T*` parameter takes)."""
+    return np.uint64(t.data_ptr())

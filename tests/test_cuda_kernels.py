@@ -1,0 +1,154 @@
+"""The CUDA attention kernels: nvcc must compile them warning-free (here), and on a GPU they must
+match the PyTorch reference on ragged prefill/decode batches (skipped without CuPy and a GPU)."""
+
+import importlib.util
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttention, make_backend
+
+CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+KERNELS = sorted(CUDA_DIR.glob("*.cu"))
+HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and an NVIDIA GPU")
+
+
+# ---------------------------------------------------------------- compile check (no GPU needed)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("source", KERNELS, ids=[p.name for p in KERNELS])
+def test_kernels_compile_without_warnings(source, tmp_path):
+    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
+           "-c", str(source), "-o", str(tmp_path / (source.stem + ".o"))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    assert "warning" not in (proc.stdout + proc.stderr).lower(), proc.stdout + proc.stderr
+
+
+def test_there_are_kernels():
+    assert KERNELS, f"no .cu files in {CUDA_DIR}"
+
+
+# ---------------------------------------------------------------- backend selection (CPU)
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the CPU-only selection")
+def test_auto_is_torch_and_cuda_refuses_without_gpu():
+    assert isinstance(make_backend("auto"), TorchAttention)
+    with pytest.raises(RuntimeError, match="needs CuPy and an NVIDIA GPU"):
+        make_backend("cuda")
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("flash")
+
+
+# ---------------------------------------------------------------- correctness on a GPU
+
+
+def ragged_batch(requests, num_q_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.bfloat16,
+                 device="cuda", seed=0):
+    """requests: (new query tokens n, context length ctx) pairs. Positions before ctx - n are already in
+    the cache (random values in randomly placed blocks); the n new tokens' K/V come with q."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_per = [-(-ctx // block_size) for _, ctx in requests]
+    num_blocks = sum(blocks_per) + 3
+    free = list(range(1, num_blocks))  # block 0 left unused, like a padding entry
+    rng.shuffle(free)
+    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    tables = torch.zeros(len(requests), max(blocks_per), dtype=torch.int32)
+    slots = []
+    for i, ((n, ctx), nb) in enumerate(zip(requests, blocks_per)):
+        tables[i, :nb] = torch.tensor([free.pop() for _ in range(nb)], dtype=torch.int32)
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx - n, ctx)]
+    num_tokens = sum(n for n, _ in requests)
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    qsl = [0]
+    for n, _ in requests:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), context_lens=torch.tensor([c for _, c in requests],
+                                                                                          dtype=torch.int32),
+        block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens_cpu=[n for n, _ in requests], context_lens_cpu=[c for _, c in requests])
+    return [t.to(device) for t in (q, k, v, cache)] + [to_device(meta, device)]
+
+
+def to_device(meta, device):
+    return AttentionMetadata(meta.query_start_loc.to(device), meta.context_lens.to(device),
+                             meta.block_tables.to(device), meta.slot_mapping.to(device),
+                             list(meta.query_lens_cpu), list(meta.context_lens_cpu))
+
+
+def reference(q, k, v, cache, meta):
+    """TorchAttention on float32 CPU copies of the same (already bf16-rounded) inputs."""
+    cache = cache.float().cpu()
+    out = TorchAttention().forward(q.float().cpu(), k.float().cpu(), v.float().cpu(), cache, to_device(meta, "cpu"))
+    return out, cache
+
+
+def rel_error(a, b):
+    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
+
+
+PREFILL = [(15, 15), (16, 16), (17, 17), (300, 300), (40, 97)]  # last one: a chunk after 57 cached tokens
+DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 33), (1, 2048), (1, 2049)]
+MIXED = [(1, 2048), (17, 17), (1, 16), (64, 1000), (1, 1), (33, 33), (1, 513)]
+BATCHES = {"prefill": PREFILL, "decode": DECODE, "mixed": MIXED, "long-prefill": [(2048, 2048), (1, 300)]}
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (6, 2), (16, 2), (34, 2), (24, 1)],
+                         ids=["g1", "g3", "g8", "g17", "g24"])
+def test_matches_reference(kind, num_q_heads, num_kv_heads):
+    q, k, v, cache, meta = ragged_batch(BATCHES[kind], num_q_heads, num_kv_heads, head_dim=128)
+    want, want_cache = reference(q, k, v, cache, meta)
+    got = make_backend("cuda").forward(q, k, v, cache, meta)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.float().cpu(), want_cache), "cache write differs"
+    assert rel_error(got, want) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_dtypes_and_head_dims(dtype, head_dim):
+    q, k, v, cache, meta = ragged_batch(MIXED, 8, 2, head_dim=head_dim, block_size=32, dtype=dtype, seed=1)
+    want, _ = reference(q, k, v, cache, meta)
+    got = make_backend("cuda").forward(q, k, v, cache, meta)
+    assert got.dtype == dtype
+    assert rel_error(got, want) < (1e-2 if dtype != torch.float32 else 1e-4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", range(5))
+def test_random_ragged_batches(seed):
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(rng.randint(1, 12)):
+        ctx = rng.choice([1, 15, 16, 17, rng.randint(1, 700), 2048])
+        requests.append((rng.choice([1, 1, ctx, rng.randint(1, ctx)]), ctx))
+    heads = rng.choice([(8, 8), (12, 4), (32, 4)])
+    q, k, v, cache, meta = ragged_batch(requests, *heads, head_dim=128, seed=seed)
+    want, _ = reference(q, k, v, cache, meta)
+    assert rel_error(make_backend("cuda").forward(q, k, v, cache, meta), want) < 1e-2
+
+
+@needs_gpu
+def test_auto_picks_cuda_and_cpu_tensors_fall_back():
+    backend = make_backend("auto")
+    assert type(backend).__name__ == "CudaAttention"
+    q, k, v, cache, meta = ragged_batch([(3, 3), (1, 5)], 4, 2, 64, dtype=torch.float32, device="cpu")
+    want, _ = reference(q, k, v, cache.clone(), meta)
+    assert rel_error(backend.forward(q, k, v, cache, meta), want) < 1e-5
