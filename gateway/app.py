@@ -43,7 +43,7 @@ def load_gateway_tokenizer(model: str | None):
     """The tokenizer alone (no weights): the gateway tokenizes and detokenizes, the engine computes."""
     from pathlib import Path
 
-    from engine.loader import ModelNotFoundError, default_model_path
+    from engine.model_files import ModelNotFoundError, default_model_path
     from engine.tokenizer import Tokenizer
 
     if model is not None and Path(model).is_dir():

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import default_model_path, load_checkpoint
+from engine.loader import load_checkpoint
+from engine.model_files import default_model_path
 
 # Reference and engine share the 2 cores; fewer threads than cores avoids oversubscription stalls.
 torch.set_num_threads(2)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.loader import ModelNotFoundError, default_model_path
+from engine.model_files import ModelNotFoundError, default_model_path
 from engine.tokenizer import Tokenizer
 from gateway.detokenizer import IncrementalDetokenizer, token_text
 

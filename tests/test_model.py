@@ -125,7 +125,7 @@ def test_hf_checkpoint_directory_loads_the_same_model(hf_model, tokenizer, refer
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from engine.loader import default_model_path
+    from engine.model_files import default_model_path
 
     # transformers will not save_pretrained a GGUF-loaded model; write the same files by hand.
     out = tmp_path_factory.mktemp("hf_ckpt")

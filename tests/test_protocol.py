@@ -333,3 +333,19 @@ def test_starlette_http_exceptions():
     assert json.loads(resp.body)["error"]["code"] == "method_not_allowed"
     resp = asyncio.run(errors.handle_unexpected(http_request(), RuntimeError("secret detail")))
     assert resp.status_code == 500 and b"secret" not in resp.body
+
+
+def test_gateway_process_never_imports_torch():
+    """The gateway validates and (de)tokenizes; tensors belong to the engine process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from gateway.app import load_gateway_tokenizer\n"
+        "import gateway.completions, gateway.chat, gateway.engine_client, engine.messages, engine.channel\n"
+        "load_gateway_tokenizer(None)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

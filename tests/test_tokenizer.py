@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import ModelNotFoundError, default_model_path
+from engine.model_files import ModelNotFoundError, default_model_path
 from engine.tokenizer import Tokenizer
 
 # Bytes that no token of SmolLM2's vocabulary holds; the reference drops them.
