@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model import LlamaModel
 from engine.request import Request
+from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -36,6 +37,7 @@ class EngineCore:
         self.runner = ModelRunner(config, self.model, num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.sampler = Sampler(config.seed)
+        self.limits = RequestLimits(self.max_model_len, self.shape.vocab_size, num_blocks, config.block_size)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self._ids = itertools.count()
         self.num_iterations = 0
@@ -46,21 +48,7 @@ class EngineCore:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError for one that can never run."""
-        n = len(prompt_token_ids)
-        vocab = self.shape.vocab_size
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt has token ids outside [0, {vocab})", "prompt")
-        params.check_vocab(vocab)
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} to generate)",
-                "max_tokens",
-            )
-        if self.scheduler.kv.blocks_for(n + params.max_tokens) > self.scheduler.kv.num_blocks:
-            raise InvalidRequestError("the request needs more KV cache than the server has", "max_tokens")
+        self.limits.check(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")

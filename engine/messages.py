@@ -6,6 +6,7 @@ from typing import Union
 
 import msgspec
 
+from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- gateway -> engine
@@ -32,10 +33,7 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     """Sent once the model is loaded: what the gateway needs to validate requests without asking."""
 
     model_name: str
-    max_model_len: int
-    vocab_size: int
-    num_kv_blocks: int
-    block_size: int
+    limits: RequestLimits
 
 
 class TokenDelta(msgspec.Struct, tag=True, array_like=True):

@@ -37,8 +37,7 @@ class EngineWorker:
         self.outbox = Channel.attach(spec.from_engine, FromEngine)
         self.engine = EngineCore(spec.config)
         e = self.engine
-        self.outbox.send(EngineReady(e.model_name, e.max_model_len, e.shape.vocab_size, e.scheduler.kv.num_blocks,
-                                     e.config.block_size))
+        self.outbox.send(EngineReady(e.model_name, e.limits))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 

@@ -11,6 +11,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from engine.request_limits import RequestLimits
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.engine_client import EngineClient, EngineUnavailableError
@@ -32,11 +33,11 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise errors.model_not_found(model)
 
-    def engine_limits(self):
+    def engine_limits(self) -> RequestLimits:
         ready = self.client.ready
         if ready is None or not self.client.healthy:
             raise errors.service_unavailable("The engine is not available; retry shortly.", retry_after=1)
-        return ready
+        return ready.limits
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -46,21 +47,8 @@ class ServerState:
         return self.tokenizer.encode(prompt)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
-        """Reject here what the engine would reject, so a bad request never reaches it."""
-        limits = self.engine_limits()
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param)
-        if any(not 0 <= t < limits.vocab_size for t in ids):
-            raise InvalidRequestError(f"token ids must be in [0, {limits.vocab_size})", param)
-        total = len(ids) + params.max_tokens
-        if total > limits.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(ids)} in the prompt, {params.max_tokens} for the completion). "
-                "Please reduce the prompt or max_tokens.", param)
-        if -(-total // limits.block_size) > limits.num_kv_blocks:
-            raise InvalidRequestError("the request needs more KV cache than the server has", param)
-        params.check_vocab(limits.vocab_size)
+        """Reject here what the engine would reject (the same check), so a bad request never reaches it."""
+        self.engine_limits().check(ids, params, param)
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str]) -> Generation:
         return Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop)
