@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from functools import cached_property
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +83,7 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
-    @property
+    @cached_property  # params are frozen and eos is fixed at creation: compute once, read every token
     def stop_token_ids(self) -> frozenset[int]:
         ids = set(self.params.stop_token_ids)
         if self.eos_token_id is not None and not self.params.ignore_eos:

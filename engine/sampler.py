@@ -18,7 +18,7 @@ class Sampler:
         # Logprobs report the model's own distribution, before any sampling transform.
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = self._adjust(logits.clone(), requests)
+        logits = self._adjust(logits.clone(), requests)  # the runner returns an inference tensor: no in-place
 
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
