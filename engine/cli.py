@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -11,9 +12,13 @@ from engine.config import EngineConfig
 # Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields.
 _ENGINE_FLAGS = {
     "model": dict(default=None, help="GGUF file, HF checkpoint dir, or dummy:NAME (default: bundled SmolLM2-135M)"),
-    "device": dict(default=None, help="torch device (default: cpu)"),
+    "device": dict(help="cuda|cpu (default: cuda when torch sees a GPU, else cpu)"),
+    "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations (default: bfloat16 on GPU, float32 on CPU)"),
+    "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
+    "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),
+    "cuda_graph_max_tokens": dict(type=int, help="largest token bucket captured as CUDA graphs (default: the token budget)"),
     "block_size": dict(type=int, help="tokens per KV cache block"),
-    "kv_cache_memory": dict(type=int, help="bytes for the KV cache"),
+    "kv_cache_memory": dict(type=int, help="bytes for the KV cache (default: 512 MiB on CPU, what is free on GPU)"),
     "max_num_seqs": dict(type=int, help="most requests in one iteration"),
     "max_num_batched_tokens": dict(type=int, help="per-iteration token budget"),
     "max_model_len": dict(type=int, help="context window cap"),
@@ -51,13 +56,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import GatewayConfig, build_app
 
-    config = GatewayConfig(EngineConfig(**engine_kwargs(args)), args.api_key, args.served_model_name)
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    config = GatewayConfig(
+        EngineConfig(**engine_kwargs(args)), args.api_key or os.environ.get("ORCINUS_API_KEY") or None,
+        args.served_model_name, max_waiting=args.max_waiting, metrics_need_key=args.metrics_need_key,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    # uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests, then the app's
+    # shutdown stops the engine and frees its shared memory.
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=config.shutdown_timeout)
     return 0
 
 
@@ -79,8 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you mean otherwise)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    srv.add_argument("--api-key", default=None,
+                     help="require `Authorization: Bearer KEY` on /v1 routes (default: $ORCINUS_API_KEY)")
+    srv.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
+    srv.add_argument("--max-waiting", type=_non_negative, default=None,
+                     help="sequences queued beyond the batch before new requests get 429 "
+                          "(default: min(max-num-seqs, KV blocks))")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may take to finish after SIGTERM")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -51,10 +51,13 @@ class EngineConfig:
     """Everything the engine needs to know before it loads a model."""
 
     model: str | None = None  # GGUF file, HF checkpoint dir, or "dummy:NAME"; None = bundled default
-    device: str = "cpu"  # torch device the model runs on
-    dtype: str = "float32"  # compute dtype of weights and activations
+    device: str = "auto"  # torch device the model runs on; "auto" = cuda when torch sees a GPU, else cpu
+    dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 on GPU, float32 on CPU
     block_size: int = 16  # tokens per KV cache block
-    kv_cache_memory: int = 512 * 2**20  # bytes given to the KV cache
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
+    enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)
+    cuda_graph_max_tokens: int | None = None  # largest captured token bucket; None = max_num_batched_tokens
     max_num_seqs: int = 64  # most requests in one iteration
     max_num_batched_tokens: int = 2048  # per-iteration token budget (prefill chunks + decodes)
     max_model_len: int | None = None  # context cap; None = the model's own window

@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.device import kv_cache_bytes, resolve_device
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model import LlamaModel
 from engine.request import Request
@@ -25,6 +26,7 @@ class EngineCore:
         """`checkpoint` reuses weights already loaded (e.g. to try several configs on one model)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        config = resolve_device(config)
         self.config = config
         ckpt = checkpoint or load_checkpoint(config.model, config.seed)
         self.model_name = ckpt.name
@@ -33,10 +35,11 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
         self.model = build_model(ckpt, self.max_model_len, config)
         dtype = getattr(torch, config.dtype)
-        num_blocks = config.kv_cache_memory // kv_bytes_per_block(self.shape, config.block_size, dtype)
-        self.runner = ModelRunner(config, self.model, num_blocks)
+        # Sized after the weights are loaded: on a GPU the KV cache takes what they leave free.
+        num_blocks = kv_cache_bytes(config, self.shape) // kv_bytes_per_block(self.shape, config.block_size, dtype)
+        self.runner = ModelRunner(config, self.model, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, torch.device(config.device))
         self.limits = RequestLimits(self.max_model_len, self.shape.vocab_size, num_blocks, config.block_size)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self._ids = itertools.count()

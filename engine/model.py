@@ -55,12 +55,21 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(shape.intermediate_size, h, bias=False)
 
     def forward(self, x, positions, rotary, kv_cache, meta, attention: AttentionBackend):
+        q, k, v = self.pre_attention(x, positions, rotary)
+        return self.post_attention(x, attention.forward(q, k, v, kv_cache, meta))
+
+    # The two token-wise halves on either side of attention: the pieces CUDA graphs capture.
+
+    def pre_attention(self, x, positions, rotary):
+        """Norm, fused QKV and RoPE: [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D]."""
         s = self.shape
         q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rotary(q.view(-1, s.num_heads, s.head_dim), positions)
         k = rotary(k.view(-1, s.num_kv_heads, s.head_dim), positions)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
-        attn = attention.forward(q, k, v, kv_cache, meta)
+        return q, k, v.view(-1, s.num_kv_heads, s.head_dim)
+
+    def post_attention(self, x, attn):
+        """Output projection and MLP, each with its residual: ([T, hidden], [T, Hq, D]) -> [T, hidden]."""
         x = x + self.o_proj(attn.view(-1, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)

@@ -47,11 +47,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # KV block ids, in order
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # per-request RNG when seeded
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelShape
+from engine.cuda_graphs import CudaGraphRunner
 from engine.model import LlamaModel
 from engine.scheduler import Batch
 
@@ -15,10 +17,50 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -
     return shape.num_layers * 2 * block_size * shape.num_kv_heads * shape.head_dim * elem
 
 
-class ModelRunner:
-    """Owns the model, the KV cache tensors and the attention backend."""
+class StepInputs:
+    """Host buffers for one iteration's inputs, pinned on a GPU so their copies are asynchronous.
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int):
+    They are reused every iteration: safe because the sampler's read of the sampled ids ends each
+    iteration with a sync, so no copy from the previous one is still in flight.
+    """
+
+    def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device):
+        pin = device.type == "cuda"
+        max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
+        max_blocks = -(-max_model_len // config.block_size)
+        self.device = device
+
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+        self.bufs = {
+            "input_ids": buf(max_tokens, torch.int64),
+            "positions": buf(max_tokens, torch.int64),
+            "slot_mapping": buf(max_tokens, torch.int64),
+            "query_start_loc": buf(max_seqs + 1, torch.int32),
+            "context_lens": buf(max_seqs, torch.int32),
+            "block_tables": buf(max_seqs * max_blocks, torch.int32),
+            "logits_indices": buf(max_seqs, torch.int64),
+        }
+        self.arrays = {name: t.numpy() for name, t in self.bufs.items()}
+
+    def put(self, name: str, values, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Stage `values` and start their copy to the device; returns the device tensor."""
+        values = np.asarray(values)
+        n = values.size
+        self.arrays[name][:n] = values.reshape(-1)
+        host = self.bufs[name][:n]
+        if shape is not None:
+            host = host.view(shape)
+        if self.device.type == "cpu":
+            return host.clone()  # the buffer is refilled next iteration; a caller may keep this one
+        return host.to(self.device, non_blocking=True)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the attention backend and (on a GPU) the CUDA graphs."""
+
+    def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int, max_model_len: int):
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
@@ -29,11 +71,20 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ]
         self.attention = make_backend(config.attention_backend)
+        self.inputs = StepInputs(config, max_model_len, self.device)
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            max_graph_tokens = config.cuda_graph_max_tokens or config.max_num_batched_tokens
+            self.graphs = CudaGraphRunner(model, max_graph_tokens, self.device, self.dtype)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [num_sampled, vocab] (float32), in batch order of the requests that sample."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
+        if self.graphs is not None:
+            logits = self.graphs.forward(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices)
+            if logits is not None:
+                return logits
         return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices)
 
     def prepare(self, batch: Batch):
@@ -57,15 +108,13 @@ class ModelRunner:
         max_blocks = max(len(r.block_table) for r in batch.requests)
         tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
 
-        def t(x, dtype=torch.int64):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
-
+        put = self.inputs.put
         meta = AttentionMetadata(
-            query_start_loc=t(query_start, torch.int32),
-            context_lens=t(context_lens, torch.int32),
-            block_tables=t(tables, torch.int32),
-            slot_mapping=t(slots),
+            query_start_loc=put("query_start_loc", query_start),
+            context_lens=put("context_lens", context_lens),
+            block_tables=put("block_tables", tables, (len(tables), max_blocks)),
+            slot_mapping=put("slot_mapping", slots),
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
-        return t(input_ids), t(positions), meta, t(logits_indices)
+        return put("input_ids", input_ids), put("positions", positions), meta, put("logits_indices", logits_indices)

@@ -1,4 +1,8 @@
-"""Turns logits into next tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds, logprobs."""
+"""Turns logits into next tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds, logprobs.
+
+Sampling stays on the logits' device, and the host reads its results once per iteration: the
+sampled ids, with the logprobs packed next to them when any request asked for them.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,22 @@ from engine.request import Request, TokenLogprobs
 class Sampler:
     """Batched where settings agree; per request only where they cannot be (seeds, penalties, bias)."""
 
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for requests without their own seed
+
+    def _tensor(self, values, dtype=None) -> torch.Tensor:
+        """A small host list on the sampling device without a sync: pinned memory, asynchronous copy."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        logits = logits.float().cpu()
+        logits = logits.float()
         # Logprobs report the model's own distribution, before any sampling transform.
-        want_logprobs = [r.params.logprobs is not None for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        num_top = [r.params.logprobs for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_top) else None
         logits = self._adjust(logits.clone(), requests)  # the runner returns an inference tensor: no in-place
 
         tokens = logits.argmax(dim=-1)
@@ -26,16 +38,26 @@ class Sampler:
             probs = self._probs(logits[random_rows], [requests[i] for i in random_rows])
             tokens[random_rows] = self._draw(probs, [requests[i] for i in random_rows])
 
+        if raw_logprobs is None:
+            return {req.request_id: (token, None) for req, token in zip(requests, tokens.tolist())}
+        return self._with_logprobs(tokens, raw_logprobs, requests, num_top)
+
+    def _with_logprobs(self, tokens, raw_logprobs, requests, num_top) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        k = max(n or 0 for n in num_top)
+        chosen = raw_logprobs.gather(1, tokens[:, None])
+        top = raw_logprobs.topk(k, dim=-1) if k else None
+        # One transfer for everything: ids are exact in float64.
+        parts = [tokens[:, None].double(), chosen.double()]
+        if top is not None:
+            parts += [top.indices.double(), top.values.double()]
+        rows = torch.cat(parts, dim=1).tolist()
         out = {}
-        for i, (req, token) in enumerate(zip(requests, tokens.tolist())):
+        for req, row, n in zip(requests, rows, num_top):
+            token = int(row[0])
             lp = None
-            if want_logprobs[i]:
-                row = raw_logprobs[i]
-                top = row.topk(req.params.logprobs) if req.params.logprobs else None
-                lp = TokenLogprobs(
-                    token, float(row[token]),
-                    list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
-                )
+            if n is not None:
+                pairs = [(int(i), v) for i, v in zip(row[2 : 2 + n], row[2 + k : 2 + k + n])]
+                lp = TokenLogprobs(token, row[1], pairs)
             out[req.request_id] = (token, lp)
         return out
 
@@ -44,56 +66,60 @@ class Sampler:
         for i, req in enumerate(requests):
             p = req.params
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias.keys()))
-                logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values())))
+                ids = self._tensor(list(p.logit_bias.keys()), torch.int64)
+                logits[i].index_add_(0, ids, self._tensor(list(p.logit_bias.values()), torch.float32))
             if p.has_penalties:
                 self._penalize(logits[i], req)
             if req.num_output_tokens < p.min_tokens and req.stop_token_ids:
-                logits[i, list(req.stop_token_ids)] = float("-inf")
+                logits[i].index_fill_(0, self._tensor(sorted(req.stop_token_ids), torch.int64), float("-inf"))
         return logits
 
-    @staticmethod
-    def _penalize(row: torch.Tensor, req: Request) -> None:
+    def _penalize(self, row: torch.Tensor, req: Request) -> None:
         p = req.params
         vocab = row.shape[0]
         if p.repetition_penalty != 1.0:
             # HF/CTRL: tokens seen anywhere (prompt or output) are made less likely whatever their sign.
-            seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)))
+            seen = self._tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), torch.int64)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
             # OpenAI: only generated tokens count.
-            counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab)[:vocab].float()
+            counts = torch.bincount(self._tensor(req.output_token_ids, torch.int64), minlength=vocab)[:vocab].float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
-    @staticmethod
-    def _probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in requests]).unsqueeze(1)
-        logits = logits / temps
+    def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        logits = logits / self._tensor([r.params.temperature for r in requests], torch.float32).unsqueeze(1)
         top_ks = [r.params.top_k for r in requests]
         top_ps = [r.params.top_p for r in requests]
         vocab = logits.shape[1]
         if any(0 < k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks]).unsqueeze(1)
-            drop = torch.arange(vocab).unsqueeze(0) >= k
+            k = self._tensor([k if 0 < k < vocab else vocab for k in top_ks], torch.int64).unsqueeze(1)
+            drop = torch.arange(vocab, device=logits.device).unsqueeze(0) >= k
             sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # Drop a token if the mass before it already reaches top_p (the most likely one always stays).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= torch.tensor(top_ps).unsqueeze(1)
+            drop |= mass_before >= self._tensor(top_ps, torch.float32).unsqueeze(1)
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(dim=-1)
-        min_ps = torch.tensor([r.params.min_p for r in requests]).unsqueeze(1)
-        if (min_ps > 0).any():
-            probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+        min_ps = [r.params.min_p for r in requests]
+        if any(m > 0 for m in min_ps):
+            floor = self._tensor(min_ps, torch.float32).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
         return probs
 
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        out = torch.empty(len(requests), dtype=torch.int64)
-        shared = [i for i, r in enumerate(requests) if r.generator is None]
+        out = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
+        shared = [i for i, r in enumerate(requests) if r.params.seed is None]
         if shared:
             out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator).squeeze(1)
         for i, r in enumerate(requests):
-            if r.generator is not None:
-                out[i] = torch.multinomial(probs[i], 1, generator=r.generator)
+            if r.params.seed is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=self._generator_for(r)).squeeze(0)
         return out
+
+    def _generator_for(self, req: Request) -> torch.Generator:
+        """A seeded request's own RNG, made on the sampling device the first time it samples."""
+        if req.generator is None:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        return req.generator

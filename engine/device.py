@@ -1,0 +1,68 @@
+"""Where the engine runs: device and dtype resolution, and how much memory the KV cache gets."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelShape
+
+CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
+
+
+class DeviceError(ValueError):
+    """The configured device or memory budget cannot be had on this machine."""
+
+
+def resolve_device(config: EngineConfig) -> EngineConfig:
+    """Replace "auto" device and dtype with concrete ones: a GPU in bfloat16 when torch sees one."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {device!r} was asked for, but torch sees no CUDA GPU here; use --device cpu")
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise DeviceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return config.with_(device=device, dtype=dtype)
+
+
+def activation_reserve(config: EngineConfig, shape: ModelShape, dtype: torch.dtype) -> int:
+    """Bytes to keep free for one iteration's activations at the full token budget (an upper estimate).
+
+    The widest live tensors are the fused gate/up output and its SwiGLU product, next to the residual
+    stream, the QKV output and the attention output; the sampler holds a few float32 copies of the logits.
+    The CUDA graph pool holds the same activations once more for the largest bucket.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    per_token = (3 * shape.intermediate_size + 4 * shape.hidden_size + qkv + shape.num_heads * shape.head_dim) * elem
+    tokens = config.max_num_batched_tokens
+    logits = config.max_num_seqs * shape.vocab_size * 4 * 4
+    graphs = 0 if config.enforce_eager else per_token * (config.cuda_graph_max_tokens or tokens)
+    return per_token * tokens + logits + graphs
+
+
+def gpu_kv_budget(free: int, total: int, utilization: float, reserve: int) -> int:
+    """Bytes for the KV cache: the engine's share of the GPU, less what is in use already and the reserve."""
+    in_use = total - free  # weights, the CUDA context, and anything other processes hold
+    budget = int(total * utilization) - in_use - reserve
+    if budget <= 0:
+        raise DeviceError(
+            f"no GPU memory left for the KV cache: {in_use / 2**30:.1f} GiB in use and {reserve / 2**30:.1f} GiB "
+            f"reserved for activations, of {utilization:.0%} of {total / 2**30:.1f} GiB; "
+            "raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+        )
+    return budget
+
+
+def kv_cache_bytes(config: EngineConfig, shape: ModelShape) -> int:
+    """The KV cache's size: the configured bytes, or on a GPU what is free after the weights are loaded."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return CPU_KV_CACHE_MEMORY
+    free, total = torch.cuda.mem_get_info(device)
+    return gpu_kv_budget(free, total, config.gpu_memory_utilization, activation_reserve(config, shape, getattr(torch, config.dtype)))

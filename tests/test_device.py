@@ -1,0 +1,92 @@
+"""Device and dtype selection, KV cache sizing from GPU memory, and staged step inputs (all without a GPU)."""
+
+import argparse
+
+import pytest
+import torch
+
+from engine.cli import add_engine_flags, engine_kwargs
+from engine.config import DUMMY_SHAPES, EngineConfig
+from engine.device import (
+    CPU_KV_CACHE_MEMORY, DeviceError, activation_reserve, gpu_kv_budget, kv_cache_bytes, resolve_device,
+)
+from engine.runner import StepInputs
+
+GiB = 2**30
+
+
+def test_auto_picks_the_gpu_in_bfloat16_when_torch_sees_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = resolve_device(EngineConfig())
+    assert (config.device, config.dtype) == ("cuda", "bfloat16")
+
+
+def test_auto_falls_back_to_cpu_in_float32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = resolve_device(EngineConfig())
+    assert (config.device, config.dtype) == ("cpu", "float32")
+
+
+def test_explicit_choices_are_kept(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device(EngineConfig(device="cuda", dtype="float16")).dtype == "float16"
+    assert resolve_device(EngineConfig(device="cpu", dtype="bfloat16")).dtype == "bfloat16"
+    assert resolve_device(EngineConfig(device="cuda:0")).dtype == "bfloat16"
+
+
+def test_asking_for_cuda_without_a_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="torch sees no CUDA GPU"):
+        resolve_device(EngineConfig(device="cuda"))
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(DeviceError, match="unknown dtype 'float8'"):
+        resolve_device(EngineConfig(device="cpu", dtype="float8"))
+    with pytest.raises(DeviceError):
+        resolve_device(EngineConfig(device="cpu", dtype="Tensor"))  # a torch attribute, but not a dtype
+
+
+def test_gpu_kv_budget_is_the_share_less_what_is_used_and_the_reserve():
+    # 80 GiB card, 2 GiB already used (context + weights), 90% share, 1 GiB for activations.
+    assert gpu_kv_budget(free=78 * GiB, total=80 * GiB, utilization=0.9, reserve=1 * GiB) == int(72 * GiB) - 3 * GiB
+
+
+def test_gpu_kv_budget_refuses_when_nothing_is_left():
+    with pytest.raises(DeviceError, match="no GPU memory left for the KV cache"):
+        gpu_kv_budget(free=10 * GiB, total=80 * GiB, utilization=0.9, reserve=3 * GiB)
+
+
+def test_kv_cache_bytes_on_cpu_is_the_configured_or_default_size():
+    assert kv_cache_bytes(EngineConfig(device="cpu", dtype="float32"), DUMMY_SHAPES["smollm2-135m"]) == CPU_KV_CACHE_MEMORY
+    config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=12345)
+    assert kv_cache_bytes(config, DUMMY_SHAPES["smollm2-135m"]) == 12345
+
+
+def test_activation_reserve_grows_with_the_token_budget_and_covers_the_graph_pool():
+    shape = DUMMY_SHAPES["llama-1b"]
+    small = activation_reserve(EngineConfig(max_num_batched_tokens=512), shape, torch.bfloat16)
+    large = activation_reserve(EngineConfig(max_num_batched_tokens=2048), shape, torch.bfloat16)
+    eager = activation_reserve(EngineConfig(max_num_batched_tokens=2048, enforce_eager=True), shape, torch.bfloat16)
+    assert small < large and eager < large
+    # At 2048 tokens the gate/up output alone is 2048 x 16384 bf16 = 64 MiB; the reserve must exceed it.
+    assert eager > 2048 * 2 * shape.intermediate_size * 2
+
+
+def test_cli_passes_gpu_flags_through():
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    args = p.parse_args(["--device", "cuda", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--dtype", "float16"])
+    assert engine_kwargs(args) == dict(device="cuda", gpu_memory_utilization=0.5, enforce_eager=True, dtype="float16")
+    assert engine_kwargs(p.parse_args([])) == {}
+
+
+def test_step_inputs_stage_values_and_shapes():
+    config = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, block_size=16)
+    inputs = StepInputs(config, max_model_len=128, device=torch.device("cpu"))
+    ids = inputs.put("input_ids", [5, 6, 7])
+    tables = inputs.put("block_tables", [[1, 2], [3, 0]], (2, 2))
+    assert ids.tolist() == [5, 6, 7] and ids.dtype == torch.int64
+    assert tables.tolist() == [[1, 2], [3, 0]] and tables.dtype == torch.int32
+    inputs.put("input_ids", [9])  # refilling the staging buffer must not change what was returned before
+    assert ids.tolist() == [5, 6, 7]
