@@ -63,6 +63,7 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     generation_tokens_total: int = 0
     last_batch_tokens: int = 0  # tokens in the last iteration
     last_iteration_seconds: float = 0.0  # 0 when this report follows no iteration
+    rss_bytes: int = 0  # the engine process's resident memory; 0 when unknown
 
 
 ToEngine = Union[AddRequest, Abort, Shutdown]

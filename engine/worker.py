@@ -2,10 +2,16 @@
 
 Started by the gateway as `python -m engine.worker SPEC_JSON` (a `WorkerSpec`), so nothing crosses
 the process boundary as pickle: the spec is JSON, every frame after it msgspec.
+
+The gateway owns this process's lifetime: it drains requests on SIGTERM and then sends Shutdown, so
+SIGINT and SIGTERM (which a terminal or a service manager may send to the whole process group) are
+ignored here. If the gateway itself dies, the engine notices it was orphaned and exits.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -19,6 +25,7 @@ from engine.messages import (
 from engine.sampling_params import InvalidRequestError
 
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
+RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
 
 
 class WorkerSpec(msgspec.Struct):
@@ -30,9 +37,10 @@ class WorkerSpec(msgspec.Struct):
 class EngineWorker:
     """Glues an EngineCore to the two channels."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, parent: int):
         from engine.core import EngineCore
 
+        self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(spec.to_engine, ToEngine)
         self.outbox = Channel.attach(spec.from_engine, FromEngine)
         self.engine = EngineCore(spec.config)
@@ -40,9 +48,10 @@ class EngineWorker:
         self.outbox.send(EngineReady(e.model_name, e.limits))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.rss_bytes, self.rss_sampled_at = 0, 0.0
 
     def run(self) -> None:
-        while True:
+        while os.getppid() == self.parent:
             for msg in self.inbox.recv_all():
                 if isinstance(msg, Shutdown):
                     return
@@ -81,8 +90,19 @@ class EngineWorker:
         self.outbox.send(EngineStats(
             s.num_running, s.num_waiting, s.kv.num_used_blocks, s.kv.num_free_blocks, e.num_iterations,
             e.last_batch_size, s.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
-            e.last_batch_tokens, iteration_seconds,
+            e.last_batch_tokens, iteration_seconds, self._rss(),
         ))
+
+    def _rss(self) -> int:
+        now = time.monotonic()
+        if now - self.rss_sampled_at >= RSS_INTERVAL:
+            self.rss_sampled_at = now
+            try:
+                with open("/proc/self/statm") as f:
+                    self.rss_bytes = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError, IndexError):
+                self.rss_bytes = 0  # not Linux: the metric stays absent
+        return self.rss_bytes
 
     def close(self) -> None:
         self.inbox.close()
@@ -90,8 +110,11 @@ class EngineWorker:
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()  # first thing: the gateway may die while the model loads
     spec = msgspec.json.decode(argv[1], type=WorkerSpec)
-    worker = EngineWorker(spec)
+    worker = EngineWorker(spec, parent)
     try:
         worker.run()
     finally:

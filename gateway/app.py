@@ -1,12 +1,12 @@
-"""The Starlette app: OpenAI routes, health, metrics, API-key check, and the engine process's lifetime."""
+"""The Starlette app: OpenAI routes, health, metrics, the OpenAPI document, and the engine's lifetime."""
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -14,10 +14,13 @@ from starlette.routing import Route
 
 from engine.config import EngineConfig
 from gateway import errors
+from gateway.admission import Admission
+from gateway.auth import APIKeyMiddleware
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.engine_client import EngineClient
 from gateway.metrics import Metrics
+from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
 from gateway.serving import ServerState, json_response
 
@@ -28,6 +31,10 @@ class GatewayConfig:
     api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer <key>`
     served_model_name: str | None = None  # the `model` clients send; None = derived from the model path
     engine_start_timeout: float = 300.0  # seconds to wait for the model to load
+    max_waiting: int | None = None  # sequences queued beyond the engine's batch; None = see Admission.capacity
+    metrics_need_key: bool = False  # /metrics also needs the API key (it is open by default, for scrapers)
+    shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
+    engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
 
 
 def served_name(config: GatewayConfig) -> str:
@@ -58,27 +65,14 @@ def load_gateway_tokenizer(model: str | None):
         return None
 
 
-class APIKeyMiddleware:
-    """Pure ASGI (streams pass through untouched); constant-time comparison."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await errors.error_response(errors.authentication_error())(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(config: GatewayConfig) -> Starlette:
     metrics = Metrics()
-    state = ServerState(EngineClient(config.engine, metrics), load_gateway_tokenizer(config.engine.model),
-                        metrics, served_name(config))
+    client = EngineClient(config.engine, metrics, config.engine_hang_timeout)
+    admission = Admission(config.engine.max_num_seqs, config.max_waiting, metrics)
+    state = ServerState(client, load_gateway_tokenizer(config.engine.model), metrics, served_name(config), admission,
+                        config.shutdown_timeout)
     started = int(time.time())
+    contract = msgspec.json.encode(openapi_document(bool(config.api_key), config.metrics_need_key))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -105,6 +99,9 @@ def build_app(config: GatewayConfig) -> Starlette:
     async def metrics_route(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    async def openapi(request: Request) -> Response:
+        return Response(contract, media_type="application/json")
+
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -112,11 +109,12 @@ def build_app(config: GatewayConfig) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
         exception_handlers=errors.EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     app.state.orcinus = state
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, protect_metrics=config.metrics_need_key)
     return app

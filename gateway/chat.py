@@ -16,7 +16,7 @@ from gateway.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, TopLogprob, Usage, decode_request,
 )
-from gateway.serving import ServerState, json_response, read_body, sse, until_done_or_disconnect
+from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -25,10 +25,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     if state.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
     limits = state.engine_limits()
-    prompt = state.tokenizer.encode(state.tokenizer.apply_chat_template(req.template_messages()))
+    prompt = await state.encode(state.tokenizer.apply_chat_template(req.template_messages()))
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1))
     state.check_prompt(prompt, params, "messages")
-    gen = state.generation([prompt], params, req.n, req.stop_strings)
+    gen = state.generation([prompt], params, req.n, req.stop_strings)  # admitted from here: close() it
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     top_n = params.logprobs
 
@@ -60,7 +60,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                 yield ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
                                           usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens))
 
-        return sse(chunks())
+        return state.sse(chunks(), on_close=gen.close)
 
     async def collect() -> Response:
         texts: dict[int, list[str]] = {}
@@ -83,7 +83,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens),
         ))
 
-    return await until_done_or_disconnect(request, collect())
+    try:
+        return await until_done_or_disconnect(request, collect())
+    finally:
+        gen.close()
 
 
 def _top(state: ServerState, token_id: int, logprob: float) -> dict:

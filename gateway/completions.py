@@ -16,7 +16,7 @@ from gateway.generation import ChoiceEvent
 from gateway.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, decode_request,
 )
-from gateway.serving import ServerState, json_response, read_body, sse, until_done_or_disconnect
+from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
@@ -25,12 +25,12 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     if req.echo and req.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     limits = state.engine_limits()
-    prompts = [state.encode(p) for p in req.prompts]
+    prompts = [await state.encode(p) for p in req.prompts]
     params = req.to_sampling_params(default_max_tokens=limits.max_model_len - max(len(p) for p in prompts))
     for ids in prompts:
         state.check_prompt(ids, params)
-    gen = state.generation(prompts, params, req.n, req.stop_strings)
     echo = [state.tokenizer.decode(p) if req.echo and state.tokenizer else "" for p in prompts]
+    gen = state.generation(prompts, params, req.n, req.stop_strings)  # admitted from here: close() it
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     top_n = req.logprobs
 
@@ -58,7 +58,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                 yield CompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
                                       usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens))
 
-        return sse(chunks())
+        return state.sse(chunks(), on_close=gen.close)
 
     async def collect() -> Response:
         merged: dict[int, CompletionChoice] = {}
@@ -78,7 +78,10 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens),
         ))
 
-    return await until_done_or_disconnect(request, collect())
+    try:
+        return await until_done_or_disconnect(request, collect())
+    finally:
+        gen.close()
 
 
 def _logprobs(state: ServerState, event: ChoiceEvent, top_n: int, base_offset: int) -> CompletionLogprobs:

@@ -1,90 +1,154 @@
-"""The gateway's side of the engine process: start it, feed it requests, route its token deltas back."""
+"""The gateway's side of the engine: submit requests, route token deltas back, keep an engine running.
+
+A supervisor task watches the engine process. When it dies (crash, OOM kill, kill -9) every
+in-flight request fails at once with EngineUnavailableError, the dead engine's channels are
+unlinked, and a new engine is started on fresh ones; `healthy` is False until it is ready. An engine
+that sends nothing for `hang_timeout` seconds (it reports at least once a second) is killed and
+replaced the same way.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 
-import msgspec
-
-from engine.channel import Channel
 from engine.config import EngineConfig
-from engine.messages import (
-    Abort, AddRequest, EngineReady, EngineStats, FromEngine, RequestError, Shutdown, TokenDelta, ToEngine,
-)
+from engine.messages import Abort, AddRequest, EngineReady, EngineStats, RequestError, TokenDelta
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.worker import WorkerSpec
+from gateway.engine_process import EngineProcess
 from gateway.metrics import Metrics
 
 log = logging.getLogger("orcinus.engine_client")
 
 SEND_TIMEOUT = 5.0  # seconds a full inbound ring may hold up a request before it fails with 503
-STATS_STALE_AFTER = 30.0  # the engine reports at least every second when idle; a long prefill may delay it
+RESTART_BACKOFF = (0.5, 30.0)  # first and longest wait before restarting an engine that died
 
 
 class EngineUnavailableError(RuntimeError):
     """The engine process is not running, not ready, or stopped answering."""
 
 
-class EngineClient:
-    """Owns the engine process and both channels; one asyncio queue per request receives its deltas."""
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("engine supervision stopped", exc_info=task.exception())
 
-    def __init__(self, config: EngineConfig, metrics: Metrics):
+
+class EngineClient:
+    """Owns the current EngineProcess; one asyncio queue per request receives its deltas."""
+
+    def __init__(self, config: EngineConfig, metrics: Metrics, hang_timeout: float = 60.0):
         self.config = config
         self.metrics = metrics
+        self.hang_timeout = hang_timeout
+        self.engine: EngineProcess | None = None
         self.ready: EngineReady | None = None
         self.stats: EngineStats | None = None
         self.last_heard = 0.0
         self.routes: dict[str, asyncio.Queue] = {}
-        self.proc: asyncio.subprocess.Process | None = None
-        self._tasks: list[asyncio.Task] = []
+        self.start_timeout = 300.0
         self._ready_event = asyncio.Event()
-        self.to_engine = self.from_engine = None
+        self._supervisor: asyncio.Task | None = None
         self._stopping = False
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, timeout: float = 300.0) -> None:
-        self.to_engine = Channel.create(ToEngine)
-        self.from_engine = Channel.create(FromEngine)
-        spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle())
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine.worker", msgspec.json.encode(spec).decode()
-        )
-        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch_process())]
-        try:
-            await asyncio.wait_for(self._ready_event.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise EngineUnavailableError(f"the engine did not become ready in {timeout:.0f}s") from None
-        if self.ready is None:
-            raise EngineUnavailableError("the engine process exited while loading the model")
+        """Start the first engine. A model that cannot load at all is an error here, not retried."""
+        self.start_timeout = timeout
+        await self._spawn()
+        self._supervisor = asyncio.create_task(self._supervise())
+        self._supervisor.add_done_callback(_log_crash)
 
     async def stop(self, timeout: float = 10.0) -> None:
+        """Stop supervising, ask the engine to exit (kill it after `timeout`), free its channels."""
         self._stopping = True
-        if self.proc is not None and self.proc.returncode is None:
-            self.to_engine.try_send(Shutdown())
-            try:
-                await asyncio.wait_for(self.proc.wait(), timeout)
-            except asyncio.TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        for t in self._tasks:
-            t.cancel()
-        for ch in (self.to_engine, self.from_engine):
-            if ch is not None:
-                ch.close()
-                ch.unlink()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self.engine is not None:
+            if self.ready is None:
+                self.engine.kill()  # still loading (or already dead): nothing to wait for
+            await self.engine.stop(timeout)
+        self.ready = None
+        self._fail_in_flight(EngineUnavailableError("the server is shutting down"))
 
     @property
     def healthy(self) -> bool:
         return (
             self.ready is not None
-            and self.proc is not None
-            and self.proc.returncode is None
-            and time.monotonic() - self.last_heard < STATS_STALE_AFTER
+            and self.engine is not None
+            and self.engine.alive
+            and time.monotonic() - self.last_heard < self.hang_timeout
         )
+
+    @property
+    def engine_pid(self) -> int | None:
+        return None if self.engine is None else self.engine.pid
+
+    async def _spawn(self) -> None:
+        """Start an engine on fresh channels and wait until it is ready; clean up if it never is."""
+        self.ready = self.stats = None
+        self._ready_event = asyncio.Event()
+        engine = self.engine = EngineProcess(self.config, self._on_frame)
+        await engine.start()
+        exited = asyncio.ensure_future(engine.wait())
+        ready = asyncio.ensure_future(self._ready_event.wait())
+        try:
+            await asyncio.wait({exited, ready}, timeout=self.start_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            exited.cancel()
+        if self.ready is None or not engine.alive:
+            died = engine.proc.returncode is not None
+            engine.kill()
+            code = await engine.wait()
+            await engine.close()
+            self.ready = None
+            if died:
+                raise EngineUnavailableError(f"the engine process exited while loading the model (code {code})")
+            raise EngineUnavailableError(f"the engine did not become ready in {self.start_timeout:.0f}s")
+        self.last_heard = time.monotonic()
+
+    async def _supervise(self) -> None:
+        backoff = RESTART_BACKOFF[0]
+        while True:
+            engine = self.engine
+            code = await self._wait_exit_or_hang(engine)
+            self.ready = None
+            self._fail_in_flight(EngineUnavailableError(f"the engine process exited (code {code})"))
+            await engine.close()
+            log.error("engine process %s exited with code %s; starting a new one", engine.pid, code)
+            self.metrics.engine_restarts.inc()
+            while True:
+                try:
+                    await self._spawn()
+                    log.info("engine process %s is ready", self.engine.pid)
+                    backoff = RESTART_BACKOFF[0]
+                    break
+                except EngineUnavailableError as e:
+                    log.error("%s; retrying in %.1fs", e, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RESTART_BACKOFF[1])
+
+    async def _wait_exit_or_hang(self, engine: EngineProcess) -> int:
+        exited = asyncio.ensure_future(engine.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({exited}, timeout=1.0)
+                if done:
+                    return exited.result()
+                silent = time.monotonic() - self.last_heard
+                if silent > self.hang_timeout:
+                    log.error("no word from engine process %s in %.0fs; killing it", engine.pid, silent)
+                    engine.kill()
+        finally:
+            exited.cancel()
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        routes, self.routes = self.routes, {}
+        for request_id, queue in routes.items():
+            queue.put_nowait((request_id, error))
 
     # ---------------------------------------------------------------- requests
 
@@ -95,59 +159,58 @@ class EngineClient:
             raise EngineUnavailableError("the engine is not available")
         self.routes[request_id] = queue
         try:
-            await self._send(AddRequest(request_id, prompt_token_ids, params))
+            await self._send(self.engine, AddRequest(request_id, prompt_token_ids, params))
         except BaseException:
             self.routes.pop(request_id, None)
             raise
 
     def abort(self, request_id: str) -> None:
         """Stop a request and forget its route; frees its KV blocks at the engine's next iteration."""
-        if self.routes.pop(request_id, None) is not None and self.proc and self.proc.returncode is None:
-            # An abort that does not fit now is retried from a task rather than lost.
-            if not self.to_engine.try_send(Abort(request_id)):
-                asyncio.get_running_loop().create_task(self._send(Abort(request_id)))
+        if self.routes.pop(request_id, None) is None or self.engine is None or not self.engine.alive:
+            return
+        # An abort that does not fit now is retried from a task rather than lost.
+        if not self.engine.try_send(Abort(request_id)):
+            asyncio.get_running_loop().create_task(self._send_abort(self.engine, request_id))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's route."""
         self.routes.pop(request_id, None)
 
-    async def _send(self, msg) -> None:
+    async def _send(self, engine: EngineProcess, msg) -> None:
         deadline = time.monotonic() + SEND_TIMEOUT
-        while not self.to_engine.try_send(msg):
+        while True:
+            try:
+                if engine.try_send(msg):
+                    return
+            except ProcessLookupError:
+                raise EngineUnavailableError("the engine process exited") from None
             if time.monotonic() > deadline:
                 raise EngineUnavailableError("the engine is not draining its queue")
             await asyncio.sleep(0.001)
 
-    # ---------------------------------------------------------------- background tasks
+    async def _send_abort(self, engine: EngineProcess, request_id: str) -> None:
+        try:
+            await self._send(engine, Abort(request_id))
+        except EngineUnavailableError:
+            pass  # a dead engine holds no blocks; a stuck one is the watchdog's business
 
-    async def _read_loop(self) -> None:
-        while True:
-            for msg in await self.from_engine.recv_async():
-                self.last_heard = time.monotonic()
-                if isinstance(msg, TokenDelta):
-                    queue = self.routes.get(msg.request_id)
-                    if queue is not None:
-                        queue.put_nowait((msg.request_id, msg))
-                        if msg.finish_reason is not None:
-                            self.routes.pop(msg.request_id, None)
-                elif isinstance(msg, EngineStats):
-                    self.stats = msg
-                    self.metrics.observe_stats(msg)
-                elif isinstance(msg, RequestError):
-                    queue = self.routes.pop(msg.request_id, None)
-                    if queue is not None:
-                        queue.put_nowait((msg.request_id, InvalidRequestError(msg.message, msg.param)))
-                elif isinstance(msg, EngineReady):
-                    self.ready = msg
-                    self._ready_event.set()
+    # ---------------------------------------------------------------- frames from the engine
 
-    async def _watch_process(self) -> None:
-        code = await self.proc.wait()
-        if not self._stopping:
-            log.error("engine process exited with code %s", code)
-        self._ready_event.set()
-        self.ready = None
-        error = EngineUnavailableError(f"the engine process exited (code {code})")
-        for request_id, queue in list(self.routes.items()):
-            queue.put_nowait((request_id, error))
-        self.routes.clear()
+    def _on_frame(self, msg) -> None:
+        self.last_heard = time.monotonic()
+        if isinstance(msg, TokenDelta):
+            queue = self.routes.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait((msg.request_id, msg))
+                if msg.finish_reason is not None:
+                    self.routes.pop(msg.request_id, None)
+        elif isinstance(msg, EngineStats):
+            self.stats = msg
+            self.metrics.observe_stats(msg)
+        elif isinstance(msg, RequestError):
+            queue = self.routes.pop(msg.request_id, None)
+            if queue is not None:
+                queue.put_nowait((msg.request_id, InvalidRequestError(msg.message, msg.param)))
+        elif isinstance(msg, EngineReady):
+            self.ready = msg
+            self._ready_event.set()

@@ -15,6 +15,19 @@ from engine.sampling_params import InvalidRequestError
 log = logging.getLogger("orcinus.gateway")
 
 
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """Every error body, HTTP or SSE: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail
+
+
 class APIError(Exception):
     """An error the client sees: HTTP `status` plus OpenAI's four error fields (and extra headers)."""
 
@@ -71,7 +84,8 @@ def error_body(exc: APIError | InvalidRequestError) -> bytes:
     """The JSON body; all four keys are always present (null when absent)."""
     if isinstance(exc, InvalidRequestError):
         exc = from_invalid_request(exc)
-    return msgspec.json.encode({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
+    return msgspec.json.encode(ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.type, param=exc.param,
+                                                               code=exc.code)))
 
 
 def error_response(exc: APIError | InvalidRequestError) -> Response:

@@ -12,6 +12,7 @@ import msgspec
 
 from engine.messages import TokenDelta
 from engine.sampling_params import SamplingParams
+from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import EngineClient
 from gateway.metrics import Metrics
@@ -52,6 +53,7 @@ class Generation:
     params: SamplingParams
     n: int
     stop: list[str]
+    ticket: Ticket  # the admitted sequences; one is given back as each choice ends
     choices: dict[str, _Choice] = field(default_factory=dict)
 
     @property
@@ -97,6 +99,11 @@ class Generation:
                     self.client.abort(rid)
                 else:
                     self.client.release(rid)
+            self.close()
+
+    def close(self) -> None:
+        """Give back every admitted sequence not yet given back (idempotent)."""
+        self.ticket.close()
 
     def _advance(self, rid: str, choice: _Choice, delta: TokenDelta) -> ChoiceEvent:
         now = time.monotonic()
@@ -119,5 +126,6 @@ class Generation:
         if finish is not None:
             text += detok.flush()
             choice.finished = True
+            self.ticket.release()
             self.metrics.finished.labels(finish).inc()
         return ChoiceEvent(choice.index, text, list(delta.token_ids), delta.logprobs or [], offsets, finish)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from engine.messages import EngineStats
 
@@ -15,12 +15,20 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # the gateway's own process_resident_memory_bytes, cpu, fds
         self.running = Gauge("orcinus_requests_running", "Requests the engine is running", registry=r)
         self.waiting = Gauge("orcinus_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_used = Gauge("orcinus_kv_blocks_used", "KV cache blocks held by requests", registry=r)
         self.kv_free = Gauge("orcinus_kv_blocks_free", "KV cache blocks free", registry=r)
         self.preemptions = Gauge("orcinus_preemptions", "Preemptions since start", registry=r)
         self.iterations = Gauge("orcinus_iterations", "Engine iterations since start", registry=r)
+        self.engine_rss = Gauge("orcinus_engine_resident_memory_bytes", "Resident memory of the engine process",
+                                registry=r)
+        self.admitted = Gauge("orcinus_sequences_admitted", "Sequences sent to the engine and not finished",
+                              registry=r)
+        self.rejected = Counter("orcinus_requests_rejected", "Requests refused with 429 at capacity", registry=r)
+        self.engine_restarts = Counter("orcinus_engine_restarts", "Engine processes restarted after dying",
+                                       registry=r)
         self.prompt_tokens = Counter("orcinus_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("orcinus_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("orcinus_requests_finished", "Finished sequences", ["finish_reason"], registry=r)
@@ -40,6 +48,8 @@ class Metrics:
         self.kv_free.set(s.kv_blocks_free)
         self.preemptions.set(s.num_preemptions)
         self.iterations.set(s.num_iterations)
+        if s.rss_bytes:
+            self.engine_rss.set(s.rss_bytes)
         if s.last_iteration_seconds > 0:
             self.iteration_seconds.observe(s.last_iteration_seconds)
             self.batch_size.observe(s.last_batch_size)

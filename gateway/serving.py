@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -14,12 +14,14 @@ from starlette.responses import Response
 from engine.request_limits import RequestLimits
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
+from gateway.admission import Admission
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.protocol import MAX_BODY_BYTES
 
 _json = msgspec.json.Encoder()
+THREADED_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop (tiktoken frees the GIL)
 
 
 @dataclass
@@ -28,6 +30,8 @@ class ServerState:
     tokenizer: object | None  # None for dummy models without the default tokenizer: token-id prompts only
     metrics: Metrics
     model_name: str
+    admission: Admission
+    drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -39,11 +43,13 @@ class ServerState:
             raise errors.service_unavailable("The engine is not available; retry shortly.", retry_after=1)
         return ready.limits
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send prompts as token ids", "prompt")
+        if len(prompt) > THREADED_ENCODE_CHARS:  # a huge prompt must not stall every other stream
+            return await asyncio.to_thread(self.tokenizer.encode, prompt)
         return self.tokenizer.encode(prompt)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
@@ -51,7 +57,12 @@ class ServerState:
         self.engine_limits().check(ids, params, param)
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str]) -> Generation:
-        return Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop)
+        """Admit the request's sequences (429 at capacity); the caller must `close()` the Generation."""
+        ticket = self.admission.admit(len(prompts) * n, self.engine_limits())
+        return Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket)
+
+    def sse(self, events: AsyncIterator[object], on_close: Callable[[], None]) -> Response:
+        return sse(events, on_close, self.drain_timeout)
 
 
 async def read_body(request: Request) -> bytes:
@@ -70,8 +81,24 @@ async def read_body(request: Request) -> bytes:
     return bytes(body)
 
 
-def sse(events: AsyncIterator[object]) -> EventSourceResponse:
-    """Stream msgspec structs as `data:` events, then `data: [DONE]`; an error mid-stream is an error event."""
+class _ClosingEventSource(EventSourceResponse):
+    """Calls `on_close` when the response is over, however it ends: a generator that never started
+    (the client left first) runs no `finally` of its own."""
+
+    def __init__(self, *args, on_close: Callable[[], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(events: AsyncIterator[object], on_close: Callable[[], None], drain_timeout: float) -> Response:
+    """Stream msgspec structs as `data:` events, then `data: [DONE]`; an error mid-stream is an error event.
+    On server shutdown a stream may go on for `drain_timeout` seconds (sse-starlette would cut it at once)."""
 
     async def gen():
         try:
@@ -82,7 +109,7 @@ def sse(events: AsyncIterator[object]) -> EventSourceResponse:
             yield {"data": errors.error_body(api).decode()}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(gen(), ping=15)
+    return _ClosingEventSource(gen(), ping=15, shutdown_grace_period=drain_timeout, on_close=on_close)
 
 
 async def until_done_or_disconnect(request: Request, work: Awaitable[Response]) -> Response:

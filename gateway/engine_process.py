@@ -1,0 +1,106 @@
+"""One engine process and the two shared-memory channels the gateway created for it.
+
+Each start gets fresh channels; when the process is gone the gateway unlinks them, so neither a
+crash nor a restart leaves segments in /dev/shm (the engine only attaches, it never unlinks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+
+import msgspec
+
+from engine.channel import Channel
+from engine.config import EngineConfig
+from engine.messages import FromEngine, Shutdown, ToEngine
+from engine.worker import WorkerSpec
+
+log = logging.getLogger("orcinus.engine_process")
+
+
+class EngineProcess:
+    """Spawn with `start()`; frames from the engine go to `on_frame`; `close()` frees everything."""
+
+    def __init__(self, config: EngineConfig, on_frame: Callable[[object], None]):
+        self.config = config
+        self.on_frame = on_frame
+        self.proc: asyncio.subprocess.Process | None = None
+        self.to_engine: Channel | None = None
+        self.from_engine: Channel | None = None
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        self.to_engine = Channel.create(ToEngine)
+        self.from_engine = Channel.create(FromEngine)
+        spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle())
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "engine.worker", msgspec.json.encode(spec).decode())
+        except BaseException:
+            await self.close()
+            raise
+        self._reader = asyncio.create_task(self._read_loop())
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and not self._closed
+
+    def try_send(self, msg: object) -> bool:
+        """Send without waiting; False when the ring is full now. Raises if the process is gone."""
+        if not self.alive:
+            raise ProcessLookupError("the engine process is not running")
+        return self.to_engine.try_send(msg)
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def stop(self, timeout: float) -> None:
+        """Ask the engine to exit, kill it after `timeout` seconds, then close."""
+        if self.alive:
+            self.to_engine.try_send(Shutdown())
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("the engine did not exit within %.0fs of Shutdown; killing it", timeout)
+                self.kill()
+                await self.proc.wait()
+        await self.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    async def close(self) -> None:
+        """Stop reading, then close and unlink both channels (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            # The reader must unregister its fd from the event loop before the fd is closed, or a
+            # later fd with the same number would inherit a stale selector entry.
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for ch in (self.to_engine, self.from_engine):
+            if ch is not None:
+                ch.close()
+                ch.unlink()
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                for msg in await self.from_engine.recv_async():
+                    self.on_frame(msg)
+        except Exception:
+            # A frame we cannot read means the stream is lost; a fresh engine is the only way back.
+            log.exception("reading from the engine failed; killing it")
+            self.kill()

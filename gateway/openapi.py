@@ -1,0 +1,113 @@
+"""GET /openapi.json: the HTTP contract, generated from the msgspec structs the server decodes and encodes.
+
+Every documented response is one the server can send: the JSON bodies are the same Structs the
+routes encode, streams are `text/event-stream` (each `data:` line a chunk Struct, an ErrorResponse,
+or `[DONE]`), and every error status carries OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import msgspec
+
+from gateway.errors import ErrorResponse
+from gateway.protocol import (
+    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest,
+    CompletionResponse, ModelList,
+)
+
+_REF = "#/components/schemas/{name}"
+_STRUCTS = (CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+            ChatCompletionChunk, ModelList, ErrorResponse)
+
+# Which error statuses each kind of route can answer, and why.
+_ERRORS = {
+    400: "Invalid request: the body, a field, or a prompt longer than the context window.",
+    401: "Missing or wrong API key (only when the server has one).",
+    404: "Unknown model.",
+    413: "Request body over the size limit.",
+    429: "The server is at capacity; retry after `Retry-After` seconds.",
+    503: "The engine is not available (starting, restarting, or stopped).",
+}
+_GENERATE_ERRORS = (400, 404, 413, 429, 503)  # and 401 with an API key
+_RETRY_AFTER = {"description": "Seconds to wait before retrying.", "schema": {"type": "integer", "minimum": 0}}
+
+
+def _ref(cls: type) -> dict:
+    return {"$ref": _REF.format(name=cls.__name__)}
+
+
+def _error(status: int) -> dict:
+    response = {"description": _ERRORS[status], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+    if status in (429, 503):  # always on 429; on 503 when a retry is likely to work soon
+        response["headers"] = {"Retry-After": {**_RETRY_AFTER, "required": status == 429}}
+    return response
+
+
+def _generate(summary: str, request: type, response: type, chunk: type, secured: bool) -> dict:
+    stream = {
+        "schema": {"type": "string"},
+        "x-event-schema": {"oneOf": [_ref(chunk), _ref(ErrorResponse)]},
+    }
+    op = {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {
+                "description": f"The whole {response.__name__} (JSON), or with `stream: true` a stream of "
+                               f"`data: <{chunk.__name__}>` events ending in `data: [DONE]`; a failure after the "
+                               "stream started is one `data: <ErrorResponse>` event before `[DONE]`.",
+                "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": stream},
+            },
+            **{str(s): _error(s) for s in sorted({*_GENERATE_ERRORS, *((401,) if secured else ())})},
+        },
+    }
+    if secured:
+        op["security"] = [{"bearer": []}]
+    return {"post": op}
+
+
+def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
+    """The OpenAPI 3.1 document (JSON Schema 2020-12, which msgspec emits)."""
+    _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
+    unauthorized = {"401": _error(401)} if api_key else {}
+    models = {"summary": "The served model", "responses": {
+        "200": {"description": "One model.", "content": {"application/json": {"schema": _ref(ModelList)}}},
+        **unauthorized}}
+    metrics = {"summary": "Prometheus metrics", "responses": {
+        "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **(unauthorized if metrics_need_key else {})}}
+    health = {"summary": "Liveness of the engine", "responses": {
+        "200": {"description": "The engine is ready.", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}},
+        "503": _error(503)}}
+    if api_key:
+        models["security"] = [{"bearer": []}]
+        if metrics_need_key:
+            metrics["security"] = [{"bearer": []}]
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": "Orcinus", "version": _version(),
+                 "description": "OpenAI-compatible completions served by an Orca-style engine."},
+        "paths": {
+            "/v1/completions": _generate("Text completion", CompletionRequest, CompletionResponse, CompletionChunk,
+                                         api_key),
+            "/v1/chat/completions": _generate("Chat completion", ChatCompletionRequest, ChatCompletionResponse,
+                                              ChatCompletionChunk, api_key),
+            "/v1/models": {"get": models},
+            "/health": {"get": health},
+            "/metrics": {"get": metrics},
+        },
+        "components": {"schemas": schemas},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
+def _version() -> str:
+    try:
+        return metadata.version("orcinus")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
