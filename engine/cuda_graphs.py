@@ -16,7 +16,7 @@ the buffer plumbing are exercised by CPU tests.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

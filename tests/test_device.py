@@ -8,7 +8,12 @@ import torch
 from engine.cli import add_engine_flags, engine_kwargs
 from engine.config import DUMMY_SHAPES, EngineConfig
 from engine.device import (
-    CPU_KV_CACHE_MEMORY, DeviceError, activation_reserve, gpu_kv_budget, kv_cache_bytes, resolve_device,
+    CPU_KV_CACHE_MEMORY,
+    DeviceError,
+    activation_reserve,
+    gpu_kv_budget,
+    kv_cache_bytes,
+    resolve_device,
 )
 from engine.runner import StepInputs
 
@@ -77,7 +82,7 @@ def test_cli_passes_gpu_flags_through():
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     args = p.parse_args(["--device", "cuda", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--dtype", "float16"])
-    assert engine_kwargs(args) == dict(device="cuda", gpu_memory_utilization=0.5, enforce_eager=True, dtype="float16")
+    assert engine_kwargs(args) == {"device": "cuda", "gpu_memory_utilization": 0.5, "enforce_eager": True, "dtype": "float16"}
     assert engine_kwargs(p.parse_args([])) == {}
 
 

@@ -1,0 +1,327 @@
+"""The engine on a GPU, with dummy weights of named shapes (the GPU machine has no checkpoint):
+
+(a) greedy tokens identical with CUDA graphs and eager, 32 steps of a mixed prefill/decode batch;
+(b) decode step time per shape and batch size, eager vs graphs, against the memory-bandwidth floor
+    (weight bytes + K/V bytes read per step, over the measured device copy bandwidth);
+(c) output tok/s of Orcinus vs transformers `generate` (static batches) on the same weights and the
+    Orca workload (input U[32,512], output U[1,128]);
+(d) the same workload with request-level scheduling, to show the Orca effect.
+Systems are interleaved across repeats and medians reported; the table comes last, JSON to --out.
+
+    python loadtest/bench_gpu.py --out benchmarks/gpu/bench_gpu.json         # on the GPU machine
+    python loadtest/bench_gpu.py --device cpu --quick --out /tmp/bench.json   # smoke test anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import SamplingParams  # noqa: E402
+from engine.config import DUMMY_SHAPES, EngineConfig, ModelShape  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.cuda_graphs import CudaGraphRunner  # noqa: E402
+from engine.loader import load_checkpoint  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_engine(shape_name: str, args, **overrides) -> EngineCore:
+    config = EngineConfig(
+        model=f"dummy:{shape_name}", device=args.device, max_num_seqs=max(max(args.batches), args.requests),
+        max_num_batched_tokens=args.token_budget, kv_cache_memory=int(args.kv_gib * 2**30), **overrides,
+    )
+    engine = EngineCore(config, load_checkpoint(config.model))
+    if engine.runner.graphs is None and engine.runner.device.type == "cpu":
+        # Off a GPU the graph runner's CPU stand-in keeps the eager/graphs comparison runnable.
+        engine.runner.graphs = CudaGraphRunner(engine.model, 64, engine.runner.device, engine.runner.dtype)
+    return engine
+
+
+def set_graphs(engine: EngineCore, on: bool, graphs: CudaGraphRunner | None) -> None:
+    engine.runner.graphs = graphs if on else None
+
+
+def run_to_completion(engine: EngineCore, workload, stagger: bool = False) -> tuple[list[list[int]], float]:
+    """Run every (prompt, max_tokens) to the end; staggered = one arrival per iteration. Returns outputs, seconds."""
+    pending = list(workload)
+    reqs = []
+    t = time.perf_counter()
+    if not stagger:
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in pending]
+        pending = []
+    while pending or engine.has_unfinished():
+        if pending:
+            p, n = pending.pop(0)
+            reqs.append(engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)))
+        engine.step()
+    elapsed = time.perf_counter() - t
+    return [r.output_token_ids for r in reqs], elapsed
+
+
+def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randint(*input_len))], rng.randint(*output_len)) for _ in range(n)
+    ]
+
+
+# ---------------------------------------------------------------- (a) graphs == eager
+
+def check_graphs_match_eager(args) -> dict:
+    engine = make_engine(args.shapes[0], args)
+    graphs = engine.runner.graphs
+    work = workload(args.check_requests, tuple(args.check_input_len), (args.check_steps,) * 2, engine.shape.vocab_size, 1)
+    outputs = {}
+    for mode in ("eager", "graphs"):
+        set_graphs(engine, mode == "graphs", graphs)
+        outputs[mode], _ = run_to_completion(engine, work, stagger=True)
+    same = sum(a == b for a, b in zip(outputs["eager"], outputs["graphs"]))
+    first_diff = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        for a, b in zip(outputs["eager"], outputs["graphs"])
+    ]
+    del engine, graphs
+    free_memory()
+    return {"shape": args.shapes[0], "requests": len(work), "steps": args.check_steps, "identical": same,
+            "first_difference_at": first_diff}
+
+
+# ---------------------------------------------------------------- (b) decode step time vs floor
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s moved by a device-to-device copy (read + write), median of 10."""
+    n = 2**28 if device.type == "cuda" else 2**25
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(11):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n / statistics.median(times[1:])
+
+
+def floor_seconds(shape: ModelShape, dtype: torch.dtype, batch: int, context: int, bandwidth: float) -> float:
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = shape.num_params - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
+    kv = batch * context * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim
+    return (weights + kv) * elem / bandwidth
+
+
+def decode_step_times(args, bandwidth: float) -> list[dict]:
+    rows = []
+    for shape_name in args.shapes:
+        engine = make_engine(shape_name, args)
+        graphs = engine.runner.graphs
+        for batch in args.batches:
+            prompt_len = args.decode_context
+            steps = args.steps * (2 * args.repeats + 1) + 34  # timed + warm-up + decodes during prefill
+            for i in range(batch):
+                ids = [(7 * i + j) % engine.shape.vocab_size for j in range(prompt_len)]
+                engine.add_request(ids, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+            while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+                engine.step()  # prefill everything first: only pure decode steps are timed
+            samples = {"eager": [], "graphs": []}
+            for mode in ("eager", "graphs"):  # warm-up
+                set_graphs(engine, mode == "graphs", graphs)
+                engine.step()
+            for _ in range(args.repeats):
+                for mode in ("eager", "graphs"):  # interleaved, so drift hits both alike
+                    set_graphs(engine, mode == "graphs", graphs)
+                    for _ in range(args.steps):
+                        t = time.perf_counter()
+                        engine.step()  # ends with the host read of the sampled ids: timed to completion
+                        samples[mode].append(time.perf_counter() - t)
+                        assert engine.last_batch_size == batch
+            context = prompt_len + args.steps * args.repeats + 1
+            floor = floor_seconds(engine.shape, engine.runner.dtype, batch, context, bandwidth)
+            med = {m: statistics.median(v) for m, v in samples.items()}
+            rows.append({
+                "shape": shape_name, "batch": batch, "context": context,
+                "eager_ms": med["eager"] * 1e3, "graphs_ms": med["graphs"] * 1e3, "floor_ms": floor * 1e3,
+                "graph_speedup": med["eager"] / med["graphs"], "graphs_over_floor": med["graphs"] / floor,
+            })
+            print(f"(b) {shape_name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, graphs "
+                  f"{rows[-1]['graphs_ms']:.2f} ms, floor {rows[-1]['floor_ms']:.2f} ms", flush=True)
+            for r in list(engine.scheduler.running):
+                engine.abort_request(r.request_id)
+        set_graphs(engine, True, graphs)
+        del engine, graphs
+        free_memory()
+    return rows
+
+
+# ---------------------------------------------------------------- (c), (d) throughput
+
+def hf_model_from(engine: EngineCore):
+    """A transformers Llama with the engine's (dummy) weights, un-fused back to Hugging Face names."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = engine.shape
+    config = LlamaConfig(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim, rope_theta=s.rope_theta, rms_norm_eps=s.rms_norm_eps,
+        max_position_embeddings=s.max_position, tie_word_embeddings=s.tie_word_embeddings,
+    )
+    m = engine.model
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    state = {"model.embed_tokens.weight": m.embed_tokens.weight, "model.norm.weight": m.norm.weight,
+             "lm_head.weight": m.lm_head.weight}
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        wq, wk, wv = layer.qkv_proj.weight.split([q, kv, kv])
+        gate, up = layer.gate_up_proj.weight.chunk(2)
+        state.update({
+            p + "input_layernorm.weight": layer.input_layernorm.weight,
+            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk, p + "self_attn.v_proj.weight": wv,
+            p + "self_attn.o_proj.weight": layer.o_proj.weight, p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": layer.down_proj.weight,
+        })
+    with torch.device(engine.runner.device):
+        hf = LlamaForCausalLM(config).to(engine.runner.dtype)
+    with torch.no_grad():
+        hf.load_state_dict(state, strict=True)
+    return hf.eval()
+
+
+def run_transformers(hf, work, batch_size: int, device: torch.device) -> float:
+    """Static batches in arrival order, left-padded; each batch runs until its longest request is done."""
+    t = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        chunk = work[i : i + batch_size]
+        width, new = max(len(p) for p, _ in chunk), max(n for _, n in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0)
+        assert out.shape[1] == width + new
+    sync(device)
+    return time.perf_counter() - t
+
+
+def throughput(args) -> dict:
+    shape_name = args.throughput_shape
+    orca, request_level = make_engine(shape_name, args), make_engine(shape_name, args, scheduling="request")
+    hf = hf_model_from(orca)
+    work = workload(args.requests, tuple(args.input_len), tuple(args.output_len), orca.shape.vocab_size, seed=0)
+    out_tokens = sum(n for _, n in work)
+    systems = {
+        "orcinus": lambda: run_to_completion(orca, work)[1],
+        "orcinus_request_level": lambda: run_to_completion(request_level, work)[1],
+        "transformers": lambda: run_transformers(hf, work, args.hf_batch, orca.runner.device),
+    }
+    small = work[: max(2, len(work) // 16)]
+    run_to_completion(orca, small), run_to_completion(request_level, small)  # warm-up
+    run_transformers(hf, small, args.hf_batch, orca.runner.device)
+    samples = {name: [] for name in systems}
+    for _ in range(args.repeats):
+        for name, run in systems.items():
+            samples[name].append(out_tokens / run())
+            print(f"(c/d) {name}: {samples[name][-1]:.0f} output tok/s", flush=True)
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    return {
+        "shape": shape_name, "requests": len(work), "output_tokens": out_tokens, "hf_batch": args.hf_batch,
+        "samples_tok_s": samples, "median_tok_s": med,
+        "orcinus_over_transformers": med["orcinus"] / med["transformers"],
+        "iteration_over_request_level": med["orcinus"] / med["orcinus_request_level"],
+    }
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    else:
+        info.update(name=platform.processor() or "cpu", threads=torch.get_num_threads())
+    return info
+
+
+def print_table(report: dict) -> None:
+    a = report["graphs_vs_eager"]
+    print(f"\n== {report['device']['name']} ==")
+    print(f"(a) graphs vs eager, {a['shape']}: {a['identical']}/{a['requests']} requests token-identical over {a['steps']} steps")
+    print(f"(b) copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s")
+    print(f"{'shape':<14}{'batch':>6}{'eager ms':>10}{'graphs ms':>11}{'floor ms':>10}{'speedup':>9}{'/floor':>8}")
+    for r in report["decode_steps"]:
+        print(f"{r['shape']:<14}{r['batch']:>6}{r['eager_ms']:>10.2f}{r['graphs_ms']:>11.2f}{r['floor_ms']:>10.2f}"
+              f"{r['graph_speedup']:>8.2f}x{r['graphs_over_floor']:>7.2f}x")
+    t = report["throughput"]
+    m = t["median_tok_s"]
+    print(f"(c) {t['shape']}, {t['requests']} requests: orcinus {m['orcinus']:.0f} tok/s, transformers "
+          f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}) = {t['orcinus_over_transformers']:.2f}x")
+    print(f"(d) iteration-level {m['orcinus']:.0f} vs request-level {m['orcinus_request_level']:.0f} tok/s "
+          f"= {t['iteration_over_request_level']:.2f}x")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama-1b"], choices=sorted(DUMMY_SHAPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per repeat and mode")
+    ap.add_argument("--decode-context", type=int, default=128, help="prompt tokens before the timed decode steps")
+    ap.add_argument("--check-requests", type=int, default=12, help="(a): requests, arriving one per iteration")
+    ap.add_argument("--check-steps", type=int, default=32, help="(a): greedy tokens per request")
+    ap.add_argument("--check-input-len", type=int, nargs=2, default=[8, 300], help="(a): prompt tokens ~ U[lo, hi]")
+    ap.add_argument("--throughput-shape", default="llama-1b", choices=sorted(DUMMY_SHAPES))
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[1, 128])
+    ap.add_argument("--hf-batch", type=int, default=64, help="transformers' static batch size")
+    ap.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache per engine (engines are co-resident)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script itself")
+    ap.add_argument("--out", default="benchmarks/gpu/bench_gpu.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.shapes, args.batches, args.steps, args.repeats = args.shapes[:1], [1, 2], 2, 1
+        args.throughput_shape, args.requests, args.input_len, args.output_len = args.shapes[0], 6, [8, 24], [1, 6]
+        args.hf_batch, args.token_budget, args.kv_gib, args.decode_context = 4, 64, 0.05, 16
+        args.check_requests, args.check_steps, args.check_input_len = 4, 6, [4, 40]
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+
+    report = {"command": "python " + " ".join(sys.argv), "device": device_info(device)}
+    report["graphs_vs_eager"] = check_graphs_match_eager(args)
+    print(f"(a) {report['graphs_vs_eager']}", flush=True)
+    bandwidth = copy_bandwidth(device)
+    report["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    report["decode_steps"] = decode_step_times(args, bandwidth)
+    report["throughput"] = throughput(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
