@@ -25,7 +25,9 @@ _ENGINE_FLAGS = {
     "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
     "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),
     "attention_backend": dict(choices=["auto", "torch", "cuda"], help="attention backend: auto|torch|cuda"),
-    "num_threads": dict(type=int, help="torch CPU threads"),
+    "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),
+    "pipeline_stages": dict(type=int, help="split the layers over N stage processes, N batches in flight"),
+    "external_stages": dict(action="store_true", help="stages are started elsewhere (MASTER_ADDR/MASTER_PORT)"),
 }
 
 

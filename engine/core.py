@@ -1,4 +1,4 @@
-"""The engine: one iteration is schedule -> run -> sample -> update (Orca's Algorithm 1)."""
+"""The engine: one iteration is schedule -> run -> update (Orca's Algorithm 1), with batches in flight."""
 
 from __future__ import annotations
 
@@ -8,44 +8,53 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.device import kv_cache_bytes, resolve_device
+from engine.device import resolve_device
+from engine.executor import Executor, LocalExecutor
 from engine.loader import Checkpoint, load_checkpoint
-from engine.model import LlamaModel
 from engine.request import Request
 from engine.request_limits import RequestLimits
-from engine.runner import ModelRunner, kv_bytes_per_block
-from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
 
 
 class EngineCore:
-    """Owns the model, the scheduler and the sampler; callers add requests and call `step()`."""
+    """Owns the scheduler and an executor (the model here, or pipeline stages); callers add requests and `step()`."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         """`checkpoint` reuses weights already loaded (e.g. to try several configs on one model)."""
+        config = resolve_device(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        config = resolve_device(config)
         self.config = config
-        ckpt = checkpoint or load_checkpoint(config.model, config.seed)
+        pipelined = config.pipeline_stages > 1
+        ckpt = checkpoint or load_checkpoint(config.model, config.seed, weights=not pipelined)
         self.model_name = ckpt.name
         self.shape = ckpt.shape
         self.tokenizer = ckpt.tokenizer
         self.max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
-        self.model = build_model(ckpt, self.max_model_len, config)
-        dtype = getattr(torch, config.dtype)
-        # Sized after the weights are loaded: on a GPU the KV cache takes what they leave free.
-        num_blocks = kv_cache_bytes(config, self.shape) // kv_bytes_per_block(self.shape, config.block_size, dtype)
-        self.runner = ModelRunner(config, self.model, num_blocks, self.max_model_len)
+        if pipelined:
+            from engine.pipeline import PipelineExecutor  # torch.distributed only where it is used
+
+            self.executor: Executor = PipelineExecutor(config, self.max_model_len)
+        else:
+            self.executor = LocalExecutor(config, ckpt, self.max_model_len)
+        num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        self.sampler = Sampler(config.seed, torch.device(config.device))
         self.limits = RequestLimits(self.max_model_len, self.shape.vocab_size, num_blocks, config.block_size)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self._ids = itertools.count()
         self.num_iterations = 0
         self.last_batch_size = 0
         self.last_batch_tokens = 0
+        self.max_batches_in_flight = 0
+
+    @property
+    def runner(self):
+        return self.executor.runner  # in-process execution only
+
+    @property
+    def model(self):
+        return self.executor.model  # in-process execution only
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -60,36 +69,32 @@ class EngineCore:
         return req
 
     def abort_request(self, request_id: str) -> Request | None:
-        return self.scheduler.abort(request_id)
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self.executor.release([request_id])
+        return req
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.executor.num_in_flight > 0
 
     def step(self) -> list[Request]:
-        """One iteration; returns the requests that got a new token (finished ones included)."""
-        batch = self.scheduler.schedule()
-        self.last_batch_size = len(batch)
-        self.last_batch_tokens = batch.num_tokens
-        if not batch.requests:
+        """One iteration: fill the pipeline with batches, then finish the oldest; returns requests that got a token."""
+        while (free := self.executor.max_in_flight - self.executor.num_in_flight) > 0:
+            batch = self.scheduler.schedule(num_batches=free)
+            if not batch.requests:
+                break
+            self.executor.submit(batch, [self.scheduler.requests[r.request_id] for r in batch.requests if r.sample])
+            self.last_batch_size, self.last_batch_tokens = len(batch), batch.num_tokens
+            self.max_batches_in_flight = max(self.max_batches_in_flight, self.executor.num_in_flight)
+        if not self.executor.num_in_flight:
+            self.last_batch_size = self.last_batch_tokens = 0
             return []
-        logits = self.runner.run(batch)
-        sampled = self.sampler(logits, [self.scheduler.requests[r.request_id] for r in batch.requests if r.sample])
+        batch, sampled = self.executor.collect()
         self.num_iterations += 1
-        return self.scheduler.update(batch, sampled)
+        updated = self.scheduler.update(batch, sampled)
+        self.executor.release([r.request_id for r in updated if r.status.finished])
+        return updated
 
-
-def build_model(ckpt, max_position: int, config: EngineConfig) -> LlamaModel:
-    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
-    with torch.device("meta"):
-        model = LlamaModel(ckpt.shape, max_position)
-    # Allocate without torch's random init: every parameter is overwritten next.
-    model = model.to_empty(device=device)
-    model.materialize_buffers()
-    if ckpt.weights:
-        model.load_weights(ckpt.weights)
-    else:
-        model.init_random(config.seed)
-    # Parameters only: the RoPE tables stay float32.
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-    return model.eval().requires_grad_(False)
+    def close(self) -> None:
+        """Stop the executor's processes, if it has any."""
+        self.executor.close()

@@ -48,6 +48,16 @@ class LLM:
                 bar.update(sum(r.status.finished for r in self.engine.step()))
         return [self._completion(r) for r in requests]
 
+    def close(self) -> None:
+        """Stop pipeline stage processes, if any (they also exit on their own when this process does)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], params)[0]

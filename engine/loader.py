@@ -23,17 +23,20 @@ class Checkpoint:
     tokenizer: object | None
 
 
-def load_checkpoint(model: str | None, seed: int = 0) -> Checkpoint:
-    """`model` is a .gguf file, a Hugging Face checkpoint directory, `dummy:NAME`, or None for the default."""
+def load_checkpoint(model: str | None, seed: int = 0, weights: bool = True) -> Checkpoint:
+    """`model` is a .gguf file, a Hugging Face checkpoint directory, `dummy:NAME`, or None for the default.
+
+    weights=False reads only the shape and tokenizer (a pipeline driver holds no layers).
+    """
     if model is None:
-        return load_gguf(default_model_path())
+        return load_gguf(default_model_path(), weights)
     if model.startswith("dummy:"):
         return load_dummy(model.removeprefix("dummy:"), seed)
     path = Path(model)
     if path.is_dir():
-        return load_hf_dir(path)
+        return load_hf_dir(path, weights)
     if path.suffix == ".gguf" and path.is_file():
-        return load_gguf(path)
+        return load_gguf(path, weights)
     raise ModelNotFoundError(f"no model at {model!r}: expected a .gguf file, a checkpoint directory or dummy:NAME")
 
 
@@ -48,14 +51,14 @@ _GGUF_NAMES = {
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def load_gguf(path: Path) -> Checkpoint:
+def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
     import gguf
 
     from engine.tokenizer import Tokenizer
 
     reader = gguf.GGUFReader(path)
     shape = shape_from_gguf(reader)
-    return Checkpoint(path.name, shape, gguf_weights(reader, shape), Tokenizer.from_gguf(reader))
+    return Checkpoint(path.name, shape, gguf_weights(reader, shape) if weights else {}, Tokenizer.from_gguf(reader))
 
 
 def shape_from_gguf(reader) -> ModelShape:
@@ -111,7 +114,7 @@ def gguf_weights(reader, shape: ModelShape) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- Hugging Face checkpoint directory
 
 
-def load_hf_dir(path: Path) -> Checkpoint:
+def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
     from safetensors.torch import load_file
 
     from engine.tokenizer import Tokenizer
@@ -136,11 +139,11 @@ def load_hf_dir(path: Path) -> Checkpoint:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors in {path}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in tqdm(files, desc="loading", unit="file", leave=False):
-        weights.update({k: v.float() for k, v in load_file(f).items()})
+    tensors: dict[str, torch.Tensor] = {}
+    for f in tqdm(files if weights else [], desc="loading", unit="file", leave=False):
+        tensors.update({k: v.float() for k, v in load_file(f).items()})
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
-    return Checkpoint(path.name, shape, weights, tokenizer)
+    return Checkpoint(path.name, shape, tensors, tokenizer)
 
 
 # ---------------------------------------------------------------- dummy weights

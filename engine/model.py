@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,49 +78,74 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head; logits only for the rows asked for."""
+    """Embedding, decoder layers, final norm and LM head; logits only for the rows asked for.
 
-    def __init__(self, shape: ModelShape, max_position: int):
+    A pipeline stage holds a contiguous span of the layers: the embedding comes with the first
+    span, the final norm and LM head with the last. A whole model is the one span of all layers.
+    """
+
+    def __init__(self, shape: ModelShape, max_position: int, layer_span: range | None = None):
         super().__init__()
         self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.layer_span = layer_span if layer_span is not None else range(shape.num_layers)
+        self.is_first = self.layer_span.start == 0
+        self.is_last = self.layer_span.stop == shape.num_layers
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in self.layer_span)
+        if self.is_last:
+            self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.max_position = max_position
         self.materialize_buffers()
+
+    @property
+    def is_whole(self) -> bool:
+        return self.is_first and self.is_last
 
     def materialize_buffers(self) -> None:
         """(Re)build what is computed rather than loaded, on the parameters' device; re-tie the LM head."""
         shape = self.shape
-        with self.embed_tokens.weight.device:
+        with next(self.parameters()).device:
             self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position)
-        if shape.tie_word_embeddings:
+        if shape.tie_word_embeddings and self.is_whole:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T]
+        input_ids: torch.Tensor,  # [T]; unused by a stage after the first
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # one per layer
+        kv_caches: list[torch.Tensor],  # one per layer of this span
         meta: AttentionMetadata,
         attention: AttentionBackend,
         logits_indices: torch.Tensor,  # rows whose next token is sampled
+        hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """Logits [num_sampled, vocab] from the last span; the hidden states [T, hidden] from any other."""
+        x = self.embed_tokens(input_ids) if self.is_first else hidden
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv_cache, meta, attention)
-        return self.lm_head(self.norm(x[logits_indices])).float()
+        return self.lm_head(self.norm(x[logits_indices])).float() if self.is_last else x
+
+    def _source_name(self, name: str) -> str:
+        """This span's parameter name -> the whole model's (Hugging Face, without `model.`)."""
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            return f"layers.{self.layer_span.start + int(i)}.{rest}"
+        if name == "lm_head.weight" and self.shape.tie_word_embeddings:
+            return "embed_tokens.weight"
+        return name
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, ...) and fuse Q/K/V, gate/up."""
         w = {k.removeprefix("model."): v for k, v in weights.items()}
-        self.embed_tokens.weight.copy_(w["embed_tokens.weight"])
-        self.norm.weight.copy_(w["norm.weight"])
-        if not self.shape.tie_word_embeddings:
-            self.lm_head.weight.copy_(w["lm_head.weight"])
-        for i, layer in enumerate(self.layers):
+        if self.is_first:
+            self.embed_tokens.weight.copy_(w["embed_tokens.weight"])
+        if self.is_last:
+            self.norm.weight.copy_(w["norm.weight"])
+            self.lm_head.weight.copy_(w[self._source_name("lm_head.weight")])
+        for i, layer in zip(self.layer_span, self.layers):
             p = f"layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
             layer.input_layernorm.weight.copy_(w[p + "input_layernorm.weight"])
@@ -130,10 +157,16 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def init_random(self, seed: int) -> None:
-        """Dummy weights for benchmarks: N(0, 0.02) matrices, unit norms."""
-        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        """Dummy weights for benchmarks: N(0, 0.02) matrices, unit norms.
+
+        Each parameter draws from its own stream, seeded by its whole-model name, so every pipeline
+        split of a dummy model holds the same weights.
+        """
+        device = next(self.parameters()).device
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
+                source = self._source_name(name)
+                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
                 p.normal_(0.0, 0.02, generator=gen)

@@ -12,9 +12,11 @@ from engine.model import LlamaModel
 from engine.scheduler import Batch
 
 
-def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes one block takes over `num_layers` layers (default: all of them)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return shape.num_layers * 2 * block_size * shape.num_kv_heads * shape.head_dim * elem
+    layers = shape.num_layers if num_layers is None else num_layers
+    return layers * 2 * block_size * shape.num_kv_heads * shape.head_dim * elem
 
 
 class StepInputs:
@@ -68,24 +70,28 @@ class ModelRunner:
         s = model.shape
         self.kv_caches = [
             torch.zeros(2, s.num_kv_heads, num_blocks, config.block_size, s.head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(s.num_layers)
+            for _ in model.layers  # a pipeline stage caches only its own layers
         ]
         self.attention = make_backend(config.attention_backend)
         self.inputs = StepInputs(config, max_model_len, self.device)
         self.graphs: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and model.is_whole:
             max_graph_tokens = config.cuda_graph_max_tokens or config.max_num_batched_tokens
             self.graphs = CudaGraphRunner(model, max_graph_tokens, self.device, self.dtype)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Logits [num_sampled, vocab] (float32), in batch order of the requests that sample."""
+    def run(self, batch: Batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [num_sampled, vocab] (float32), in batch order of the requests that sample.
+
+        A pipeline stage takes the previous stage's `hidden` states and, unless it is the last,
+        returns its own for the next.
+        """
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         if self.graphs is not None:
             logits = self.graphs.forward(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices)
             if logits is not None:
                 return logits
-        return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
 
     def prepare(self, batch: Batch):
         bs = self.config.block_size

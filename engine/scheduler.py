@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: oldest first
         self.requests: dict[str, Request] = {}
+        self.in_flight: set[str] = set()  # ids in a batch submitted but not yet updated (Orca: at most one batch each)
         self.num_preemptions = 0
 
     @property
@@ -80,7 +81,11 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
-        """Drop a request wherever it is and free its blocks; call between iterations."""
+        """Drop a request wherever it is and free its blocks; call between iterations.
+
+        Freeing blocks of a request whose batch is still in flight is safe: every stage runs batches
+        in submission order, so whoever gets the blocks next writes them after that batch did.
+        """
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -92,20 +97,28 @@ class Scheduler:
         req.status = RequestStatus.FINISHED_ABORTED
         return req
 
-    def schedule(self) -> Batch:
+    def schedule(self, num_batches: int = 1) -> Batch:
+        """The next batch. With pipeline stages free for `num_batches` batches, take a 1/num_batches share of
+        the requests that could run, so the batches in flight split them and every stage has work."""
         budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
         scheduled: list[tuple[Request, int]] = []
+        num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
+        max_seqs = -(-num_ready // num_batches)
 
         i = 0
-        while i < len(self.running):
+        while i < len(self.running) and len(scheduled) < max_seqs:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new == 0:
+            if num_new == 0 or req.request_id in self.in_flight:
                 i += 1
                 continue
             while not self.kv.allocate(req, num_new):
-                if self._preempt_newest() is req:
+                victim = self._preempt_newest()
+                if victim is None:  # every newer request is in flight: wait for one to come back
+                    i += 1
+                    break
+                if victim is req:
                     break
             else:
                 scheduled.append((req, num_new))
@@ -114,6 +127,7 @@ class Scheduler:
 
         while (
             self.waiting
+            and len(scheduled) < max_seqs
             and len(self.running) < self.config.max_num_seqs
             and self.admission.may_admit(num_running_at_start, budget)
         ):
@@ -128,6 +142,7 @@ class Scheduler:
                 scheduled.append((req, num_new))
                 budget -= num_new
 
+        self.in_flight.update(req.request_id for req, _ in scheduled)
         return Batch([self._to_scheduled(req, n) for req, n in scheduled])
 
     def _to_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -137,9 +152,13 @@ class Scheduler:
             req.request_id, req.token_ids(start, end), start, list(req.block_table), end == req.num_tokens
         )
 
-    def _preempt_newest(self) -> Request:
+    def _preempt_newest(self) -> Request | None:
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
-        victim = self.running.pop()
+        # One in a batch still in flight is left alone: its tokens are being computed into those blocks.
+        victim = next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
+        if victim is None:
+            return None
+        self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
@@ -154,7 +173,10 @@ class Scheduler:
         """Account computed tokens, append sampled ones, retire finished requests; returns those that got a token."""
         updated = []
         for sr in batch.requests:
-            req = self.requests[sr.request_id]
+            self.in_flight.discard(sr.request_id)
+            req = self.requests.get(sr.request_id)
+            if req is None:  # aborted while its batch was in flight
+                continue
             req.num_computed_tokens += len(sr.token_ids)
             if not sr.sample:
                 continue

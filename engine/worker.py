@@ -105,6 +105,7 @@ class EngineWorker:
         return self.rss_bytes
 
     def close(self) -> None:
+        self.engine.close()  # pipeline stages, if any, are stopped with it
         self.inbox.close()
         self.outbox.close()
 

@@ -1,0 +1,166 @@
+"""The pipeline driver: sends each batch down N stage processes and keeps up to N batches in flight.
+
+Orca's distributed execution: the layers are split into stages (engine/stage.py), the scheduler
+hands batches to the first stage while the later ones still work on earlier batches, and the last
+stage returns the sampled ids. The driver is rank 0 and holds no layers. By default it launches the
+stages here; with `external_stages` they are started elsewhere (other hosts) and all ranks meet
+through MASTER_ADDR / MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.executor import Sampled
+from engine.pipeline_frames import (
+    PendingSends, SamplingState, StageBatch, StageReady, StageResult, StageSetup, StageShutdown, recv_frame, send_frame,
+)
+from engine.request import Request, TokenLogprobs
+from engine.scheduler import Batch
+from engine.stage import RENDEZVOUS_TIMEOUT, tensor_group
+
+
+class StageFailedError(RuntimeError):
+    """A pipeline stage died or its connection broke; in-flight batches are lost."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PipelineExecutor:
+    """Rank 0 of the stage group: submit batches in order, collect sampled ids in the same order."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        self.num_stages = config.pipeline_stages
+        self.max_in_flight = self.num_stages
+        world = self.num_stages + 1
+        self.procs: list[subprocess.Popen] = []
+        self.closing = False
+        if config.external_stages:
+            init = "env://"  # MASTER_ADDR and MASTER_PORT from the environment, as torchrun sets them
+        else:
+            port = _free_port()
+            init = f"tcp://127.0.0.1:{port}"
+            config = config.with_(num_threads=config.num_threads or self._threads_per_stage(config))
+            self.procs = [self._launch(rank, world, port) for rank in range(1, world)]
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=world, timeout=RENDEZVOUS_TIMEOUT)
+        self.last_rank = self.num_stages
+        self.pending = PendingSends()
+        for stage in range(self.num_stages):
+            send_frame(StageSetup(config, stage, self.num_stages, max_model_len), stage + 1, self.pending)
+        tensor_group(torch.device(config.device))  # the stages create it too: group creation is collective
+        ready = [recv_frame(rank) for rank in range(1, world)]
+        assert all(isinstance(r, StageReady) for r in ready)
+        self.num_blocks = min(r.num_blocks for r in ready)
+
+        self.in_flight: deque[tuple[int, Batch, list[str]]] = deque()
+        self.results: queue.Queue[StageResult | BaseException] = queue.Queue()
+        self.known: set[str] = set()  # requests the last stage keeps sampling state for
+        self.released: list[str] = []
+        self.next_batch_id = 0
+        threading.Thread(target=self._receive_results, daemon=True).start()
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
+
+    @staticmethod
+    def _threads_per_stage(config: EngineConfig) -> int:
+        # Stages share this host's cores; more threads than cores makes every stage stall.
+        return max(1, (os.cpu_count() or 1) // config.pipeline_stages) if config.device == "cpu" else 1
+
+    def _launch(self, rank: int, world: int, port: int) -> subprocess.Popen:
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        return subprocess.Popen([sys.executable, "-m", "engine.stage", "--parent-pid", str(os.getpid())], env=env)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()
+        if not self.closing:
+            self.results.put(StageFailedError(self._who_died()))
+
+    def _who_died(self, grace: float = 1.0) -> str | None:
+        """Which local stage exited first (a dead stage's peers fail right after it; give its exit a moment to show)."""
+        deadline = time.monotonic() + grace
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None:
+                    return f"pipeline stage {rank - 1} (pid {proc.pid}) exited with code {proc.returncode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def _receive_results(self) -> None:
+        try:
+            while True:
+                self.results.put(recv_frame(self.last_rank))
+        except BaseException as e:
+            if not self.closing:
+                self.results.put(StageFailedError(self._who_died() or f"lost the last pipeline stage: {e}"))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def submit(self, batch: Batch, sampling: list[Request]) -> None:
+        new = [
+            SamplingState(r.request_id, r.prompt_token_ids, r.params, r.eos_token_id)
+            for r in sampling if r.request_id not in self.known
+        ]
+        self.known.update(s.request_id for s in new)
+        frame = StageBatch(self.next_batch_id, batch, new, self.released)
+        self.released = []
+        try:
+            for rank in range(1, self.num_stages + 1):
+                send_frame(frame, rank, self.pending)
+        except RuntimeError as e:  # gloo: the peer's connection is gone
+            raise StageFailedError(f"cannot reach pipeline stage {rank - 1}: {e}") from e
+        self.in_flight.append((self.next_batch_id, batch, [r.request_id for r in sampling]))
+        self.next_batch_id += 1
+
+    def collect(self) -> tuple[Batch, Sampled]:
+        result = self.results.get()
+        if isinstance(result, BaseException):
+            raise result
+        batch_id, batch, sampling_ids = self.in_flight.popleft()
+        if not isinstance(result, StageResult) or result.batch_id != batch_id:
+            raise StageFailedError(f"pipeline out of order: expected batch {batch_id}, got {result!r}")
+        sampled: Sampled = {}
+        for request_id, token, lp in zip(sampling_ids, result.token_ids, result.logprobs):
+            sampled[request_id] = (token, None if lp is None else TokenLogprobs(token, lp[0], [tuple(p) for p in lp[1]]))
+        return batch, sampled
+
+    def release(self, request_ids: list[str]) -> None:
+        gone = [r for r in request_ids if r in self.known]
+        self.known.difference_update(gone)
+        self.released += gone
+
+    def close(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        for rank in range(1, self.num_stages + 1):
+            try:
+                send_frame(StageShutdown(), rank, self.pending)
+            except Exception:
+                pass  # a dead stage needs no goodbye
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if not self.procs:
+            self.pending.wait_all()
+        dist.destroy_process_group()

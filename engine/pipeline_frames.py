@@ -1,0 +1,100 @@
+"""Control frames between the pipeline driver (rank 0) and its stages (ranks 1..N): msgspec over gloo.
+
+Frames are small (batch metadata, sampled ids); the activations go over the tensor path (NCCL on
+GPUs, gloo on CPU). A frame travels as two gloo messages, its length then its msgpack bytes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Batch
+
+CONTROL_TAG = 1
+ACTIVATION_TAG = 2
+
+
+class StageSetup(msgspec.Struct, tag=True):
+    """Driver -> stage, once: what to load and which layers are this stage's."""
+
+    config: EngineConfig
+    stage: int  # 0-based; the stage's rank is stage + 1
+    num_stages: int
+    max_model_len: int
+
+
+class StageReady(msgspec.Struct, tag=True):
+    """Stage -> driver, once: the stage has its layers and this many KV blocks."""
+
+    num_blocks: int
+
+
+class SamplingState(msgspec.Struct, array_like=True):
+    """What the last stage needs to sample for a request it has not seen before."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # repetition penalties look at the prompt
+    params: SamplingParams
+    eos_token_id: int | None
+
+
+class StageBatch(msgspec.Struct, tag=True):
+    """Driver -> every stage, per iteration: the batch, plus requests to start or stop tracking."""
+
+    batch_id: int
+    batch: Batch
+    new_requests: list[SamplingState]
+    released: list[str]
+
+
+class StageResult(msgspec.Struct, tag=True):
+    """Last stage -> driver, per iteration: one sampled token per sampling row, in batch order."""
+
+    batch_id: int
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen logprob, top pairs) where asked
+
+
+class StageShutdown(msgspec.Struct, tag=True):
+    pass
+
+
+Frame = StageSetup | StageReady | StageBatch | StageResult | StageShutdown
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+class PendingSends:
+    """Asynchronous sends whose buffers must stay alive until they complete."""
+
+    def __init__(self):
+        self.items: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def add(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        self.items = [(w, t) for w, t in self.items if not w.is_completed()]
+        self.items.append((work, tensor))
+
+    def wait_all(self) -> None:
+        for work, _ in self.items:
+            work.wait()
+        self.items = []
+
+
+def send_frame(frame: Frame, dst: int, pending: PendingSends) -> None:
+    data = _encoder.encode(frame)
+    header = torch.tensor([len(data)], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pending.add(dist.isend(header, dst, tag=CONTROL_TAG), header)
+    pending.add(dist.isend(payload, dst, tag=CONTROL_TAG), payload)
+
+
+def recv_frame(src: int) -> Frame:
+    header = torch.empty(1, dtype=torch.int64)
+    dist.recv(header, src, tag=CONTROL_TAG)
+    payload = torch.empty(int(header.item()), dtype=torch.uint8)
+    dist.recv(payload, src, tag=CONTROL_TAG)
+    return _decoder.decode(payload.numpy().tobytes())

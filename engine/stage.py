@@ -1,0 +1,136 @@
+"""A pipeline stage process: for each batch frame, run this stage's layers and pass the activations on.
+
+The first stage embeds the batch's tokens; the last applies the final norm and LM head, samples,
+and returns the sampled ids to the driver. Ranks rendezvous through the standard torch.distributed
+environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), so a stage can run on another host:
+
+    RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m engine.stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.executor import build_model, num_kv_blocks, stage_span
+from engine.loader import load_checkpoint
+from engine.pipeline_frames import (
+    ACTIVATION_TAG, PendingSends, SamplingState, StageBatch, StageReady, StageResult, StageSetup, StageShutdown,
+    recv_frame, send_frame,
+)
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+
+DRIVER = 0
+# An idle server sends no frames for as long as nobody asks it anything: receives must not time out.
+RENDEZVOUS_TIMEOUT = timedelta(days=365)
+
+
+def tensor_group(device: torch.device):
+    """The activations' process group: NCCL between GPUs, else the (gloo) world group. Collective: every rank calls it."""
+    return dist.new_group(backend="nccl") if device.type == "cuda" else None
+
+
+class Stage:
+    """One span of the decoder layers, with its own KV cache blocks; the last stage also samples."""
+
+    def __init__(self, setup: StageSetup):
+        config = setup.config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.set_device(setup.stage % torch.cuda.device_count())  # one GPU per stage where there are enough
+        ckpt = load_checkpoint(config.model, config.seed)
+        self.span = stage_span(ckpt.shape.num_layers, setup.stage, setup.num_stages)
+        self.model = build_model(ckpt, setup.max_model_len, config, self.span)
+        del ckpt
+        self.num_blocks = num_kv_blocks(config, self.model.shape, len(self.span))
+        self.runner = ModelRunner(config, self.model, self.num_blocks, setup.max_model_len)
+        self.sampler = Sampler(config.seed, self.runner.device) if self.model.is_last else None
+        self.rank = setup.stage + 1
+        self.next_rank = self.rank + 1
+        self.tensors = tensor_group(self.runner.device)
+        self.requests: dict[str, Request] = {}  # the last stage's copy of what sampling needs per request
+        self.pending = PendingSends()
+
+    def run(self) -> None:
+        while True:
+            frame = recv_frame(DRIVER)
+            if isinstance(frame, StageShutdown):
+                self.pending.wait_all()
+                return
+            assert isinstance(frame, StageBatch)
+            self.step(frame)
+
+    def step(self, frame: StageBatch) -> None:
+        for request_id in frame.released:
+            self.requests.pop(request_id, None)
+        for state in frame.new_requests:
+            self.requests[state.request_id] = _request(state)
+        batch = frame.batch
+        hidden = None
+        if not self.model.is_first:
+            hidden = torch.empty(batch.num_tokens, self.model.shape.hidden_size, dtype=self.runner.dtype,
+                                 device=self.runner.device)
+            dist.recv(hidden, self.rank - 1, group=self.tensors, tag=ACTIVATION_TAG)
+        out = self.runner.run(batch, hidden)
+        if not self.model.is_last:
+            self.pending.add(dist.isend(out, self.next_rank, group=self.tensors, tag=ACTIVATION_TAG), out)
+            return
+        sampling = [self.requests[r.request_id] for r in batch.requests if r.sample]
+        sampled = self.sampler(out, sampling)
+        token_ids, logprobs = [], []
+        for req in sampling:
+            token, lp = sampled[req.request_id]
+            req.output_token_ids.append(token)  # the penalties and min_tokens of its next sample see it
+            token_ids.append(token)
+            logprobs.append(None if lp is None else (lp.logprob, lp.top))
+        send_frame(StageResult(frame.batch_id, token_ids, logprobs), DRIVER, self.pending)
+
+
+def _request(state: SamplingState) -> Request:
+    return Request(state.request_id, list(state.prompt_token_ids), state.params, 0.0, state.eos_token_id)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A locally launched stage must not outlive its driver, even one killed with SIGKILL."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.2)
+    os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="an Orcinus pipeline stage (rank and peers from the environment)")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the driver) is gone")
+    args = ap.parse_args(argv)
+    if args.parent_pid:
+        threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
+    dist.init_process_group("gloo", init_method="env://", timeout=RENDEZVOUS_TIMEOUT)
+    try:
+        setup = recv_frame(DRIVER)
+        assert isinstance(setup, StageSetup) and setup.stage + 1 == dist.get_rank()
+        stage = Stage(setup)
+        pending = PendingSends()
+        send_frame(StageReady(stage.num_blocks), DRIVER, pending)
+        pending.wait_all()
+        stage.run()
+    except Exception:
+        # A failed stage must not leave its peers waiting: exiting closes its connections, which they see.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

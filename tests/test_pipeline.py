@@ -1,0 +1,150 @@
+"""Pipeline-parallel stages over torch.distributed (gloo on CPU): same tokens for 1, 2 and 3 stages,
+batches in flight, stages on separate "hosts" via env rendezvous, and a dead stage failing fast."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.executor import build_model, stage_span
+from engine.pipeline import StageFailedError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: good morning",
+    "Q: What is 12 * 12?\nA:",
+    "The quick brown fox",
+    "In machine learning, a transformer is",
+    "import numpy as np\nx = np.",
+    "My favourite food is",
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "num_layers, num_stages, spans",
+    [
+        (30, 1, [(0, 30)]),
+        (30, 2, [(0, 15), (15, 30)]),
+        (30, 4, [(0, 8), (8, 16), (16, 23), (23, 30)]),
+        (3, 3, [(0, 1), (1, 2), (2, 3)]),
+    ],
+)
+def test_layers_split_evenly_with_extras_on_the_first_stages(num_layers, num_stages, spans):
+    got = [stage_span(num_layers, s, num_stages) for s in range(num_stages)]
+    assert [(r.start, r.stop) for r in got] == spans
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ValueError, match="cannot split 3 layers over 4 pipeline stages"):
+        stage_span(3, 0, 4)
+
+
+def test_stage_spans_chained_give_the_whole_models_logits(checkpoint, tokenizer):
+    """No processes: the three spans of a split model, run one after the other, equal the whole model."""
+    from engine.attention import TorchAttention
+    from engine.runner import ModelRunner
+    from engine.scheduler import Batch, ScheduledRequest
+
+    config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=8 * 737_280)
+    ids = tokenizer.encode(PROMPTS[2])
+    batch = Batch([ScheduledRequest("r", ids, 0, list(range(-(-len(ids) // 16))), True)])
+    whole = ModelRunner(config, build_model(checkpoint, 512, config), 8, 512)
+    expected = whole.run(batch)
+    hidden = None
+    for stage in range(3):
+        span = stage_span(checkpoint.shape.num_layers, stage, 3)
+        runner = ModelRunner(config, build_model(checkpoint, 512, config, span), 8, 512)
+        assert len(runner.kv_caches) == len(span) and isinstance(runner.attention, TorchAttention)
+        hidden = runner.run(batch, hidden)
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+def run_staggered(llm: LLM, tokenizer, check_in_flight: bool = False) -> list[list[int]]:
+    """One request arrives per iteration; optionally assert no request is in two in-flight batches."""
+    engine = llm.engine
+    executor = engine.executor
+    submit = executor.submit
+
+    def checked_submit(batch, sampling):
+        in_flight = {r.request_id for _, b, _ in executor.in_flight for r in b.requests}
+        assert not in_flight & {r.request_id for r in batch.requests}
+        submit(batch, sampling)
+
+    if check_in_flight:
+        executor.submit = checked_submit
+    pending = [tokenizer.encode(p) for p in PROMPTS]
+    requests = []
+    while pending or engine.has_unfinished():
+        if pending:
+            requests.append(engine.add_request(pending.pop(0), GREEDY))
+        engine.step()
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    assert not engine.scheduler.in_flight
+    return [r.output_token_ids for r in requests]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, tokenizer):
+    return run_staggered(LLM(checkpoint=checkpoint), tokenizer)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_stages_give_the_same_tokens(num_stages, reference, tokenizer):
+    with LLM(pipeline_stages=num_stages) as llm:
+        assert llm.engine.executor.max_in_flight == num_stages
+        assert run_staggered(llm, tokenizer, check_in_flight=True) == reference
+        # Orca: with N stages the scheduler keeps N batches in flight, each request in one of them at most.
+        assert llm.engine.max_batches_in_flight == num_stages
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stages_started_as_separate_hosts_rendezvous_through_the_environment(reference, tokenizer, monkeypatch):
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3"}
+    stages = [
+        subprocess.Popen([sys.executable, "-m", "engine.stage"], env={**env, "RANK": str(rank)}, cwd=REPO_ROOT)
+        for rank in (1, 2)
+    ]
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with LLM(pipeline_stages=2, external_stages=True, num_threads=1) as llm:
+            assert run_staggered(llm, tokenizer) == reference
+        assert [p.wait(timeout=30) for p in stages] == [0, 0]  # shut down cleanly by the driver
+    finally:
+        for p in stages:
+            p.kill()
+
+
+def test_a_dead_stage_fails_the_engine_instead_of_hanging(tokenizer):
+    llm = LLM(pipeline_stages=2)
+    try:
+        engine = llm.engine
+        engine.add_request(tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.step()
+        os.kill(engine.executor.procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(StageFailedError, match="pipeline stage 1 .* exited with code -9"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - start < 30  # a liveness bound, not a speed claim: it must not hang
+    finally:
+        llm.close()
