@@ -50,6 +50,7 @@ class PipelineExecutor:
         world = self.num_stages + 1
         self.procs: list[subprocess.Popen] = []
         self.closing = False
+        self.failed = False  # a stage died: the rest are killed, not asked to stop
         if config.external_stages:
             init = "env://"  # MASTER_ADDR and MASTER_PORT from the environment, as torchrun sets them
         else:
@@ -89,6 +90,7 @@ class PipelineExecutor:
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         proc.wait()
         if not self.closing:
+            self.failed = True
             self.results.put(StageFailedError(self._who_died()))
 
     def _who_died(self, grace: float = 1.0) -> str | None:
@@ -108,6 +110,7 @@ class PipelineExecutor:
                 self.results.put(recv_frame(self.last_rank))
         except BaseException as e:
             if not self.closing:
+                self.failed = True
                 self.results.put(StageFailedError(self._who_died() or f"lost the last pipeline stage: {e}"))
 
     @property
@@ -126,6 +129,7 @@ class PipelineExecutor:
             for rank in range(1, self.num_stages + 1):
                 send_frame(frame, rank, self.pending)
         except RuntimeError as e:  # gloo: the peer's connection is gone
+            self.failed = True
             raise StageFailedError(f"cannot reach pipeline stage {rank - 1}: {e}") from e
         self.in_flight.append((self.next_batch_id, batch, [r.request_id for r in sampling]))
         self.next_batch_id += 1
@@ -151,11 +155,12 @@ class PipelineExecutor:
         if self.closing:
             return
         self.closing = True
+        if self.failed:
+            for proc in self.procs:
+                proc.kill()  # the survivors may be blocked on the dead one; no point asking them
+            return
         for rank in range(1, self.num_stages + 1):
-            try:
-                send_frame(StageShutdown(), rank, self.pending)
-            except Exception:
-                pass  # a dead stage needs no goodbye
+            send_frame(StageShutdown(), rank, self.pending)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)

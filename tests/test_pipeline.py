@@ -148,3 +148,59 @@ def test_a_dead_stage_fails_the_engine_instead_of_hanging(tokenizer):
         assert time.monotonic() - start < 30  # a liveness bound, not a speed claim: it must not hang
     finally:
         llm.close()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def test_killing_a_stage_under_the_server_gives_errors_then_503_then_recovers(server_factory):
+    import httpx
+
+    with server_factory("--pipeline-stages", "2") as url:
+        def stage_pids() -> list[int]:
+            return [
+                p for gateway_child in _children(_server_pid(url)) for p in _children(gateway_child)
+                if "engine.stage" in _cmdline(p)
+            ]
+
+        stages = stage_pids()
+        assert len(stages) == 2
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=30) as client:
+            with client.stream("POST", "/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
+                os.kill(stages[1], signal.SIGKILL)
+                rest = [line for line in lines if line.startswith("data: ")]  # must end, not hang (30 s read timeout)
+            assert rest[-1] == "data: [DONE]"
+            assert any('"error"' in line for line in rest[-3:]), rest[-3:]
+            r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["type"] == "service_unavailable_error"
+            deadline = time.monotonic() + 120  # the engine and both stages are started again
+            while (r := client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code == 503:
+                assert time.monotonic() < deadline, "the engine did not come back"
+                time.sleep(0.5)
+            assert r.status_code == 200
+            assert len(stage_pids()) == 2 and not set(stage_pids()) & set(stages)
+
+
+def _server_pid(url: str) -> int:
+    port = int(url.rsplit(":", 1)[1])
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            if f"--port {port}" in _cmdline(pid) and "engine.cli serve" in _cmdline(pid):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no server process listening on port {port}")
