@@ -37,9 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(mode: str, args) -> tuple[subprocess.Popen, str]:
+def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`orcinus serve` with the shared limits from `args` plus `extra` flags; returns it once /health is 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--scheduling", mode,
+    mode = " ".join(extra)
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *extra,
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
@@ -125,7 +127,7 @@ def main() -> int:
     t_start = time.perf_counter()
     modes: dict[str, list[dict]] = {}
     for mode in ("iteration", "request"):
-        proc, url = start_server(mode, args)
+        proc, url = start_server(args, "--scheduling", mode)
         try:
             # model=None: Orcinus serves one model and accepts requests that do not name it.
             asyncio.run(run(url, None, Workload(2, (16, 16), (4, 4)), float("inf"), None, progress=False))  # warm-up
