@@ -22,7 +22,12 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)
 TokenId = Annotated[int, Meta(ge=0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what msgspec can send to the engine
 Seed = Int64  # int64, what torch.Generator takes
-ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# The ranges SamplingParams enforces, stated on the fields too so that /openapi.json shows them.
+TopK = Annotated[int, Meta(ge=-1, le=2**63 - 1)]  # k >= vocab means all; larger than int64 cannot cross
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+MaxTokens = Annotated[int, Meta(ge=1)]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
 FinishReason = Literal["stop", "length"]
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
@@ -36,22 +41,22 @@ class _SamplingFields(Struct, kw_only=True):
     """Fields both endpoints share. Unknown fields (`user`, `metadata`, ...) are ignored."""
 
     model: str | None = None
-    temperature: float | None = 1.0
-    top_p: float | None = None
-    top_k: Int64 | None = None  # k >= vocab means all; larger than int64 cannot cross to the engine
-    min_p: float | None = None
-    n: int = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: TopK | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # OpenAI sends token ids as string keys
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    logit_bias: dict[str, Bias] | None = None  # OpenAI sends token ids as string keys
     user: str | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop_token_ids: list[TokenId] | None = None
 
     @property
@@ -72,8 +77,6 @@ class _SamplingFields(Struct, kw_only=True):
         )
 
     def _validate_common(self) -> None:
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidRequestError(f"n must be between 1 and {MAX_N}", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         stops = self.stop_strings
@@ -95,9 +98,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 class CompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/completions."""
 
-    prompt: str | list[str | TokenId | list[TokenId]]  # str, list[str], list[int] or list[list[int]]
-    max_tokens: int | None = 16  # null: up to the context window
-    logprobs: int | None = None
+    # str, list[str], list[int] or list[list[int]]
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]
+    max_tokens: MaxTokens | None = 16  # null: up to the context window
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None  # only 1 is supported
     suffix: str | None = None  # not supported
@@ -118,8 +122,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     def validate(self) -> None:
         p = self.prompt
         if not isinstance(p, str):
-            if not p:
-                raise InvalidRequestError("prompt must not be an empty list", "prompt")
             kinds = {type(x) for x in p}
             if len(kinds) > 1:
                 raise InvalidRequestError(
@@ -133,8 +135,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             raise InvalidRequestError("best_of is not supported (only 1)", "best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", "logprobs")
         self._validate_common()
         self.to_sampling_params(default_max_tokens=max(self.min_tokens, 1))
 
@@ -145,7 +145,7 @@ class ContentPart(Struct, kw_only=True):
 
 
 class ChatMessage(Struct):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -164,11 +164,11 @@ class ResponseFormat(Struct, kw_only=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None  # the newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None  # not supported (an empty list is fine)
     response_format: ResponseFormat | None = None  # only {"type": "text"}
 
@@ -190,12 +190,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             raise
 
     def validate(self) -> None:
-        if not self.messages:
-            raise InvalidRequestError("messages must not be empty", "messages")
         for i, m in enumerate(self.messages):
-            if m.role not in ROLES:
-                raise InvalidRequestError(
-                    f"unknown role {m.role!r}; expected one of {', '.join(sorted(ROLES))}", f"messages[{i}].role")
             if m.content is None and m.role != "assistant":
                 raise InvalidRequestError("content is required", f"messages[{i}].content")
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
@@ -204,11 +199,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                                               f"messages[{i}].content[{j}].type")
                 if part.text is None:
                     raise InvalidRequestError("a text content part needs `text`", f"messages[{i}].content[{j}].text")
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
-            if self.top_logprobs > 0 and not self.logprobs:
-                raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tools:
             raise InvalidRequestError("tools are not supported", "tools")
         if self.response_format is not None and self.response_format.type != "text":
