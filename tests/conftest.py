@@ -18,6 +18,35 @@ from engine.model_files import default_model_path
 torch.set_num_threads(2)
 
 
+# Prompts shared by the engine tests: prose, code, numbers, a chat turn.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: good morning",
+    "Q: What is 12 * 12?\nA:",
+    "The quick brown fox",
+    "In machine learning, a transformer is",
+    "import numpy as np\nx = np.",
+    "My favourite food is",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def run_staggered(engine, prompt_ids: list[list[int]], params) -> list:
+    """One request arrives per iteration, joining those already running; returns the finished Requests.
+    Afterwards every KV block must be free again."""
+    pending, requests = list(prompt_ids), []
+    while pending or engine.has_unfinished():
+        if pending:
+            requests.append(engine.add_request(pending.pop(0), params))
+        engine.step()
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    return requests
+
+
 @pytest.fixture(scope="session")
 def checkpoint():
     return load_checkpoint(None)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import run_staggered
 
 from engine import SamplingParams
 from engine.config import EngineConfig
@@ -94,14 +95,8 @@ def test_greedy_tokens_identical_with_graphs_on_mixed_batches(engines, tokenizer
     try:
         outputs = []
         for engine in (eager, graphed):
-            pending = [tokenizer.encode(p) for p in PROMPTS]
-            requests = []
-            while pending or engine.has_unfinished():
-                if pending:
-                    requests.append(engine.add_request(pending.pop(0), GREEDY))
-                engine.step()
+            requests = run_staggered(engine, [tokenizer.encode(p) for p in PROMPTS], GREEDY)
             outputs.append([r.output_token_ids for r in requests])
-            assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     finally:
         del graphed.runner.graphs.forward
     assert outputs[1] == outputs[0]

@@ -2,25 +2,12 @@
 
 import pytest
 import torch
+from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village,",
-    "List three colors:",
-    "1, 2, 3, 4, 5,",
-    "Translate to French: good morning",
-    "Q: What is 12 * 12?\nA:",
-    "The quick brown fox",
-    "In machine learning, a transformer is",
-    "import numpy as np\nx = np.",
-    "My favourite food is",
-    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
-]
 NUM_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 

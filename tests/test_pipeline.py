@@ -10,6 +10,8 @@ import time
 
 import pytest
 import torch
+from conftest import PROMPTS as ALL_PROMPTS
+from conftest import run_staggered as run_arrivals
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -17,19 +19,7 @@ from engine.executor import build_model, stage_span
 from engine.pipeline import StageFailedError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village,",
-    "List three colors:",
-    "1, 2, 3, 4, 5,",
-    "Translate to French: good morning",
-    "Q: What is 12 * 12?\nA:",
-    "The quick brown fox",
-    "In machine learning, a transformer is",
-    "import numpy as np\nx = np.",
-    "My favourite food is",
-]
+PROMPTS = ALL_PROMPTS[:11]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -85,13 +75,7 @@ def run_staggered(llm: LLM, tokenizer, check_in_flight: bool = False) -> list[li
 
     if check_in_flight:
         executor.submit = checked_submit
-    pending = [tokenizer.encode(p) for p in PROMPTS]
-    requests = []
-    while pending or engine.has_unfinished():
-        if pending:
-            requests.append(engine.add_request(pending.pop(0), GREEDY))
-        engine.step()
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    requests = run_arrivals(engine, [tokenizer.encode(p) for p in PROMPTS], GREEDY)
     assert not engine.scheduler.in_flight
     return [r.output_token_ids for r in requests]
 
