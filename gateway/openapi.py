@@ -31,6 +31,19 @@ _ERRORS = {
     503: "The engine is not available (starting, restarting, or stopped).",
 }
 _GENERATE_ERRORS = (400, 404, 413, 429, 503)  # and 401 with an API key
+# Request examples: documentation, and the first cases a fuzzer sends (each response kind once).
+_COMPLETION_EXAMPLES = {
+    "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    "stream": {"prompt": "Once upon a time", "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}},
+    "logprobs": {"prompt": "1, 2, 3,", "max_tokens": 4, "logprobs": 2, "n": 2, "seed": 7},
+}
+_CHAT_EXAMPLES = {
+    "text": {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, "temperature": 0},
+    "stream": {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6, "stream": True,
+               "stream_options": {"include_usage": True}},
+    "logprobs": {"messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 4, "logprobs": True,
+                 "top_logprobs": 2},
+}
 _RETRY_AFTER = {"description": "Seconds to wait before retrying.", "schema": {"type": "integer", "minimum": 0}}
 
 
@@ -45,14 +58,19 @@ def _error(status: int) -> dict:
     return response
 
 
-def _generate(summary: str, request: type, response: type, chunk: type, secured: bool) -> dict:
-    stream = {
-        "schema": {"type": "string"},
-        "x-event-schema": {"oneOf": [_ref(chunk), _ref(ErrorResponse)]},
-    }
+def _generate(summary: str, request: type, response: type, chunk: type, examples: dict, secured: bool) -> dict:
+    # OpenAPI 3.1 has an event stream's `schema` describe one event; its `data` is JSON or the final `[DONE]`.
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
+    stream = {"schema": {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}, "event": {"const": "message"}},
+    }}
     op = {
         "summary": summary,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _ref(request), "examples": {name: {"value": value} for name, value in examples.items()}}}},
         "responses": {
             "200": {
                 "description": f"The whole {response.__name__} (JSON), or with `stream: true` a stream of "
@@ -92,9 +110,9 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
                  "description": "OpenAI-compatible completions served by an Orca-style engine."},
         "paths": {
             "/v1/completions": _generate("Text completion", CompletionRequest, CompletionResponse, CompletionChunk,
-                                         api_key),
+                                         _COMPLETION_EXAMPLES, api_key),
             "/v1/chat/completions": _generate("Chat completion", ChatCompletionRequest, ChatCompletionResponse,
-                                              ChatCompletionChunk, api_key),
+                                              ChatCompletionChunk, _CHAT_EXAMPLES, api_key),
             "/v1/models": {"get": models},
             "/health": {"get": health},
             "/metrics": {"get": metrics},

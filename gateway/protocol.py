@@ -18,6 +18,10 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_BODY_BYTES = 4 * 1024 * 1024  # request body size; larger is a 413
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, as OpenAI
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)
+# The engine samples in float32 (bf16 on a GPU): a tinier positive top_p or repetition penalty rounds
+# to 0 or overflows `logit / factor` to inf, and the sampler fails on the NaNs.
+MIN_FACTOR = 1e-6
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy (as vLLM); dividing by it would overflow likewise
 
 TokenId = Annotated[int, Meta(ge=0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what msgspec can send to the engine
@@ -42,7 +46,7 @@ class _SamplingFields(Struct, kw_only=True):
 
     model: str | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(ge=MIN_FACTOR, le=1.0)] | None = None
     top_k: TopK | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
@@ -52,7 +56,7 @@ class _SamplingFields(Struct, kw_only=True):
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=MIN_FACTOR, le=2.0)] | None = None
     logit_bias: dict[str, Bias] | None = None  # OpenAI sends token ids as string keys
     user: str | None = None
     ignore_eos: bool = False
@@ -66,6 +70,8 @@ class _SamplingFields(Struct, kw_only=True):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
         given = {k: getattr(self, k) for k in _OPTIONAL_SAMPLING}
+        if given["temperature"] is not None and given["temperature"] < GREEDY_BELOW:
+            given["temperature"] = 0.0
         given["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
         return SamplingParams(  # a None keeps SamplingParams' default; SamplingParams checks the ranges
             **{k: v for k, v in given.items() if v is not None},

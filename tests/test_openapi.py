@@ -1,0 +1,78 @@
+"""The HTTP contract: /openapi.json comes from the msgspec structs, and schemathesis, fuzzing a live server from
+it, finds no 5xx and no response outside it. The server takes its API key from ORCINUS_API_KEY and guards
+/metrics with it too, so the fuzzer also checks that every secured route refuses a missing key."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+KEY = "fuzz-key"
+BIN = Path(sys.executable).parent
+# Every check about responses; plus: schema-invalid data gets a 4xx, and secured routes need the key.
+CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
+          "response_schema_conformance,negative_data_rejection,ignored_auth")
+
+
+@pytest.fixture(scope="module")
+def keyed_server(server_factory):
+    # A small context window keeps every generation the fuzzer asks for short (a chat prompt is 33 tokens).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ORCINUS_API_KEY", KEY)
+        with server_factory("--max-model-len", "44", "--metrics-need-key") as url:
+            mp.delenv("ORCINUS_API_KEY")
+            yield url
+
+
+def test_document_describes_routes_errors_and_streams(keyed_server):
+    doc = httpx.get(f"{keyed_server}/openapi.json", timeout=10).json()  # open without the key
+    assert doc["openapi"] == "3.1.0"
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+    op = doc["paths"]["/v1/completions"]["post"]
+    assert set(op["responses"]) == {"200", "400", "401", "404", "413", "429", "503"}
+    assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert op["responses"]["429"]["headers"]["Retry-After"]["required"] is True
+    assert op["security"] == [{"bearer": []}]
+    schemas = doc["components"]["schemas"]
+    assert schemas["ErrorDetail"]["required"] == ["message", "type", "param", "code"]
+    assert schemas["CompletionRequest"]["properties"]["n"] == {"type": "integer", "minimum": 1, "maximum": 16,
+                                                                "default": 1}
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert doc["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]
+
+
+def test_key_from_environment_guards_v1_and_metrics_but_not_health(keyed_server):
+    for path in ("/v1/models", "/metrics"):
+        r = httpx.get(keyed_server + path, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(keyed_server + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+    assert httpx.get(f"{keyed_server}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_schemathesis_finds_no_server_error_and_no_response_outside_the_schema(keyed_server, tmp_path):
+    har = tmp_path / "run.har"
+    proc = subprocess.run(
+        [str(BIN / "st"), "run", f"{keyed_server}/openapi.json", "--header", f"Authorization: Bearer {KEY}",
+         "--checks", CHECKS, "--max-examples", "20", "--seed", "1", "--workers", "2", "--request-timeout", "120",
+         "--report", "har", "--report-har-path", str(har)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    # The run meant something: every route answered, and real generations ran, whole and streamed (the
+    # document's request examples seed them), so every response kind was checked against the schema.
+    entries = json.loads(har.read_text())["log"]["entries"]
+    seen = collections.Counter(
+        (e["request"]["url"].split(keyed_server, 1)[1], e["response"]["status"],
+         e["response"]["content"].get("mimeType", "").split(";")[0]) for e in entries)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for status, kind in ((200, "application/json"), (200, "text/event-stream"), (400, "application/json"),
+                             (401, "application/json")):
+            assert seen[(path, status, kind)] > 0, (path, status, kind, seen)
+    for path in ("/v1/models", "/metrics", "/health"):
+        assert seen[(path, 200, "application/json" if path != "/metrics" else "text/plain")] > 0, seen
