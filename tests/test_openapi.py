@@ -22,10 +22,11 @@ CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,r
 
 @pytest.fixture(scope="module")
 def keyed_server(server_factory):
-    # A small context window keeps every generation the fuzzer asks for short (a chat prompt is 33 tokens).
+    # A small context window keeps every generation the fuzzer asks for short (a chat prompt is 33 tokens);
+    # one torch thread keeps the engine fast when other work shares the 2 cores (see test_hardening.py).
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ORCINUS_API_KEY", KEY)
-        with server_factory("--max-model-len", "44", "--metrics-need-key") as url:
+        with server_factory("--max-model-len", "44", "--metrics-need-key", "--num-threads", "1") as url:
             mp.delenv("ORCINUS_API_KEY")
             yield url
 

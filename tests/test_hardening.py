@@ -1,0 +1,362 @@
+"""Hardening against live servers: admission control under 10x overload, a storm of disconnecting streams,
+kill -9 of the engine mid-load (in-flight requests fail at once, a new engine takes over, no stale shared
+memory), and SIGTERM (in-flight requests finish, then the process exits clean). Servers come from the
+`server_factory` fixture of conftest.py, which also checks on exit that no /dev/shm segment of theirs is left."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+PROMPT = "The capital of France is"
+# One torch thread per engine: on this 2-core machine an engine with two threads slows down 10x or more
+# whenever another busy process shares the cores (its OpenMP threads spin), and the tests here must not.
+ONE_THREAD = ("--num-threads", "1")
+LONG_PROMPTS = ["Write a long story about a dragon.", "List every animal you know.", "Explain how ships float.",
+                "Describe a walk through a forest.", "Tell me about the history of bread."]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def metrics(url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def wait_for_metrics(url: str, pred, timeout: float, what: str) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if pred(m):
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout}s: { {k: v for k, v in m.items() if k.startswith('orcinus_')} }")
+        time.sleep(0.1)
+
+
+def idle(m: dict[str, float]) -> bool:
+    return (m["orcinus_requests_running"] == m["orcinus_requests_waiting"] == m["orcinus_kv_blocks_used"]
+            == m["orcinus_sequences_admitted"] == 0)
+
+
+def sse_lines_to_events(lines: list[str]) -> tuple[list[dict], bool]:
+    """The JSON events of an SSE stream, and whether `data: [DONE]` ended it."""
+    events, done = [], False
+    for line in lines:
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            assert not done, f"data after [DONE]: {line!r}"
+            if data == "[DONE]":
+                done = True
+            else:
+                events.append(json.loads(data))
+    return events, done
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def gateway_pid(url: str) -> int:
+    """The `orcinus serve` process listening on `url`'s port."""
+    port = str(urlparse(url).port)
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                args = cmdline(int(proc.name))
+            except OSError:
+                continue
+            if "engine.cli" in args and "serve" in args and args[args.index("--port") + 1] == port:
+                return int(proc.name)
+    raise AssertionError(f"no server process on port {port}")
+
+
+def engine_pid(gateway: int) -> int:
+    children = Path(f"/proc/{gateway}/task/{gateway}/children").read_text().split()
+    engines = [int(c) for c in children if "engine.worker" in cmdline(int(c))]
+    assert len(engines) == 1, f"expected one engine process among {children}"
+    return engines[0]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rings_of(gateway: int) -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"orcinus_{gateway}_*")}
+
+
+def complete(url: str, **body) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_openai_error(status: int, headers, body: dict, expect_status: int, type_: str) -> None:
+    assert status == expect_status, body
+    assert list(body) == ["error"] and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == type_ and body["error"]["message"], body
+
+
+# ---------------------------------------------------------------- admission control
+
+
+@pytest.fixture(scope="module")
+def small_server(server_factory):
+    """Room for 2 running and 4 waiting sequences."""
+    with server_factory("--max-num-seqs", "2", "--max-waiting", "4", *ONE_THREAD) as url:
+        yield url
+
+
+def test_overload_refuses_the_excess_at_once_and_serves_every_admitted_request(small_server):
+    url, clients = small_server, 60  # 10x the queue
+    body = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    reference = complete(url, **body)["choices"][0]["text"]
+    before = wait_for_metrics(url, idle, 30, "the server did not go idle")
+
+    async def run():
+        limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as ac:
+            samples, stop = [], asyncio.Event()
+
+            async def sample():
+                while not stop.is_set():
+                    samples.append(parse_metrics((await ac.get("/metrics")).text))
+                    await asyncio.sleep(0.05)
+
+            async def one(i: int):
+                if i % 2:  # half of them stream
+                    async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                        if r.status_code != 200:
+                            return r.status_code, r.headers, json.loads(await r.aread()), time.monotonic()
+                        lines = [line async for line in r.aiter_lines()]
+                        return 200, r.headers, lines, time.monotonic()
+                r = await ac.post("/v1/completions", json=body)
+                return r.status_code, r.headers, r.json(), time.monotonic()
+
+            sampler = asyncio.create_task(sample())
+            results = await asyncio.gather(*(one(i) for i in range(clients)))
+            stop.set()
+            await sampler
+            return results, samples
+
+    results, samples = asyncio.run(run())
+    admitted = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(admitted) + len(refused) == clients, sorted({r[0] for r in results})
+    assert len(admitted) >= 6 and len(refused) >= clients // 2, (len(admitted), len(refused))
+    for status, headers, payload, _ in refused:
+        assert_openai_error(status, headers, payload, 429, "rate_limit_error")
+        assert payload["error"]["code"] == "rate_limit_exceeded"
+        assert int(headers["retry-after"]) >= 1
+    for _, _, payload, _ in admitted:
+        if isinstance(payload, list):
+            events, done = sse_lines_to_events(payload)
+            assert done and all("error" not in e for e in events), events
+            assert "".join(c["text"] for e in events for c in e["choices"]) == reference
+        else:
+            assert payload["choices"][0]["text"] == reference
+    # Refusals did not wait for capacity: every one came back while admitted requests were still running.
+    assert max(r[3] for r in refused) < max(r[3] for r in admitted)
+    # The bound held throughout: never more than 2 running, 4 queued, 6 admitted.
+    assert max(s["orcinus_requests_running"] for s in samples) <= 2
+    assert max(s["orcinus_requests_waiting"] for s in samples) <= 4
+    assert max(s["orcinus_sequences_admitted"] for s in samples) <= 6
+    after = wait_for_metrics(url, idle, 30, "the server did not go idle")
+    assert after["orcinus_requests_rejected_total"] - before["orcinus_requests_rejected_total"] == len(refused)
+    # Memory stayed bounded: a refused request leaves nothing behind.
+    assert after["process_resident_memory_bytes"] - before["process_resident_memory_bytes"] < 64 * 2**20
+    assert after["orcinus_engine_resident_memory_bytes"] - before["orcinus_engine_resident_memory_bytes"] < 256 * 2**20
+    assert complete(url, **body)["choices"][0]["text"] == reference
+
+
+def test_a_request_larger_than_the_whole_capacity_is_a_400_not_a_429(small_server):
+    r = httpx.post(f"{small_server}/v1/completions", json={"prompt": PROMPT, "n": 7, "max_tokens": 2}, timeout=60)
+    assert_openai_error(r.status_code, r.headers, r.json(), 400, "invalid_request_error")
+    assert r.json()["error"]["param"] == "n"
+
+
+# ---------------------------------------------------------------- disconnects and a dying engine
+
+
+@pytest.fixture(scope="module")
+def roomy_server(server_factory):
+    """Room for 64 running and 256 waiting sequences: a storm of 200 streams is all admitted."""
+    with server_factory("--max-waiting", "256", *ONE_THREAD) as url:
+        yield url
+
+
+def test_disconnect_storm_frees_every_kv_block(roomy_server):
+    url, clients = roomy_server, 200
+    rng = random.Random(8)
+    plans = [(rng.choice(LONG_PROMPTS), rng.choice(["events", "timer"]), rng.randint(0, 12), rng.uniform(0, 3))
+             for _ in range(clients)]
+
+    async def one(ac: httpx.AsyncClient, prompt: str, mode: str, events: int, seconds: float) -> tuple[int, int]:
+        """Leave after `events` events, or after `seconds` whatever the stream is doing (even before headers)."""
+        seen, status = 0, None
+
+        async def read():
+            nonlocal seen, status
+            body = {"prompt": prompt, "max_tokens": 64, "temperature": 0.8, "ignore_eos": True, "stream": True}
+            async with ac.stream("POST", "/v1/completions", json=body) as r:
+                status = r.status_code
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        seen += 1
+                        if mode == "events" and seen > events:
+                            return  # closing the response drops the connection mid-stream
+
+        try:
+            await asyncio.wait_for(read(), seconds if mode == "timer" else 120)
+        except asyncio.TimeoutError:
+            pass
+        return status, seen
+
+    async def run():
+        limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as ac:
+            return await asyncio.gather(*(one(ac, *plan) for plan in plans))
+
+    results = asyncio.run(run())
+    assert {status for status, _ in results} <= {200, None}, results  # nobody refused: all fit
+    left_mid_stream = sum(1 for status, seen in results if status == 200 and 0 < seen < 65)
+    left_early = sum(1 for status, seen in results if seen == 0)
+    assert left_mid_stream > 50 and left_early > 5, (left_mid_stream, left_early)
+    m = wait_for_metrics(url, idle, 60, "KV blocks or admissions were still held after every client left")
+    assert m["orcinus_kv_blocks_free"] > 0
+    r = complete(url, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r["choices"][0]["finish_reason"] in ("stop", "length") and r["usage"]["completion_tokens"] >= 1
+
+
+def test_kill_9_of_the_engine_fails_in_flight_requests_at_once_and_a_new_engine_takes_over(roomy_server):
+    url = roomy_server
+    reference = complete(url, prompt=PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    gateway = gateway_pid(url)
+    old_engine = engine_pid(gateway)
+    spec = json.loads(cmdline(old_engine)[-1])
+    old_rings = {spec["to_engine"]["shm_name"], spec["from_engine"]["shm_name"]}
+    old_bells = [Path(spec[side]["doorbell_path"]) for side in ("to_engine", "from_engine")]
+    assert rings_of(gateway) == old_rings and all(b.exists() for b in old_bells)
+    restarts = metrics(url)["orcinus_engine_restarts_total"]
+    long = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+            async def streamed(prompt: str):
+                async with ac.stream("POST", "/v1/completions", json={"prompt": prompt, **long, "stream": True}) as r:
+                    assert r.status_code == 200
+                    lines, ended = [], None
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+                        if line.startswith("data:") and '"error"' in line:
+                            ended = time.monotonic()
+                    return lines, ended
+
+            async def plain(prompt: str):
+                r = await ac.post("/v1/completions", json={"prompt": prompt, **long})
+                return r, time.monotonic()
+
+            tasks = [asyncio.create_task(streamed(p)) for p in LONG_PROMPTS]
+            tasks += [asyncio.create_task(plain(p)) for p in LONG_PROMPTS]
+            deadline = time.monotonic() + 60
+            while parse_metrics((await ac.get("/metrics")).text)["orcinus_requests_running"] < len(tasks):
+                assert time.monotonic() < deadline, "the requests never all ran"
+                await asyncio.sleep(0.1)
+            killed_at = time.monotonic()
+            os.kill(old_engine, signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            health = (await ac.get("/health")).status_code
+            return killed_at, results, health
+
+    killed_at, results, health = asyncio.run(run())
+    # The issue asks for 1 s; this measures client-side on a shared 2-core machine, hence the slack.
+    for lines, ended in results[:len(LONG_PROMPTS)]:
+        events, done = sse_lines_to_events(lines)
+        assert done, "the stream did not end with [DONE] after the error"
+        assert events[-1]["error"]["type"] == "service_unavailable_error", events[-1]
+        assert ended - killed_at < 1.5, ended - killed_at
+    for r, ended in results[len(LONG_PROMPTS):]:
+        assert_openai_error(r.status_code, r.headers, r.json(), 503, "service_unavailable_error")
+        assert ended - killed_at < 1.5, ended - killed_at
+    assert health == 503  # the new engine is still loading
+
+    m = wait_for_metrics(url, lambda m: m["orcinus_engine_restarts_total"] == restarts + 1, 10, "no restart counted")
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not come back"
+        time.sleep(0.25)
+    new_engine = engine_pid(gateway)
+    assert new_engine != old_engine
+    # The dead engine's rings and doorbells are gone; the new engine has fresh ones, and only those.
+    new_rings = rings_of(gateway)
+    assert len(new_rings) == 2 and not new_rings & old_rings, (new_rings, old_rings)
+    assert not any(b.exists() or b.parent.exists() for b in old_bells)
+    assert complete(url, prompt=PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == reference
+    wait_for_metrics(url, idle, 30, "the new engine did not go idle")
+
+
+# ---------------------------------------------------------------- graceful shutdown
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_clean(server_factory):
+    body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    # Leaving this block runs conftest's checks: exit code, no /dev/shm segment of ours, no child outlives it.
+    with server_factory(*ONE_THREAD) as url:
+        reference = complete(url, **body)["choices"][0]["text"]
+        gateway = gateway_pid(url)
+
+        async def run():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+                async def streamed():
+                    async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                        return r.status_code, [line async for line in r.aiter_lines()]
+
+                tasks = [asyncio.create_task(streamed()), asyncio.create_task(ac.post("/v1/completions", json=body))]
+                deadline = time.monotonic() + 60
+                while parse_metrics((await ac.get("/metrics")).text)["orcinus_requests_running"] < 2:
+                    assert time.monotonic() < deadline, "the requests never ran"
+                    await asyncio.sleep(0.05)
+                os.kill(gateway, signal.SIGTERM)
+                refused = False
+                while not refused and time.monotonic() < deadline:  # it stops accepting new connections
+                    try:
+                        async with httpx.AsyncClient(timeout=5) as fresh:
+                            await fresh.get(f"{url}/health")
+                        await asyncio.sleep(0.05)
+                    except httpx.ConnectError:
+                        refused = True
+                return refused, await asyncio.gather(*tasks)
+
+        refused, ((status, lines), plain) = asyncio.run(run())
+        assert refused, "the server still accepted connections after SIGTERM"
+        assert status == 200
+        events, done = sse_lines_to_events(lines)
+        assert done and "".join(c["text"] for e in events for c in e["choices"]) == reference
+        assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == reference
+        deadline = time.monotonic() + 60
+        while running(gateway):
+            assert time.monotonic() < deadline, "the server did not exit after its requests finished"
+            time.sleep(0.1)
