@@ -1,0 +1,224 @@
+"""Soak: Locust at saturation against an Orcinus server for a given time, watching both processes' memory.
+
+Starts `orcinus serve` on loopback (or uses --base-url), runs Locust headless as a subprocess with as
+many users as the server admits at once (max-num-seqs + max-waiting), and every --interval seconds
+reads the gateway's and the engine's resident memory from /metrics into rss.csv. At the end it writes
+rss.png, Locust's CSVs (locust_*.csv) and summary.json into --out; a server it started is stopped with
+SIGTERM and checked for shared-memory segments left in /dev/shm.
+
+    python loadtest/soak.py --duration 600 --out benchmarks/soak
+
+Locust never runs in this process: it monkey-patches everything with gevent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCUST = Path(sys.executable).parent / "locust"
+MIB = 2**20
+# One sample: seconds since the start, then what /metrics says.
+COLUMNS = ["elapsed_s", "gateway_rss_mib", "engine_rss_mib", "sequences_admitted", "requests_running",
+           "requests_waiting", "kv_blocks_used", "generation_tokens", "requests_rejected", "engine_restarts"]
+METRICS = {"gateway_rss_mib": "process_resident_memory_bytes", "engine_rss_mib": "orcinus_engine_resident_memory_bytes",
+           "sequences_admitted": "orcinus_sequences_admitted", "requests_running": "orcinus_requests_running",
+           "requests_waiting": "orcinus_requests_waiting", "kv_blocks_used": "orcinus_kv_blocks_used",
+           "generation_tokens": "orcinus_generation_tokens_total", "requests_rejected": "orcinus_requests_rejected_total",
+           "engine_restarts": "orcinus_engine_restarts_total"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-waiting", str(args.max_waiting)]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.num_threads:
+        cmd += ["--num-threads", str(args.num_threads)]
+    log = open(Path(args.out) / "server.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not become healthy in 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> list[str]:
+    """SIGTERM, wait, and return the names of the server's /dev/shm segments still there (should be none)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return sorted(p.name for p in Path("/dev/shm").glob(f"orcinus_{proc.pid}_*"))
+
+
+def sample(url: str, headers: dict, started: float) -> dict:
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    row = {"elapsed_s": round(time.monotonic() - started, 1)}
+    for column, name in METRICS.items():
+        value = values.get(name, float("nan"))
+        row[column] = round(value / MIB, 1) if column.endswith("_mib") else value
+    return row
+
+
+def first_sample(url: str, headers: dict, started: float) -> dict:
+    """The baseline before any load, once the engine has reported its memory (about once a second)."""
+    deadline = time.monotonic() + 30
+    while (row := sample(url, headers, started))["engine_rss_mib"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return row
+
+
+def run_locust(url: str, users: int, duration: int, out: Path) -> subprocess.Popen:
+    cmd = [str(LOCUST), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", url, "--headless",
+           "-u", str(users), "-r", str(users), "-t", f"{duration}s", "--csv", str(out / "locust"),
+           "--csv-full-history", "--only-summary", "--stop-timeout", "60"]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "locust.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["elapsed_s"] / 60 for r in rows]
+    fig, axes = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for ax, column, label in ((axes[0], "gateway_rss_mib", "gateway"), (axes[1], "engine_rss_mib", "engine")):
+        values = [r[column] for r in rows]
+        ax.plot(t, values, "o-", ms=3, label=f"{label} RSS ({values[-1] - values[0]:+.1f} MiB)")
+        ax.set_ylabel("MiB")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    axes[1].set_xlabel("minutes")
+    axes[0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def locust_totals(out: Path) -> dict:
+    """Per route: requests, failures, median and p95 (ms). Locust's Aggregated row would mix in the
+    locustfile's custom TTFT and tokens/s rows."""
+    routes = {}
+    for r in csv.DictReader(open(out / "locust_stats.csv")):
+        if r["Type"] == "POST":
+            routes[r["Name"]] = {"requests": int(r["Request Count"]), "failures": int(r["Failure Count"]),
+                                 "median_ms": float(r["Median Response Time"] or 0), "p95_ms": float(r["95%"] or 0)}
+    failures = {}
+    if (out / "locust_failures.csv").exists():
+        for r in csv.DictReader(open(out / "locust_failures.csv")):
+            failures[r["Error"][:120]] = failures.get(r["Error"][:120], 0) + int(r["Occurrences"])
+    return {"requests": sum(r["requests"] for r in routes.values()),
+            "failures": sum(r["failures"] for r in routes.values()), "routes": routes,
+            "failures_by_error": failures}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Start, end and peak of each process's RSS. Growth is counted from the first sample under load:
+    the warm-up (first batches, allocator pools) is not a leak; what keeps growing after it is."""
+    out = {}
+    for column in ("gateway_rss_mib", "engine_rss_mib"):
+        values = [r[column] for r in rows]
+        loaded = values[1:] or values  # the first sample is taken before Locust's users arrive
+        out[column] = {"before_load": values[0], "last": values[-1], "max": max(values),
+                       "growth_under_load": round(loaded[-1] - loaded[0], 1)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base-url", default=None, help="an already running server (default: start one)")
+    ap.add_argument("--duration", type=int, default=600, help="seconds of load")
+    ap.add_argument("--interval", type=float, default=10.0, help="seconds between RSS samples")
+    ap.add_argument("--users", type=int, default=None, help="Locust users (default: max-num-seqs + max-waiting)")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="for a server this script starts")
+    ap.add_argument("--max-waiting", type=int, default=16, help="for a server this script starts")
+    ap.add_argument("--model", default=None, help="for a server this script starts (default: the bundled model)")
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads of a server this script starts")
+    ap.add_argument("--api-key", default=os.environ.get("ORCINUS_API_KEY"), help="for /metrics if it needs one")
+    ap.add_argument("--out", default="benchmarks/soak", help="output directory")
+    args = ap.parse_args()
+    if not LOCUST.exists():
+        sys.exit(f"{LOCUST} not found: pip install -e '.[test]'")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    proc, url = (None, args.base_url) if args.base_url else start_server(args)
+    users = args.users or args.max_num_seqs + args.max_waiting
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rows: list[dict] = []
+    leaked: list[str] | None = None
+    started = time.monotonic()
+    try:
+        rows.append(first_sample(url, headers, started))
+        locust = run_locust(url, users, args.duration, out)
+        next_at = started + args.interval
+        while locust.poll() is None:
+            time.sleep(max(0.0, min(next_at - time.monotonic(), 1.0)))
+            if time.monotonic() >= next_at:
+                rows.append(sample(url, headers, started))
+                print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                next_at += args.interval
+        rows.append(sample(url, headers, started))
+    finally:
+        if proc is not None:
+            leaked = stop_server(proc)
+
+    with open(out / "rss.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    title = f"Orcinus soak: {users} Locust users for {args.duration} s"
+    plot(rows, out / "rss.png", title)
+    summary = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "server": url if args.base_url else {"max_num_seqs": args.max_num_seqs, "max_waiting": args.max_waiting,
+                                             "model": args.model or "bundled SmolLM2-135M-Instruct"},
+        "users": users, "duration_s": args.duration, "interval_s": args.interval,
+        "locust_exit_code": locust.returncode, "locust": locust_totals(out), "rss": summarize(rows),
+        "engine_restarts": rows[-1]["engine_restarts"] - rows[0]["engine_restarts"],
+        "shm_segments_left": leaked,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({k: summary[k] for k in ("locust", "rss", "engine_restarts", "shm_segments_left")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
