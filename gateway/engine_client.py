@@ -49,7 +49,6 @@ class EngineClient:
         self.start_timeout = 300.0
         self._ready_event = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
-        self._stopping = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -62,7 +61,6 @@ class EngineClient:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop supervising, ask the engine to exit (kill it after `timeout`), free its channels."""
-        self._stopping = True
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
@@ -81,10 +79,6 @@ class EngineClient:
             and self.engine.alive
             and time.monotonic() - self.last_heard < self.hang_timeout
         )
-
-    @property
-    def engine_pid(self) -> int | None:
-        return None if self.engine is None else self.engine.pid
 
     async def _spawn(self) -> None:
         """Start an engine on fresh channels and wait until it is ready; clean up if it never is."""
@@ -111,7 +105,6 @@ class EngineClient:
         self.last_heard = time.monotonic()
 
     async def _supervise(self) -> None:
-        backoff = RESTART_BACKOFF[0]
         while True:
             engine = self.engine
             code = await self._wait_exit_or_hang(engine)
@@ -120,11 +113,11 @@ class EngineClient:
             await engine.close()
             log.error("engine process %s exited with code %s; starting a new one", engine.pid, code)
             self.metrics.engine_restarts.inc()
+            backoff = RESTART_BACKOFF[0]
             while True:
                 try:
                     await self._spawn()
                     log.info("engine process %s is ready", self.engine.pid)
-                    backoff = RESTART_BACKOFF[0]
                     break
                 except EngineUnavailableError as e:
                     log.error("%s; retrying in %.1fs", e, backoff)
