@@ -169,7 +169,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16, help="for a server this script starts")
     ap.add_argument("--max-waiting", type=int, default=16, help="for a server this script starts")
     ap.add_argument("--model", default=None, help="for a server this script starts (default: the bundled model)")
-    ap.add_argument("--num-threads", type=int, default=None, help="torch threads of a server this script starts")
+    # Locust shares the machine: an engine with more torch threads than free cores spins and slows 10x or more.
+    ap.add_argument("--num-threads", type=int, default=1, help="torch threads of a server this script starts")
     ap.add_argument("--api-key", default=os.environ.get("ORCINUS_API_KEY"), help="for /metrics if it needs one")
     ap.add_argument("--out", default="benchmarks/soak", help="output directory")
     args = ap.parse_args()
