@@ -210,6 +210,7 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "server": url if args.base_url else {"max_num_seqs": args.max_num_seqs, "max_waiting": args.max_waiting,
+                                             "num_threads": args.num_threads,
                                              "model": args.model or "bundled SmolLM2-135M-Instruct"},
         "users": users, "duration_s": args.duration, "interval_s": args.interval,
         "locust_exit_code": locust.returncode, "locust": locust_totals(out), "rss": summarize(rows),
