@@ -100,13 +100,19 @@ class Sampler:
             # Drop a token if the mass before it already reaches top_p (the most likely one always stays).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop |= mass_before >= self._tensor(top_ps, torch.float32).unsqueeze(1)
+            drop[:, 0] = False  # a top_p that rounds to 0 in float32 must still leave one token
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(dim=-1)
         min_ps = [r.params.min_p for r in requests]
         if any(m > 0 for m in min_ps):
             floor = self._tensor(min_ps, torch.float32).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        return probs
+        # Extreme but valid settings (a repetition penalty near 0 makes logits inf) can leave a row with no
+        # usable distribution; it takes its most likely token instead of failing the whole engine.
+        probs = probs.nan_to_num(nan=0.0, posinf=0.0)
+        unusable = ~(probs.sum(dim=-1, keepdim=True) > 0)
+        greedy = torch.zeros_like(probs).scatter_(1, logits.nan_to_num(nan=float("-inf")).argmax(-1, keepdim=True), 1.0)
+        return torch.where(unusable, greedy, probs)
 
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         out = torch.empty(len(requests), dtype=torch.int64, device=probs.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 
 
 class InvalidRequestError(ValueError):
@@ -61,7 +62,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Dividing logits by a temperature this small overflows float32; it means greedy anyway (as in vLLM).
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

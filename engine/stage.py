@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the driver) is gone")
     args = ap.parse_args(argv)
     if args.parent_pid:
+        # Ctrl-C reaches the whole process group; the driver decides when its stages stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     dist.init_process_group("gloo", init_method="env://", timeout=RENDEZVOUS_TIMEOUT)
     try:

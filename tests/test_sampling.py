@@ -103,3 +103,20 @@ def test_engine_rejects_what_can_never_run(llm):
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         engine.add_request([1], SamplingParams(logit_bias={-1: 1.0}))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=3, temperature=1e-38),  # greedy: dividing by it would overflow
+        SamplingParams(max_tokens=3, temperature=1.0, top_p=5e-324),  # rounds to 0 in float32
+        SamplingParams(max_tokens=3, temperature=1.0, repetition_penalty=5e-324),  # logits / it = inf
+        SamplingParams(max_tokens=3, temperature=1.0, repetition_penalty=1e-38, seed=3),
+    ],
+)
+def test_extreme_settings_sample_the_most_likely_token_instead_of_crashing(llm, params):
+    [greedy] = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))
+    [c] = llm.generate([PROMPT], params)
+    assert len(c.token_ids) == 3
+    if params.repetition_penalty == 1.0:
+        assert c.token_ids[0] == greedy.token_ids[0]
