@@ -24,8 +24,16 @@ import torch.distributed as dist
 from engine.executor import build_model, num_kv_blocks, stage_span
 from engine.loader import load_checkpoint
 from engine.pipeline_frames import (
-    ACTIVATION_TAG, PendingSends, SamplingState, StageBatch, StageReady, StageResult, StageSetup, StageShutdown,
-    recv_frame, send_frame,
+    ACTIVATION_TAG,
+    PendingSends,
+    SamplingState,
+    StageBatch,
+    StageReady,
+    StageResult,
+    StageSetup,
+    StageShutdown,
+    recv_frame,
+    send_frame,
 )
 from engine.request import Request
 from engine.runner import ModelRunner
