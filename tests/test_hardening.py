@@ -303,7 +303,7 @@ def test_kill_9_of_the_engine_fails_in_flight_requests_at_once_and_a_new_engine_
         assert ended - killed_at < 1.5, ended - killed_at
     assert health == 503  # the new engine is still loading
 
-    m = wait_for_metrics(url, lambda m: m["orcinus_engine_restarts_total"] == restarts + 1, 10, "no restart counted")
+    wait_for_metrics(url, lambda m: m["orcinus_engine_restarts_total"] == restarts + 1, 10, "no restart counted")
     deadline = time.monotonic() + 180
     while httpx.get(f"{url}/health", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "the engine did not come back"
