@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import Workload, run, summarize
-from compare_scheduling import start_server, stop_server
+from compare_scheduling import start_server
+from local_server import stop_server
 
 
 def main() -> int:
@@ -53,7 +54,7 @@ def main() -> int:
     servers = {}
     try:
         for k, flags in configs.items():
-            servers[k] = start_server(args, *flags, *(["--model", args.model] if args.model else []))
+            servers[k] = start_server(args, *flags)
         for k, (_, url) in servers.items():  # warm-up
             asyncio.run(run(url, None, Workload(4, (16, 16), (4, 4)), float("inf"), 4, progress=False))
         runs: dict[str, list[dict]] = {k: [] for k in configs}
@@ -68,7 +69,7 @@ def main() -> int:
                       f"{s['request_throughput']:.3f} req/s  failed {s['failed']}", flush=True)
     finally:
         for proc, _ in servers.values():
-            stop_server(proc)
+            stop_server(proc, timeout=30)
 
     median = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
     base = median[next(iter(configs))]

@@ -15,59 +15,26 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import Workload, run, summarize  # noqa: E402
+from bench_serving import Workload, run, summarize
+from local_server import launch_server, stop_server
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     """`orcinus serve` with the shared limits from `args` plus `extra` flags; returns it once /health is 200."""
-    port = free_port()
-    mode = " ".join(extra)
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *extra,
-           "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    flags = [*extra, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {mode} server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"the {mode} server did not come up")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        flags += ["--model", args.model]
+    return launch_server(flags, timeout=180)
 
 
 def throughput_at(points: list[dict], latency: float) -> float:
@@ -145,7 +112,7 @@ def main() -> int:
                       f"{point['output_tok_s']:6.1f} tok/s  p50 norm. latency "
                       f"{point['p50_normalized_latency'] * 1000:8.1f} ms/token  failed {s['failed']}", flush=True)
         finally:
-            stop_server(proc)
+            stop_server(proc, timeout=30)
 
     best = min(p["p50_normalized_latency"] for pts in modes.values() for p in pts)
     target = args.latency_target or 2 * best

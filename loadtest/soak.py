@@ -18,14 +18,16 @@ import csv
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from local_server import launch_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUST = Path(sys.executable).parent / "locust"
@@ -40,46 +42,14 @@ METRICS = {"gateway_rss_mib": "process_resident_memory_bytes", "engine_rss_mib":
            "engine_restarts": "orcinus_engine_restarts_total"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-waiting", str(args.max_waiting)]
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting)]
     if args.model:
-        cmd += ["--model", args.model]
+        flags += ["--model", args.model]
     if args.num_threads:
-        cmd += ["--num-threads", str(args.num_threads)]
+        flags += ["--num-threads", str(args.num_threads)]
     log = open(Path(args.out) / "server.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy in 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> list[str]:
-    """SIGTERM, wait, and return the names of the server's /dev/shm segments still there (should be none)."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    return sorted(p.name for p in Path("/dev/shm").glob(f"orcinus_{proc.pid}_*"))
+    return launch_server(flags, log, timeout=300)
 
 
 def sample(url: str, headers: dict, started: float) -> dict:
@@ -198,7 +168,7 @@ def main() -> int:
         rows.append(sample(url, headers, started))
     finally:
         if proc is not None:
-            leaked = stop_server(proc)
+            leaked = stop_server(proc, timeout=120)
 
     with open(out / "rss.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -1,0 +1,51 @@
+"""Start and stop `orcinus serve` on a free loopback port, for the load-test scripts."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(flags: list[str], log=subprocess.DEVNULL, timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """`orcinus serve --port P *flags`; returns the process and its URL once /health is 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`orcinus serve {' '.join(flags)}` exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"`orcinus serve {' '.join(flags)}` was not healthy within {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
+    """SIGTERM (graceful: in-flight requests finish), then the server's /dev/shm segments still there (should be none)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return sorted(p.name for p in Path("/dev/shm").glob(f"orcinus_{proc.pid}_*"))
