@@ -47,6 +47,28 @@ def run_staggered(engine, prompt_ids: list[list[int]], params) -> list:
     return requests
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {series: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_for_metrics(fetch, pred, timeout: float, what: str) -> dict[str, float]:
+    """Poll `fetch()` (parsed /metrics) until `pred` holds; fail with `what` and the orcinus series otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = fetch()
+        if pred(m):
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout}s: { {k: v for k, v in m.items() if k.startswith('orcinus_')} }")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def checkpoint():
     return load_checkpoint(None)

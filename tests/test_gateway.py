@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import parse_metrics, wait_for_metrics
 
 from engine import LLM, SamplingParams
 from gateway.detokenizer import token_text
@@ -81,12 +82,7 @@ def finish_reasons(events: list[dict], index: int = 0) -> list[str]:
 def metrics(http: httpx.Client) -> dict[str, float]:
     r = http.get("/metrics")
     assert r.status_code == 200
-    out = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(r.text)
 
 
 def gauges(m: dict[str, float]) -> dict[str, float]:
@@ -109,14 +105,7 @@ def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
 
 
 def wait_for(http: httpx.Client, pred, timeout: float, what: str) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        if pred(m):
-            return m
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout}s: {gauges(m)}")
-        time.sleep(0.1)
+    return wait_for_metrics(lambda: metrics(http), pred, timeout, what)
 
 
 # ---------------------------------------------------------------- basics
@@ -493,4 +482,4 @@ def test_metrics_exposition(http):
     for name in ("orcinus_kv_blocks_used", "orcinus_kv_blocks_free", "orcinus_requests_running",
                  "orcinus_requests_waiting", "orcinus_iteration_batch_size_bucket", "orcinus_generation_tokens_total",
                  "orcinus_time_to_first_token_seconds_count", "orcinus_inter_token_latency_seconds_count"):
-        assert re.search(rf"^{name}(\{{[^}}]*\}})? ", text, re.M), name
+        assert re.search(rf"^{name}(\{{[^}}]*\}})? ", text, re.MULTILINE), name

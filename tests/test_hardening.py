@@ -16,6 +16,8 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from conftest import parse_metrics
+from conftest import wait_for_metrics as wait_for_server_metrics
 
 PROMPT = "The capital of France is"
 # One torch thread per engine: on this 2-core machine an engine with two threads slows down 10x or more
@@ -28,28 +30,12 @@ LONG_PROMPTS = ["Write a long story about a dragon.", "List every animal you kno
 # ---------------------------------------------------------------- helpers
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def metrics(url: str) -> dict[str, float]:
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def wait_for_metrics(url: str, pred, timeout: float, what: str) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if pred(m):
-            return m
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout}s: { {k: v for k, v in m.items() if k.startswith('orcinus_')} }")
-        time.sleep(0.1)
+    return wait_for_server_metrics(lambda: metrics(url), pred, timeout, what)
 
 
 def idle(m: dict[str, float]) -> bool:
@@ -231,7 +217,7 @@ def test_disconnect_storm_frees_every_kv_block(roomy_server):
 
         try:
             await asyncio.wait_for(read(), seconds if mode == "timer" else 120)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return status, seen
 
