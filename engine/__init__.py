@@ -1,7 +1,7 @@
 """Orcinus engine: iteration-level scheduling and selective batching over a paged KV cache."""
 
-from engine.config import EngineConfig, ModelShape
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.config import EngineConfig, ModelShape
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
 
 __all__ = ["LLM", "Completion", "EngineConfig", "InvalidRequestError", "ModelShape", "SamplingParams"]
 

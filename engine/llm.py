@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.loader import Checkpoint
-from engine.request import Request, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.request import Request, TokenLogprobs
+from engine.core.sampling_params import SamplingParams
+from engine.launch import build_engine
+from engine.model.loader import Checkpoint
 
 
 @dataclass
@@ -28,7 +28,7 @@ class LLM:
     """Load a model (the bundled default when `model` is None) and generate offline."""
 
     def __init__(self, model: str | None = None, checkpoint: Checkpoint | None = None, **config):
-        self.engine = EngineCore(EngineConfig(model=model, **config), checkpoint)
+        self.engine = build_engine(EngineConfig(model=model, **config), checkpoint)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

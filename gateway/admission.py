@@ -9,7 +9,7 @@ The count lives in the gateway's event loop, so the check is exact and needs no 
 
 from __future__ import annotations
 
-from engine.request_limits import RequestLimits
+from engine.core.request_limits import RequestLimits
 from gateway import errors
 from gateway.metrics import Metrics
 

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from gateway import errors
 from gateway.admission import Admission
 from gateway.auth import APIKeyMiddleware
@@ -50,8 +50,8 @@ def load_gateway_tokenizer(model: str | None):
     """The tokenizer alone (no weights): the gateway tokenizes and detokenizes, the engine computes."""
     from pathlib import Path
 
-    from engine.model_files import ModelNotFoundError, default_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.model.model_files import ModelNotFoundError, default_model_path
+    from engine.model.tokenizer import Tokenizer
 
     if model is not None and Path(model).is_dir():
         return Tokenizer.from_hf_dir(model) if (Path(model) / "tokenizer.json").is_file() else None

@@ -9,7 +9,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.sampling_params import InvalidRequestError
+from engine.core.sampling_params import InvalidRequestError
 from gateway.detokenizer import token_text
 from gateway.generation import ChoiceEvent
 from gateway.protocol import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable
 
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 
 _Utf8Decoder = codecs.getincrementaldecoder("utf-8")
 

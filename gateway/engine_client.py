@@ -13,9 +13,9 @@ import asyncio
 import logging
 import time
 
-from engine.config import EngineConfig
-from engine.messages import Abort, AddRequest, EngineReady, EngineStats, RequestError, TokenDelta
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.config import EngineConfig
+from engine.ipc.messages import Abort, AddRequest, EngineReady, EngineStats, RequestError, TokenDelta
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway.engine_process import EngineProcess
 from gateway.metrics import Metrics
 

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from engine.channel import Channel
-from engine.config import EngineConfig
-from engine.messages import FromEngine, Shutdown, ToEngine
-from engine.worker import WorkerSpec
+from engine.core.config import EngineConfig
+from engine.ipc.channel import Channel
+from engine.ipc.messages import FromEngine, Shutdown, ToEngine
+from engine.ipc.worker import WorkerSpec
 
 log = logging.getLogger("orcinus.engine_process")
 
@@ -40,7 +40,7 @@ class EngineProcess:
         spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle())
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.worker", msgspec.json.encode(spec).decode())
+                sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode())
         except BaseException:
             await self.close()
             raise

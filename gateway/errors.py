@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.sampling_params import InvalidRequestError
+from engine.core.sampling_params import InvalidRequestError
 
 log = logging.getLogger("orcinus.gateway")
 

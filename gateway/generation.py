@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.messages import TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.ipc.messages import TokenDelta
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import EngineClient

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from gateway.errors import request_too_large
 
 MAX_N = 16  # choices per prompt (`n`)

@@ -11,8 +11,8 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from engine.request_limits import RequestLimits
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.request_limits import RequestLimits
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.admission import Admission
 from gateway.engine_client import EngineClient, EngineUnavailableError

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.attention import AttentionMetadata  # noqa: E402
+from engine.attention.backend import AttentionMetadata  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -125,7 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
-    from engine.cuda_attention import CudaAttention  # needs CuPy and a GPU; import after --help
+    from engine.attention.cupy_backend import (
+        CudaAttention,  # needs CuPy and a GPU; import after --help
+    )
 
     backend, dtype, gen = CudaAttention(), DTYPES[args.dtype], torch.Generator().manual_seed(0)
     d, hkv, bs = args.head_dim, args.kv_heads, args.block_size

@@ -29,10 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import SamplingParams  # noqa: E402
-from engine.config import DUMMY_SHAPES, EngineConfig, ModelShape  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.cuda_graphs import CudaGraphRunner  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
+from engine.core.config import DUMMY_SHAPES, EngineConfig, ModelShape  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.launch import build_engine  # noqa: E402
+from engine.model.loader import load_checkpoint  # noqa: E402
+from engine.runner.cuda_graphs import CudaGraphRunner  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -51,7 +52,7 @@ def make_engine(shape_name: str, args, **overrides) -> EngineCore:
         model=f"dummy:{shape_name}", device=args.device, max_num_seqs=max(max(args.batches), args.requests),
         max_num_batched_tokens=args.token_budget, kv_cache_memory=int(args.kv_gib * 2**30), **overrides,
     )
-    engine = EngineCore(config, load_checkpoint(config.model))
+    engine = build_engine(config, load_checkpoint(config.model))
     if engine.runner.graphs is None and engine.runner.device.type == "cpu":
         # Off a GPU the graph runner's CPU stand-in keeps the eager/graphs comparison runnable.
         engine.runner.graphs = CudaGraphRunner(engine.model, 64, engine.runner.device, engine.runner.dtype)

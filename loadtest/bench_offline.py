@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
-from engine.model_files import default_model_path  # noqa: E402
+from engine.model.loader import load_checkpoint  # noqa: E402
+from engine.model.model_files import default_model_path  # noqa: E402
 
 SEED_TEXTS = [
     "The history of the printing press begins",

@@ -27,7 +27,6 @@ from bench_serving import Workload, run, summarize
 from local_server import launch_server, stop_server
 
 
-
 def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     """`orcinus serve` with the shared limits from `args` plus `extra` flags; returns it once /health is 200."""
     flags = [*extra, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),

@@ -23,7 +23,7 @@ def free_port() -> int:
 def launch_server(flags: list[str], log=subprocess.DEVNULL, timeout: float = 300) -> tuple[subprocess.Popen, str]:
     """`orcinus serve --port P *flags`; returns the process and its URL once /health is 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

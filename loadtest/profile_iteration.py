@@ -18,8 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import SamplingParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.launch import build_engine  # noqa: E402
 
 GEMM = {"aten::mm", "aten::addmm", "aten::linear"}
 ATTENTION = {"aten::index", "aten::index_copy_", "aten::bmm", "aten::_softmax", "aten::masked_fill_",
@@ -27,7 +28,7 @@ ATTENTION = {"aten::index", "aten::index_copy_", "aten::bmm", "aten::_softmax", 
 
 
 def decode_engine(batch: int, context: int, model: str | None) -> EngineCore:
-    engine = EngineCore(EngineConfig(model=model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context)))
+    engine = build_engine(EngineConfig(model=model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context)))
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)  # outlasts the profiled steps
     for i in range(batch):
         engine.add_request([1000 + (i * 7 + j) % 20000 for j in range(context)], params)
@@ -44,7 +45,7 @@ def phases(engine: EngineCore, steps: int) -> dict[str, float]:
         t1 = time.perf_counter()
         logits = engine.runner.run(batch)
         t2 = time.perf_counter()
-        sampled = engine.sampler(logits, [engine.scheduler.requests[r.request_id] for r in batch.requests])
+        sampled = engine.executor.sampler(logits, [engine.scheduler.requests[r.request_id] for r in batch.requests])
         t3 = time.perf_counter()
         engine.scheduler.update(batch, sampled)
         t4 = time.perf_counter()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_checkpoint
-from engine.model_files import default_model_path
+from engine.model.loader import load_checkpoint
+from engine.model.model_files import default_model_path
 
 # Reference and engine share the 2 cores; fewer threads than cores avoids oversubscription stalls.
 torch.set_num_threads(2)
@@ -130,7 +130,7 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--max-num-seqs", "64", *args],
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--max-num-seqs", "64", *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"

@@ -3,7 +3,7 @@ request is refused at once (429 with Retry-After), or with a 400 when it could n
 
 import pytest
 
-from engine.request_limits import RequestLimits
+from engine.core.request_limits import RequestLimits
 from gateway import errors
 from gateway.admission import Admission
 from gateway.metrics import Metrics

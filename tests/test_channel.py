@@ -13,9 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from engine.channel import Channel, ChannelFullError, ChannelHandle, Doorbell, ShmRing
-from engine.messages import Abort, AddRequest, EngineStats, FromEngine, RequestError, Shutdown, TokenDelta, ToEngine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.ipc.channel import (
+    Channel,
+    ChannelFullError,
+    ChannelHandle,
+    Doorbell,
+    ShmRing,
+)
+from engine.ipc.messages import (
+    Abort,
+    AddRequest,
+    EngineStats,
+    FromEngine,
+    RequestError,
+    Shutdown,
+    ToEngine,
+    TokenDelta,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,9 +191,9 @@ import sys
 ROOT = {root!r}
 sys.path.insert(0, ROOT)
 import json, multiprocessing, os, time
-from engine.channel import *
-from engine.messages import *
-from engine.sampling_params import SamplingParams
+from engine.ipc.channel import *
+from engine.ipc.messages import *
+from engine.core.sampling_params import SamplingParams
 
 
 def echo_worker(handle_in, handle_out):
@@ -273,7 +288,7 @@ def test_unrelated_attacher_process_neither_unlinks_nor_warns(channels):
     ch.send(Abort("r9"))
     h = ch.handle()
     code = _ECHO_SCRIPT.split("import json", 1)[0].format(root=str(ROOT)) + (
-        "from engine.channel import Channel, ChannelHandle\nfrom engine.messages import ToEngine\n"
+        "from engine.ipc.channel import Channel, ChannelHandle\nfrom engine.ipc.messages import ToEngine\n"
         f"c = Channel.attach(ChannelHandle({h.shm_name!r}, {h.doorbell_path!r}), ToEngine)\n"
         "print(c.recv_all()[0].request_id)\n"
         "c.close()\n"

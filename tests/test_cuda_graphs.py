@@ -5,9 +5,9 @@ import torch
 from conftest import run_staggered
 
 from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.cuda_graphs import CudaGraphRunner, bucket_for, graph_buckets
+from engine.core.config import EngineConfig
+from engine.launch import build_engine
+from engine.runner.cuda_graphs import CudaGraphRunner, bucket_for, graph_buckets
 
 PROMPTS = [
     "The capital of France is",
@@ -57,7 +57,7 @@ def test_no_buckets_below_one_token():
 def engines(checkpoint):
     """An eager engine and one whose runner replays (CPU stand-in) graphs up to 16 tokens, on the same weights."""
     config = EngineConfig(device="cpu", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280)
-    eager, graphed = EngineCore(config, checkpoint), EngineCore(config, checkpoint)
+    eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     graphed.runner.graphs = CudaGraphRunner(graphed.model, 16, torch.device("cpu"), torch.float32)
     return eager, graphed
 
@@ -107,12 +107,12 @@ def test_greedy_tokens_identical_with_graphs_on_mixed_batches(engines, tokenizer
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphs_match_eager_on_gpu():
     base = EngineConfig(model="dummy:smollm2-135m", device="cuda", max_num_batched_tokens=256, kv_cache_memory=2**30)
-    from engine.loader import load_checkpoint
+    from engine.model.loader import load_checkpoint
 
     ckpt = load_checkpoint(base.model)
     outputs = []
     for enforce_eager in (True, False):
-        engine = EngineCore(base.with_(enforce_eager=enforce_eager), ckpt)
+        engine = build_engine(base.with_(enforce_eager=enforce_eager), ckpt)
         assert (engine.runner.graphs is None) == enforce_eager
         reqs = [engine.add_request(list(range(5 + 7 * i, 40 + 9 * i)), GREEDY) for i in range(8)]
         while engine.has_unfinished():

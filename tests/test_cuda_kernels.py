@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttention, make_backend
+from engine.attention.backend import AttentionMetadata
+from engine.attention.selector import make_backend
+from engine.attention.torch_backend import TorchAttention
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 KERNELS = sorted(CUDA_DIR.glob("*.cu"))

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.model_files import ModelNotFoundError, default_model_path
-from engine.tokenizer import Tokenizer
+from engine.model.model_files import ModelNotFoundError, default_model_path
+from engine.model.tokenizer import Tokenizer
 from gateway.detokenizer import IncrementalDetokenizer, token_text
 
 TEXTS = [

@@ -5,9 +5,8 @@ import argparse
 import pytest
 import torch
 
-from engine.cli import add_engine_flags, engine_kwargs
-from engine.config import DUMMY_SHAPES, EngineConfig
-from engine.device import (
+from engine.core.config import DUMMY_SHAPES, EngineConfig
+from engine.runner.device import (
     CPU_KV_CACHE_MEMORY,
     DeviceError,
     activation_reserve,
@@ -15,7 +14,8 @@ from engine.device import (
     kv_cache_bytes,
     resolve_device,
 )
-from engine.runner import StepInputs
+from engine.runner.model_runner import StepInputs
+from gateway.cli import add_engine_flags, engine_kwargs
 
 GiB = 2**30
 

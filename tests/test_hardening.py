@@ -70,14 +70,14 @@ def gateway_pid(url: str) -> int:
                 args = cmdline(int(proc.name))
             except OSError:
                 continue
-            if "engine.cli" in args and "serve" in args and args[args.index("--port") + 1] == port:
+            if "gateway.cli" in args and "serve" in args and args[args.index("--port") + 1] == port:
                 return int(proc.name)
     raise AssertionError(f"no server process on port {port}")
 
 
 def engine_pid(gateway: int) -> int:
     children = Path(f"/proc/{gateway}/task/{gateway}/children").read_text().split()
-    engines = [int(c) for c in children if "engine.worker" in cmdline(int(c))]
+    engines = [int(c) for c in children if "engine.ipc.worker" in cmdline(int(c))]
     assert len(engines) == 1, f"expected one engine process among {children}"
     return engines[0]
 

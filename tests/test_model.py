@@ -5,8 +5,9 @@ import torch
 from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.launch import build_engine
 
 NUM_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -46,7 +47,7 @@ def first_logits(engine: EngineCore, prompt_ids: list[list[int]]) -> torch.Tenso
 
 
 def test_first_iteration_logits_match_transformers(checkpoint, hf_model, tokenizer):
-    engine = EngineCore(EngineConfig(), checkpoint)
+    engine = build_engine(EngineConfig(), checkpoint)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
     ours = first_logits(engine, prompt_ids)  # all six in one flattened batch
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
@@ -112,7 +113,7 @@ def test_hf_checkpoint_directory_loads_the_same_model(hf_model, tokenizer, refer
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from engine.model_files import default_model_path
+    from engine.model.model_files import default_model_path
 
     # transformers will not save_pretrained a GGUF-loaded model; write the same files by hand.
     out = tmp_path_factory.mktemp("hf_ckpt")

@@ -14,9 +14,10 @@ from conftest import PROMPTS as ALL_PROMPTS
 from conftest import run_staggered as run_arrivals
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.executor import build_model, stage_span
-from engine.pipeline import StageFailedError
+from engine.core.config import EngineConfig
+from engine.parallel.pipeline import StageFailedError
+from engine.parallel.stage import stage_span
+from engine.runner.local_executor import build_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ALL_PROMPTS[:11]
@@ -44,9 +45,9 @@ def test_more_stages_than_layers_is_refused():
 
 def test_stage_spans_chained_give_the_whole_models_logits(checkpoint, tokenizer):
     """No processes: the three spans of a split model, run one after the other, equal the whole model."""
-    from engine.attention import TorchAttention
-    from engine.runner import ModelRunner
-    from engine.scheduler import Batch, ScheduledRequest
+    from engine.attention.torch_backend import TorchAttention
+    from engine.core.scheduler import Batch, ScheduledRequest
+    from engine.runner.model_runner import ModelRunner
 
     config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=8 * 737_280)
     ids = tokenizer.encode(PROMPTS[2])
@@ -104,7 +105,7 @@ def test_stages_started_as_separate_hosts_rendezvous_through_the_environment(ref
     port = _free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3"}
     stages = [
-        subprocess.Popen([sys.executable, "-m", "engine.stage"], env={**env, "RANK": str(rank)}, cwd=REPO_ROOT)
+        subprocess.Popen([sys.executable, "-m", "engine.parallel.stage"], env={**env, "RANK": str(rank)}, cwd=REPO_ROOT)
         for rank in (1, 2)
     ]
     try:
@@ -154,7 +155,7 @@ def test_killing_a_stage_under_the_server_gives_errors_then_503_then_recovers(se
         def stage_pids() -> list[int]:
             return [
                 p for gateway_child in _children(_server_pid(url)) for p in _children(gateway_child)
-                if "engine.stage" in _cmdline(p)
+                if "engine.parallel.stage" in _cmdline(p)
             ]
 
         stages = stage_pids()
@@ -183,7 +184,7 @@ def _server_pid(url: str) -> int:
     port = int(url.rsplit(":", 1)[1])
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            if f"--port {port}" in _cmdline(pid) and "engine.cli serve" in _cmdline(pid):
+            if f"--port {port}" in _cmdline(pid) and "gateway.cli serve" in _cmdline(pid):
                 return pid
         except OSError:
             continue

@@ -8,7 +8,7 @@ import pytest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.protocol import (
     MAX_BODY_BYTES,
@@ -343,7 +343,7 @@ def test_gateway_process_never_imports_torch():
     code = (
         "import sys\n"
         "from gateway.app import load_gateway_tokenizer\n"
-        "import gateway.completions, gateway.chat, gateway.engine_client, engine.messages, engine.channel\n"
+        "import gateway.completions, gateway.chat, gateway.engine_client, engine.ipc.messages, engine.ipc.channel\n"
         "load_gateway_tokenizer(None)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.config import EngineConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 BS = 4  # small blocks make the arithmetic visible
 

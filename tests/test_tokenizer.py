@@ -1,4 +1,4 @@
-"""engine.tokenizer against the reference: Hugging Face `tokenizers` as transformers builds it from the same GGUF."""
+"""engine.model.tokenizer against the reference: Hugging Face `tokenizers` as transformers builds it from the same GGUF."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_files import ModelNotFoundError, default_model_path
-from engine.tokenizer import Tokenizer
+from engine.model.model_files import ModelNotFoundError, default_model_path
+from engine.model.tokenizer import Tokenizer
 
 # Bytes that no token of SmolLM2's vocabulary holds; the reference drops them.
 TOKENLESS_BYTES = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])

@@ -6,9 +6,9 @@ from collections import deque
 
 import msgspec
 
-from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus, TokenLogprobs
+from engine.core.config import EngineConfig
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus, TokenLogprobs
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True):

@@ -1,6 +1,6 @@
 """The engine process: drain the inbound ring, step the engine, publish token deltas; sleep on the doorbell when idle.
 
-Started by the gateway as `python -m engine.worker SPEC_JSON` (a `WorkerSpec`), so nothing crosses
+Started by the gateway as `python -m engine.ipc.worker SPEC_JSON` (a `WorkerSpec`), so nothing crosses
 the process boundary as pickle: the spec is JSON, every frame after it msgspec.
 
 The gateway owns this process's lifetime: it drains requests on SIGTERM and then sends Shutdown, so
@@ -17,9 +17,10 @@ import time
 
 import msgspec
 
-from engine.channel import Channel, ChannelHandle
-from engine.config import EngineConfig
-from engine.messages import (
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import InvalidRequestError
+from engine.ipc.channel import Channel, ChannelHandle
+from engine.ipc.messages import (
     Abort,
     AddRequest,
     EngineReady,
@@ -30,7 +31,6 @@ from engine.messages import (
     ToEngine,
     TokenDelta,
 )
-from engine.sampling_params import InvalidRequestError
 
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
@@ -56,12 +56,12 @@ class EngineWorker:
     """Glues an EngineCore to the two channels."""
 
     def __init__(self, spec: WorkerSpec, parent: int):
-        from engine.core import EngineCore
+        from engine.launch import build_engine
 
         self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(spec.to_engine, ToEngine)
         self.outbox = Channel.attach(spec.from_engine, FromEngine)
-        self.engine = EngineCore(serving_config(spec.config))
+        self.engine = build_engine(serving_config(spec.config))
         e = self.engine
         self.outbox.send(EngineReady(e.model_name, e.limits))
         self.prompt_tokens_total = 0

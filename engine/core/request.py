@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
-from functools import cached_property
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
+from engine.core.sampling_params import SamplingParams
 
-from engine.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):

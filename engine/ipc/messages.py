@@ -6,8 +6,8 @@ from typing import Union
 
 import msgspec
 
-from engine.request_limits import RequestLimits
-from engine.sampling_params import SamplingParams
+from engine.core.request_limits import RequestLimits
+from engine.core.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- gateway -> engine
 

@@ -10,9 +10,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Batch
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Batch
 
 CONTROL_TAG = 1
 ACTIVATION_TAG = 2

@@ -5,43 +5,33 @@ from __future__ import annotations
 import itertools
 import time
 
-import torch
-
-from engine.config import EngineConfig
-from engine.device import resolve_device
-from engine.executor import Executor, LocalExecutor
-from engine.loader import Checkpoint, load_checkpoint
-from engine.request import Request
-from engine.request_limits import RequestLimits
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.config import EngineConfig, ModelShape
+from engine.core.executor import Executor
+from engine.core.request import Request
+from engine.core.request_limits import RequestLimits
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.scheduler import Scheduler
 
 
 class EngineCore:
-    """Owns the scheduler and an executor (the model here, or pipeline stages); callers add requests and `step()`."""
+    """Owns the scheduler and an executor (the model here, or pipeline stages); callers add requests and `step()`.
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
-        """`checkpoint` reuses weights already loaded (e.g. to try several configs on one model)."""
-        config = resolve_device(config)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    Built by `engine.launch.build_engine`, which loads the model and picks the executor.
+    """
+
+    def __init__(
+        self, config: EngineConfig, executor: Executor, model_name: str, shape: ModelShape, tokenizer, max_model_len: int
+    ):
         self.config = config
-        pipelined = config.pipeline_stages > 1
-        ckpt = checkpoint or load_checkpoint(config.model, config.seed, weights=not pipelined)
-        self.model_name = ckpt.name
-        self.shape = ckpt.shape
-        self.tokenizer = ckpt.tokenizer
-        self.max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
-        if pipelined:
-            from engine.pipeline import PipelineExecutor  # torch.distributed only where it is used
-
-            self.executor: Executor = PipelineExecutor(config, self.max_model_len)
-        else:
-            self.executor = LocalExecutor(config, ckpt, self.max_model_len)
-        num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        self.limits = RequestLimits(self.max_model_len, self.shape.vocab_size, num_blocks, config.block_size)
-        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+        self.executor = executor
+        self.model_name = model_name
+        self.shape = shape
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        num_blocks = executor.num_blocks
+        self.scheduler = Scheduler(config, num_blocks, max_model_len)
+        self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size)
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self._ids = itertools.count()
         self.num_iterations = 0
         self.last_batch_size = 0

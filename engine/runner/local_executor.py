@@ -1,52 +1,20 @@
-"""Runs scheduled batches: in this process (one batch at a time), or down a pipeline of stage processes."""
+"""Runs scheduled batches in this process, one at a time: build the model, size the KV cache, run and sample."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
 
 import torch
 
-from engine.config import EngineConfig, ModelShape
-from engine.device import kv_cache_bytes
-from engine.loader import Checkpoint
-from engine.model import LlamaModel
-from engine.request import Request, TokenLogprobs
-from engine.runner import ModelRunner, kv_bytes_per_block
-from engine.sampler import Sampler
-from engine.scheduler import Batch
-
-Sampled = dict[str, tuple[int, TokenLogprobs | None]]
-
-
-class Executor(Protocol):
-    """Takes batches in order and hands back each one's sampled tokens in the same order."""
-
-    max_in_flight: int  # batches that may be submitted before the oldest is collected
-    num_blocks: int  # KV blocks every part of the model has room for
-
-    @property
-    def num_in_flight(self) -> int: ...
-
-    def submit(self, batch: Batch, sampling: list[Request]) -> None:
-        """Start `batch`; `sampling` are the requests of its rows that sample, in batch order."""
-
-    def collect(self) -> tuple[Batch, Sampled]:
-        """The oldest submitted batch and its sampled tokens (blocks until they are there)."""
-
-    def release(self, request_ids: list[str]) -> None:
-        """These requests are gone: drop any state kept for them."""
-
-    def close(self) -> None: ...
-
-
-def stage_span(num_layers: int, stage: int, num_stages: int) -> range:
-    """Stage `stage`'s layers when `num_layers` are split as evenly as they go (earlier stages take the extras)."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers over {num_stages} pipeline stages")
-    base, extra = divmod(num_layers, num_stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (stage < extra))
+from engine.core.config import EngineConfig, ModelShape
+from engine.core.executor import Sampled
+from engine.core.request import Request
+from engine.core.scheduler import Batch
+from engine.model.llama import LlamaModel
+from engine.model.loader import Checkpoint
+from engine.model.sampler import Sampler
+from engine.runner.device import kv_cache_bytes
+from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 
 
 def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None) -> LlamaModel:

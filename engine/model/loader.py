@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from engine.config import DUMMY_SHAPES, ModelShape
-from engine.model_files import ModelNotFoundError, default_model_path
+from engine.core.config import DUMMY_SHAPES, ModelShape
+from engine.model.model_files import ModelNotFoundError, default_model_path
+
 
 @dataclass
 class Checkpoint:
@@ -54,7 +55,7 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
     import gguf
 
-    from engine.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer
 
     reader = gguf.GGUFReader(path)
     shape = shape_from_gguf(reader)
@@ -117,7 +118,7 @@ def gguf_weights(reader, shape: ModelShape) -> dict[str, torch.Tensor]:
 def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
     from safetensors.torch import load_file
 
-    from engine.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer
 
     cfg = json.loads((path / "config.json").read_text())
     if cfg.get("model_type", "llama") != "llama":
@@ -158,7 +159,7 @@ def load_dummy(name: str, seed: int = 0) -> Checkpoint:
 
 def _default_tokenizer_or_none():
     # Benchmarks on a host without the default model still run; they send token ids.
-    from engine.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_file(default_model_path())

@@ -1,6 +1,6 @@
 """The pipeline driver: sends each batch down N stage processes and keeps up to N batches in flight.
 
-Orca's distributed execution: the layers are split into stages (engine/stage.py), the scheduler
+Orca's distributed execution: the layers are split into stages (stage.py), the scheduler
 hands batches to the first stage while the later ones still work on earlier batches, and the last
 stage returns the sampled ids. The driver is rank 0 and holds no layers. By default it launches the
 stages here; with `external_stages` they are started elsewhere (other hosts) and all ranks meet
@@ -21,14 +21,22 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.executor import Sampled
-from engine.pipeline_frames import (
-    PendingSends, SamplingState, StageBatch, StageReady, StageResult, StageSetup, StageShutdown, recv_frame, send_frame,
+from engine.core.config import EngineConfig
+from engine.core.executor import Sampled
+from engine.core.request import Request, TokenLogprobs
+from engine.core.scheduler import Batch
+from engine.parallel.frames import (
+    PendingSends,
+    SamplingState,
+    StageBatch,
+    StageReady,
+    StageResult,
+    StageSetup,
+    StageShutdown,
+    recv_frame,
+    send_frame,
 )
-from engine.request import Request, TokenLogprobs
-from engine.scheduler import Batch
-from engine.stage import RENDEZVOUS_TIMEOUT, tensor_group
+from engine.parallel.stage import RENDEZVOUS_TIMEOUT, tensor_group
 
 
 class StageFailedError(RuntimeError):
@@ -85,7 +93,7 @@ class PipelineExecutor:
     def _launch(self, rank: int, world: int, port: int) -> subprocess.Popen:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
-        return subprocess.Popen([sys.executable, "-m", "engine.stage", "--parent-pid", str(os.getpid())], env=env)
+        return subprocess.Popen([sys.executable, "-m", "engine.parallel.stage", "--parent-pid", str(os.getpid())], env=env)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         proc.wait()

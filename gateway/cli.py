@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import fields
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 # Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields.
 _ENGINE_FLAGS = {
@@ -43,8 +43,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
 
 
 class RequestLimits(msgspec.Struct, frozen=True, array_like=True):

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttention
 
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "cuda" / "ragged_paged_attention.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "ragged_paged_attention.cu"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 MAX_HEAD_DIM = 128  # kMaxHeadDim in the kernel
 MAX_HEADS_PER_BLOCK = 16  # kMaxHeadsPerBlock: one warp per query head

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request, TokenLogprobs
+from engine.core.request import Request, TokenLogprobs
 
 
 class Sampler:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.model import LlamaModel
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.model.llama import LlamaModel
 
 Outputs = tuple[torch.Tensor, ...]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, make_backend
-from engine.config import EngineConfig, ModelShape
-from engine.cuda_graphs import CudaGraphRunner
-from engine.model import LlamaModel
-from engine.scheduler import Batch
+from engine.attention.backend import AttentionMetadata
+from engine.attention.selector import make_backend
+from engine.core.config import EngineConfig, ModelShape
+from engine.core.scheduler import Batch
+from engine.model.llama import LlamaModel
+from engine.runner.cuda_graphs import CudaGraphRunner
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelShape
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.core.config import ModelShape
 
 
 class RMSNorm(nn.Module):

@@ -4,7 +4,7 @@ The first stage embeds the batch's tokens; the last applies the final norm and L
 and returns the sampled ids to the driver. Ranks rendezvous through the standard torch.distributed
 environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), so a stage can run on another host:
 
-    RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m engine.stage
+    RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m engine.parallel.stage
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.executor import build_model, num_kv_blocks, stage_span
-from engine.loader import load_checkpoint
-from engine.pipeline_frames import (
+from engine.core.request import Request
+from engine.model.loader import load_checkpoint
+from engine.model.sampler import Sampler
+from engine.parallel.frames import (
     ACTIVATION_TAG,
     PendingSends,
     SamplingState,
@@ -35,13 +36,22 @@ from engine.pipeline_frames import (
     recv_frame,
     send_frame,
 )
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
+from engine.runner.local_executor import build_model, num_kv_blocks
+from engine.runner.model_runner import ModelRunner
 
 DRIVER = 0
 # An idle server sends no frames for as long as nobody asks it anything: receives must not time out.
 RENDEZVOUS_TIMEOUT = timedelta(days=365)
+
+
+def stage_span(num_layers: int, stage: int, num_stages: int) -> range:
+    """Stage `stage`'s layers when `num_layers` are split as evenly as they go (earlier stages take the extras)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers over {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
 
 
 def tensor_group(device: torch.device):

@@ -63,7 +63,6 @@ from typing import Any
 
 import msgspec
 
-
 assert sys.byteorder == "little", "the ring header is little-endian uint64"
 
 RING_MAGIC = int.from_bytes(b"ORCRING\0", "little")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig, ModelShape
+from engine.core.config import EngineConfig, ModelShape
 
 CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 def _paged(req: Request, num_tokens: int) -> int:

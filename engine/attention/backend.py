@@ -1,0 +1,52 @@
+"""Ragged attention over the paged KV cache, behind a backend interface.
+
+Selective batching: every token-wise op runs on the flattened `[T, hidden]` batch; only
+attention is split per request, driven by this metadata. A KV cache layer is one tensor
+`[2, num_kv_heads, num_blocks, block_size, head_dim]` (keys, then values; head-major so that
+a gathered context is already `[heads, tokens, head_dim]` for matmul); token `t` of a request
+lives in slot `block_table[t // block_size] * block_size + t % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's queries sit in the flattened batch and where its keys live."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32: request i's queries are rows [qsl[i], qsl[i+1])
+    context_lens: torch.Tensor  # [B] int32: tokens in cache once this iteration's K/V are written
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
+    query_lens_cpu: list[int]  # host copies, so backends need no device sync to loop
+    context_lens_cpu: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """Writes this iteration's K/V into the cache, then attends every query to its own request's keys."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] cache, [..., nb] tables -> [Hkv, ..., nb * bs, D] (one copy)."""
+    return cache[:, block_tables].flatten(-3, -2)

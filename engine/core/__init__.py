@@ -1,0 +1,4 @@
+"""The scheduling core: requests, sampling parameters, the KV block manager, the scheduler and the engine step.
+
+Pure Python over integers: imports nothing else from the engine, and no torch.
+"""

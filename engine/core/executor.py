@@ -1,0 +1,31 @@
+"""The contract between the engine core and whatever runs its batches (this process, or pipeline stages)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.core.request import Request, TokenLogprobs
+from engine.core.scheduler import Batch
+
+Sampled = dict[str, tuple[int, TokenLogprobs | None]]
+
+
+class Executor(Protocol):
+    """Takes batches in order and hands back each one's sampled tokens in the same order."""
+
+    max_in_flight: int  # batches that may be submitted before the oldest is collected
+    num_blocks: int  # KV blocks every part of the model has room for
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def submit(self, batch: Batch, sampling: list[Request]) -> None:
+        """Start `batch`; `sampling` are the requests of its rows that sample, in batch order."""
+
+    def collect(self) -> tuple[Batch, Sampled]:
+        """The oldest submitted batch and its sampled tokens (blocks until they are there)."""
+
+    def release(self, request_ids: list[str]) -> None:
+        """These requests are gone: drop any state kept for them."""
+
+    def close(self) -> None: ...
