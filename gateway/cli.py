@@ -16,7 +16,7 @@ _ENGINE_FLAGS = {
     "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations (default: bfloat16 on GPU, float32 on CPU)"),
     "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
     "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),
-    "cuda_graph_max_tokens": dict(type=int, help="largest token bucket captured as CUDA graphs (default: the token budget)"),
+    "cuda_graph_max_tokens": dict(type=int, help="largest token bucket of the piecewise CUDA graphs (default: min(token budget, 512))"),
     "block_size": dict(type=int, help="tokens per KV cache block"),
     "kv_cache_memory": dict(type=int, help="bytes for the KV cache (default: 512 MiB on CPU, what is free on GPU)"),
     "max_num_seqs": dict(type=int, help="most requests in one iteration"),

@@ -125,9 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
-    from engine.attention.cupy_backend import (
-        CudaAttention,  # needs CuPy and a GPU; import after --help
-    )
+    from engine.attention.cupy_backend import CudaAttention  # needs CuPy and a GPU; import after --help
 
     backend, dtype, gen = CudaAttention(), DTYPES[args.dtype], torch.Generator().manual_seed(0)
     d, hkv, bs = args.head_dim, args.kv_heads, args.block_size
@@ -149,7 +147,7 @@ def main(argv=None) -> int:
         reqs = per_request(q, cache, meta)
         qp, kp, vp, mask = padded(q, cache, meta)
         row = {"batch": name, "tokens": q.shape[0],
-               "kernel_ms": time_ms(lambda: backend.attend(q, cache, meta), args.iters),
+               "kernel_ms": time_ms(lambda: backend.attend(q, cache, meta, max(meta.context_lens_cpu)), args.iters),
                "sdpa_per_request_ms": time_ms(lambda: [F.scaled_dot_product_attention(
                    a, b, c, **m, enable_gqa=True) for a, b, c, m in reqs], args.iters),
                "sdpa_padded_ms": time_ms(lambda: F.scaled_dot_product_attention(

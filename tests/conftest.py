@@ -1,6 +1,7 @@
 """Shared fixtures: the default model loaded once, the transformers reference loaded once, live gateway servers."""
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -16,6 +17,30 @@ from engine.model.model_files import default_model_path
 
 # Reference and engine share the 2 cores; fewer threads than cores avoids oversubscription stalls.
 torch.set_num_threads(2)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu", action="store_true", help="run the GPU tests (marked `gpu`) on the GPU, and only them")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; runs only with --gpu")
+    if not config.getoption("--gpu"):
+        # The other tests compare float32 CPU results with references: engines (and the servers they
+        # start) must not pick a GPU in bfloat16 just because one is there. Set before CUDA initialises.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = config.getoption("--gpu")
+    for item in items:
+        is_gpu_test = item.get_closest_marker("gpu") is not None
+        if is_gpu_test and not gpu:
+            item.add_marker(pytest.mark.skip(reason="GPU test: run `pytest --gpu` on a machine with a GPU"))
+        elif gpu and not is_gpu_test:
+            item.add_marker(pytest.mark.skip(reason="CPU test: run without --gpu"))
+        elif gpu and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="--gpu given, but torch sees no CUDA GPU here"))
 
 
 # Prompts shared by the engine tests: prose, code, numbers, a chat turn.

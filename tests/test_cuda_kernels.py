@@ -17,7 +17,7 @@ from engine.attention.torch_backend import TorchAttention
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 KERNELS = sorted(CUDA_DIR.glob("*.cu"))
 HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and an NVIDIA GPU")
+needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also needs CuPy here
 
 
 # ---------------------------------------------------------------- compile check (no GPU needed)
@@ -87,9 +87,7 @@ def ragged_batch(requests, num_q_heads, num_kv_heads, head_dim, block_size=16, d
 
 
 def to_device(meta, device):
-    return AttentionMetadata(meta.query_start_loc.to(device), meta.context_lens.to(device),
-                             meta.block_tables.to(device), meta.slot_mapping.to(device),
-                             list(meta.query_lens_cpu), list(meta.context_lens_cpu))
+    return meta.to(device)
 
 
 def reference(q, k, v, cache, meta):
@@ -145,6 +143,18 @@ def test_random_ragged_batches(seed):
     q, k, v, cache, meta = ragged_batch(requests, *heads, head_dim=128, seed=seed)
     want, _ = reference(q, k, v, cache, meta)
     assert rel_error(make_backend("cuda").forward(q, k, v, cache, meta), want) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (16, 2), (34, 2), (24, 1)])
+def test_forward_decode_matches_reference_with_the_fixed_split_plan(num_q_heads, num_kv_heads):
+    """The graph-safe decode path plans its splits for the whole table width, not the batch's longest context."""
+    q, k, v, cache, meta = ragged_batch(DECODE, num_q_heads, num_kv_heads, head_dim=128)
+    want, want_cache = reference(q, k, v, cache, meta)
+    got = make_backend("cuda").forward_decode(q, k, v, cache, meta)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.float().cpu(), want_cache), "cache write differs"
+    assert rel_error(got, want) < 1e-2
 
 
 @needs_gpu

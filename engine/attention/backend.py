@@ -30,14 +30,29 @@ class AttentionMetadata:
     def num_requests(self) -> int:
         return len(self.query_lens_cpu)
 
+    def to(self, device) -> AttentionMetadata:
+        return AttentionMetadata(
+            self.query_start_loc.to(device), self.context_lens.to(device), self.block_tables.to(device),
+            self.slot_mapping.to(device), list(self.query_lens_cpu), list(self.context_lens_cpu),
+        )
+
 
 class AttentionBackend(Protocol):
     """Writes this iteration's K/V into the cache, then attends every query to its own request's keys."""
+
+    graph_safe_decode: bool  # whether whole decode steps around forward_decode should be captured as CUDA graphs
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+        ...
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """`forward` for a batch of one query per request that reads only device tensors and static shapes
+        (never the host length lists), so a whole decode step can be captured as a CUDA graph."""
         ...
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +43,17 @@ def _cupy():
 
 
 def cuda_backend_available() -> bool:
-    """Whether CudaAttention can be constructed here (a CUDA device and an importable CuPy)."""
+    """Whether CudaAttention works here: a CUDA device, an importable CuPy, and a kernel that compiles and runs.
+
+    `auto` must fall back to the PyTorch reference rather than fail at the first request, so this
+    compiles the module (NVRTC, ~1-3 s, once per process) and launches it on a tiny batch.
+    """
     if not torch.cuda.is_available():
         return False
     try:
-        _cupy()
-    except RuntimeError:
+        CudaAttention().self_test()
+    except Exception as e:  # ImportError, CompileException, CUDADriverError...: any reason is a reason to fall back
+        warnings.warn(f"the CUDA attention kernel is unusable here, using the PyTorch reference: {e}", stacklevel=2)
         return False
     return True
 
@@ -59,6 +65,7 @@ class CudaAttention:
     "auto" stays correct for an engine configured with device="cpu" on a GPU machine.
     """
 
+    graph_safe_decode = True  # forward_decode reads only device tensors: whole decode steps may be captured
     _module = None  # the compiled RawModule, shared by every instance (NVRTC runs once per process)
 
     def __init__(self) -> None:
@@ -67,7 +74,8 @@ class CudaAttention:
         self._cp = _cupy()
         self._fallback = TorchAttention()
         self._sm_count: dict[int, int] = {}
-        self._kernels: dict = {}  # compiled on first use, so CPU tensors (the fallback) never pay for NVRTC
+        self._kernels: dict = {}  # (name, device) -> function; compiled on first use, so the CPU fallback never pays
+        self._streams: dict = {}  # (device, torch stream pointer) -> CuPy's handle on that same stream
 
     @classmethod
     def _load_module(cls, cp):
@@ -77,8 +85,8 @@ class CudaAttention:
             return cls._module
         source, errors = KERNEL_SOURCE.read_text(), []
         for extra in [()] + [(f"-I{d}",) for d in _header_dirs(cp)]:
-            module = cp.RawModule(code=source, options=("-std=c++17", *extra))
             try:
+                module = cp.RawModule(code=source, options=("-std=c++17", *extra))
                 module.get_function("ragged_paged_attention_bf16")  # RawModule compiles lazily: force it
             except Exception as e:  # cupy.cuda.compiler.CompileException, mostly
                 errors.append(f"{' '.join(extra) or 'no -I'}: {e}")
@@ -87,17 +95,40 @@ class CudaAttention:
             return module
         raise RuntimeError(f"cannot compile {KERNEL_SOURCE} with NVRTC:\n" + "\n".join(errors))
 
-    def _kernel(self, name: str, dtype: torch.dtype):
-        key = f"{name}_{_SUFFIX[dtype]}"
+    def _kernel(self, name: str, dtype: torch.dtype, device: torch.device):
+        # A loaded function belongs to the device that was current when CuPy loaded it.
+        key = (f"{name}_{_SUFFIX[dtype]}", device.index)
         if key not in self._kernels:
-            self._kernels[key] = self._load_module(self._cp).get_function(key)
+            with self._cp.cuda.Device(device.index):
+                self._kernels[key] = self._load_module(self._cp).get_function(key[0])
         return self._kernels[key]
+
+    def self_test(self) -> None:
+        """Compile, then run a 3-token prefill (GQA, bf16) through the kernels and compare with the reference."""
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(3, h, 64, generator=gen).to(torch.bfloat16) for h in (2, 1, 1))
+        cache = torch.zeros(2, 1, 2, 16, 64, dtype=torch.bfloat16)  # 2 blocks; the request lives in block 1
+        meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                                 torch.tensor([[1]], dtype=torch.int32), torch.tensor([16, 17, 18]), [3], [3])
+        expected = self._fallback.forward(q.float(), k.float(), v.float(), cache.float(), meta)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        got = self.forward(q.to(dev), k.to(dev), v.to(dev), cache.to(dev), meta.to(dev))
+        torch.cuda.synchronize(dev)
+        if not torch.allclose(got.float().cpu(), expected, atol=3e-2, rtol=3e-2):
+            raise RuntimeError("the kernel's self-test output differs from the PyTorch reference")
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         if not q.is_cuda or q.shape[2] > MAX_HEAD_DIM or q.dtype not in _SUFFIX:
             return self._fallback.forward(q, k, v, kv_cache, meta)
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta)
+        return self.attend(q, kv_cache, meta, max(meta.context_lens_cpu))
+
+    def forward_decode(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        if not q.is_cuda or q.shape[2] > MAX_HEAD_DIM or q.dtype not in _SUFFIX:
+            return self._fallback.forward_decode(q, k, v, kv_cache, meta)
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        # The split plan for the longest context the block tables can hold: fixed, so it can be captured.
+        return self.attend(q, kv_cache, meta, meta.block_tables.shape[1] * kv_cache.shape[3])
 
     # ----------------------------------------------------------------------------- launches
 
@@ -105,8 +136,16 @@ class CudaAttention:
         """Make t's device and PyTorch's current stream on it CuPy's current ones, so launches order
         correctly with the surrounding torch ops without any synchronisation."""
         cp, stack = self._cp, contextlib.ExitStack()
+        key = (t.device.index, torch.cuda.current_stream(t.device).cuda_stream)
+        if key not in self._streams:
+            # One wrapper per stream, made once: CuPy 14 warns on every ExternalStream construction.
+            from_external = getattr(cp.cuda.Stream, "from_external", None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._streams[key] = from_external(*key[::-1]) if from_external else cp.cuda.ExternalStream(
+                    key[1], key[0])
         stack.enter_context(cp.cuda.Device(t.device.index))
-        stack.enter_context(cp.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream, t.device.index))
+        stack.enter_context(self._streams[key])
         return stack
 
     def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
@@ -119,19 +158,19 @@ class CudaAttention:
         threads = 256
         blocks = min(-(-total // threads), 65535)  # grid-stride loop covers the rest
         with self._on_torch_stream(k):
-            self._kernel("reshape_and_cache", kv_cache.dtype)(
+            self._kernel("reshape_and_cache", kv_cache.dtype, k.device)(
                 (blocks,), (threads,),
                 (_ptr(kv_cache), _ptr(k), _ptr(v), _ptr(slot_mapping),
                  np.int32(num_tokens), np.int32(num_kv_heads), np.int32(head_dim), np.int64(num_slots)),
             )
 
-    def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int) -> torch.Tensor:
         num_tokens, num_q_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
-        out = torch.empty_like(q)
+        q = q.contiguous()
+        out = torch.empty_like(q)  # after contiguous(): the kernel writes rows at q's dense strides
         if num_tokens == 0:
             return out
-        q = q.contiguous()
         qsl = meta.query_start_loc.to(torch.int32).contiguous()
         ctx = meta.context_lens.to(torch.int32).contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
@@ -140,7 +179,7 @@ class CudaAttention:
         blocks_per_kv = -(-group // MAX_HEADS_PER_BLOCK)
         heads_per_block = -(-group // blocks_per_kv)
         base_blocks = num_tokens * num_kv_heads * blocks_per_kv
-        num_splits, partition = self._splits(base_blocks, max(meta.context_lens_cpu), q.device)
+        num_splits, partition = self._splits(base_blocks, max_context_len, q.device)
 
         if num_splits > 1:
             ws_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim, dtype=torch.float32, device=q.device)
@@ -150,7 +189,7 @@ class CudaAttention:
         shared = 4 * (heads_per_block * head_dim + TILE * (head_dim + 1) + TILE * head_dim)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         with self._on_torch_stream(q):
-            self._kernel("ragged_paged_attention", q.dtype)(
+            self._kernel("ragged_paged_attention", q.dtype, q.device)(
                 (num_tokens, num_kv_heads * blocks_per_kv, num_splits), (heads_per_block * 32,),
                 (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(q), _ptr(kv_cache), _ptr(qsl), _ptr(ctx), _ptr(tables),
                  np.int32(meta.num_requests), np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
@@ -159,7 +198,7 @@ class CudaAttention:
                 shared_mem=shared,
             )
             if num_splits > 1:
-                self._kernel("ragged_paged_attention_reduce", q.dtype)(
+                self._kernel("ragged_paged_attention_reduce", q.dtype, q.device)(
                     (num_tokens, num_q_heads), (min(head_dim, 128),),
                     (_ptr(out), _ptr(ws_acc), _ptr(ws_ml),
                      np.int32(num_q_heads), np.int32(head_dim), np.int32(num_splits)),

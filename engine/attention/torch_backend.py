@@ -13,33 +13,50 @@ from engine.attention.backend import gather_context, write_kv
 class TorchAttention:
     """The PyTorch reference: decodes batched with a length mask, each prefill through SDPA."""
 
+    # Capturable, but a captured forward_decode gathers every request's whole window: not worth it on a GPU.
+    graph_safe_decode = False
+
     def forward(self, q, k, v, kv_cache, meta):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        qsl = meta.query_start_loc.tolist()
+        # Row offsets from the host lists: reading query_start_loc back would sync with the device.
+        qsl = [0]
+        for n in meta.query_lens_cpu:
+            qsl.append(qsl[-1] + n)
         decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if len(decode_rows) == meta.num_requests:  # pure decode: row i is request i, no gathers needed
+            block_size = kv_cache.shape[3]
+            tables = meta.block_tables[:, : -(-max(meta.context_lens_cpu) // block_size)]
+            return self._decode(q, kv_cache, tables, meta.context_lens)
         if decode_rows:
-            self._decode(q, kv_cache, meta, decode_rows, qsl, out)
+            rows = torch.tensor(decode_rows, device=q.device)
+            token_rows = torch.tensor([qsl[i] for i in decode_rows], device=q.device)
+            width = -(-max(meta.context_lens_cpu[i] for i in decode_rows) // kv_cache.shape[3])
+            out[token_rows] = self._decode(q[token_rows], kv_cache, meta.block_tables[rows, :width],
+                                           meta.context_lens[rows])
         for i, n in enumerate(meta.query_lens_cpu):
             if n > 1:
                 self._prefill(q, kv_cache, meta, i, qsl, out)
         return out
 
-    def _decode(self, q, kv_cache, meta, rows, qsl, out):
-        num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
-        lens = [meta.context_lens_cpu[i] for i in rows]
-        tables = meta.block_tables[rows, : -(-max(lens) // block_size)].long()  # [B, nb]
-        keys = gather_context(kv_cache[0], tables)  # [Hkv, B, L, D]
-        values = gather_context(kv_cache[1], tables)
-        token_rows = torch.tensor([qsl[i] for i in rows], device=q.device)
-        b, num_heads = len(rows), q.shape[1]
+    def forward_decode(self, q, k, v, kv_cache, meta):
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self._decode(q, kv_cache, meta.block_tables, meta.context_lens)
+
+    @staticmethod
+    def _decode(q, kv_cache, tables, lens):
+        """One query per request: q [B, Hq, D] against each request's first lens[b] keys in tables [B, nb]."""
+        num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
+        keys = gather_context(kv_cache[0], tables.long())  # [Hkv, B, L, D]
+        values = gather_context(kv_cache[1], tables.long())
+        b, num_heads = q.shape[0], q.shape[1]
         # [B, Hq, D] -> [Hkv, B, G, D]: each KV head serves its group of G query heads.
-        query = q[token_rows].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+        query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
         scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) / math.sqrt(head_dim)
-        pad = torch.arange(keys.shape[2], device=q.device) >= torch.tensor(lens, device=q.device)[:, None]  # [B, L]
+        pad = torch.arange(keys.shape[2], device=q.device) >= lens[:, None]  # [B, L]
         scores.masked_fill_(pad[None, :, None, :], float("-inf"))
         o = torch.matmul(scores.softmax(dim=-1), values.float())  # [Hkv, B, G, D]
-        out[token_rows] = o.transpose(0, 1).reshape(b, num_heads, head_dim).to(out.dtype)
+        return o.transpose(0, 1).reshape(b, num_heads, head_dim).to(q.dtype)
 
     def _prefill(self, q, kv_cache, meta, i, qsl, out):
         block_size = kv_cache.shape[3]

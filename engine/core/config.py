@@ -57,7 +57,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
     enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)
-    cuda_graph_max_tokens: int | None = None  # largest captured token bucket; None = max_num_batched_tokens
+    cuda_graph_max_tokens: int | None = None  # largest piecewise-graph token bucket; None = min(token budget, 512)
     max_num_seqs: int = 64  # most requests in one iteration
     max_num_batched_tokens: int = 2048  # per-iteration token budget (prefill chunks + decodes)
     max_model_len: int | None = None  # context cap; None = the model's own window

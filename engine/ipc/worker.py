@@ -10,6 +10,7 @@ ignored here. If the gateway itself dies, the engine notices it was orphaned and
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -132,6 +133,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()  # first thing: the gateway may die while the model loads
+    # uvicorn's format, so the engine's start-up lines (graph capture time and memory) read like the gateway's.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine] %(message)s")
     spec = msgspec.json.decode(argv[1], type=WorkerSpec)
     worker = EngineWorker(spec, parent)
     try:

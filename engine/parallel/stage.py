@@ -36,7 +36,8 @@ from engine.parallel.frames import (
     recv_frame,
     send_frame,
 )
-from engine.runner.local_executor import build_model, num_kv_blocks
+from engine.runner.device import num_kv_blocks
+from engine.runner.local_executor import build_model
 from engine.runner.model_runner import ModelRunner
 
 DRIVER = 0

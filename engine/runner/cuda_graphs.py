@@ -1,21 +1,23 @@
-"""CUDA graphs for the token-wise segments of the forward pass; attention runs eagerly between them.
+"""Piecewise CUDA graphs: the token-wise segments of the forward pass, with attention run eagerly between them.
 
 A forward pass over L layers is L + 1 token-wise segments cut at the attentions:
     embed -> pre_attn[0] | attn | post_attn[0] -> pre_attn[1] | attn | ... | post_attn[L-1] -> norm
 Each segment is captured once per token-count bucket (1, 2, 4, 8, then multiples of 8), largest
-first, all into one memory pool: only one bucket replays at a time, so they can share it. A batch
-of T tokens is padded up to the smallest bucket >= T. Padding rows hold stale but valid ids and
-positions; every token-wise op is row-independent, so they never touch the real rows, and attention
-and the LM head only ever see the first T rows.
+first, all into one memory pool. Every segment of every bucket reads and writes views of ONE set of
+static buffers sized for the largest bucket (the residual stream x, q, k, v, the attention output):
+only one bucket replays at a time, so they can share them, and the pool holds only one segment's
+temporaries. (Keeping each bucket's own outputs alive cost ~34 GiB for SmolLM2 at 259 buckets.)
 
-Graph inputs are static buffers (ids, positions, the attention output), and each segment's
-outputs are the next one's inputs, held for the graph's lifetime. Off a GPU a "capture" keeps the
-function and a replay re-runs it into the same static outputs, so the segmenting, the padding and
-the buffer plumbing are exercised by CPU tests.
+A batch of T tokens is padded up to the smallest bucket >= T. Padding rows hold stale but valid ids
+and positions; every token-wise op is row-independent, so they never touch the real rows, and
+attention and the LM head only ever see the first T rows. Off a GPU a "capture" keeps the function
+and a replay re-runs it, so the segmenting, the padding and the buffer plumbing are tested on CPU.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,7 +25,7 @@ import torch
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model.llama import LlamaModel
 
-Outputs = tuple[torch.Tensor, ...]
+log = logging.getLogger(__name__)
 
 
 def graph_buckets(max_tokens: int) -> list[int]:
@@ -44,76 +46,91 @@ def bucket_for(buckets: list[int], num_tokens: int) -> int | None:
     return None
 
 
-class _CudaCapture:
-    """Captures into one shared pool; warm-up runs first, outside capture, so cuBLAS sets up its workspace."""
+class CudaCapture:
+    """Captures into one shared pool; each function runs once outside capture first (cuBLAS workspace, lazy init)."""
 
-    def __init__(self, device: torch.device):
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(self, device: torch.device, pool=None):
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.device = device
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
-    def __call__(self, fn: Callable[[], Outputs]) -> tuple[Outputs, Callable[[], None]]:
+    def __call__(self, fn: Callable[[], None]) -> Callable[[], None]:
         fn()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn()
+        # capture_error_mode "thread_local": other threads (the gateway's, NCCL's) may use CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            fn()
         self.graphs.append(graph)
-        return outputs, graph.replay
+        return graph.replay
 
 
-class _EagerCapture:
-    """The CPU stand-in: a replay re-runs the segment and copies its results into the static outputs."""
+class EagerCapture:
+    """The CPU stand-in: a replay re-runs the function, which writes into the same static buffers."""
 
-    def __call__(self, fn: Callable[[], Outputs]) -> tuple[Outputs, Callable[[], None]]:
-        outputs = fn()
+    graphs: list = []
 
-        def replay() -> None:
-            for static, fresh in zip(outputs, fn()):
-                static.copy_(fresh)
+    def __call__(self, fn: Callable[[], None]) -> Callable[[], None]:
+        fn()
+        return fn
 
-        return outputs, replay
+
+def make_capture(device: torch.device, pool=None):
+    return CudaCapture(device, pool) if device.type == "cuda" else EagerCapture()
+
+
+def memory_in_use(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 class CudaGraphRunner:
     """Replays the captured segments of the bucket that fits a batch; larger batches return None (run eager)."""
 
-    def __init__(self, model: LlamaModel, max_tokens: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: LlamaModel, max_tokens: int, device: torch.device, dtype: torch.dtype, capture=None):
         self.model = model
         self.buckets = graph_buckets(max_tokens)
-        largest = self.buckets[-1]
-        s = model.shape
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.attn_out = torch.zeros(largest, s.num_heads, s.head_dim, dtype=dtype, device=device)
-        self.capture = _CudaCapture(device) if device.type == "cuda" else _EagerCapture()
-        self.segments: dict[int, list[tuple[Outputs, Callable[[], None]]]] = {}
+        n, s = self.buckets[-1], model.shape
+
+        def buf(*shape, dtype=dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids, self.positions = buf(n, dtype=torch.int64), buf(n, dtype=torch.int64)
+        self.x = buf(n, s.hidden_size)
+        self.q, self.k, self.v = buf(n, s.num_heads, s.head_dim), buf(n, s.num_kv_heads, s.head_dim), buf(
+            n, s.num_kv_heads, s.head_dim)
+        self.attn_out = buf(n, s.num_heads, s.head_dim)
+        self.capture = capture or make_capture(device)
+        start, before = time.perf_counter(), memory_in_use(device)
+        self.replays: dict[int, list[Callable[[], None]]] = {}
         with torch.inference_mode():
             for bucket in reversed(self.buckets):  # largest first: smaller ones fit in the pool it grew
-                self.segments[bucket] = self._capture_bucket(bucket)
+                self.replays[bucket] = self._capture_bucket(bucket)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = memory_in_use(device) - before
+        log.info("captured %d piecewise CUDA graphs (%d token buckets up to %d) in %.1f s, %.0f MiB",
+                 len(self.buckets) * (len(model.layers) + 1), len(self.buckets), n, self.capture_seconds,
+                 self.capture_bytes / 2**20)
 
-    def _capture_bucket(self, n: int) -> list[tuple[Outputs, Callable[[], None]]]:
+    def _capture_bucket(self, n: int) -> list[Callable[[], None]]:
         model, layers = self.model, self.model.layers
         ids, pos, attn = self.input_ids[:n], self.positions[:n], self.attn_out[:n]
+        x, q, k, v = self.x[:n], self.q[:n], self.k[:n], self.v[:n]
 
-        def first() -> Outputs:
-            x = model.embed_tokens(ids)
-            return (x, *layers[0].pre_attention(x, pos, model.rotary))
+        def write(new_x: torch.Tensor, layer) -> None:
+            x.copy_(new_x)
+            for static, fresh in zip((q, k, v), layer.pre_attention(x, pos, model.rotary)):
+                static.copy_(fresh)
 
-        def between(i: int, x_prev: torch.Tensor) -> Callable[[], Outputs]:
-            def segment() -> Outputs:
-                x = layers[i - 1].post_attention(x_prev, attn)
-                return (x, *layers[i].pre_attention(x, pos, model.rotary))
-            return segment
+        def first() -> None:
+            write(model.embed_tokens(ids), layers[0])
 
-        def last(x_prev: torch.Tensor) -> Callable[[], Outputs]:
-            return lambda: (model.norm(layers[-1].post_attention(x_prev, attn)),)
+        def between(i: int) -> Callable[[], None]:
+            return lambda: write(layers[i - 1].post_attention(x, attn), layers[i])
 
-        segments = [self.capture(first)]
-        for i in range(1, len(layers)):
-            segments.append(self.capture(between(i, segments[-1][0][0])))
-        segments.append(self.capture(last(segments[-1][0][0])))
-        return segments
+        def last() -> None:
+            x.copy_(model.norm(layers[-1].post_attention(x, attn)))
+
+        return [self.capture(f) for f in [first, *(between(i) for i in range(1, len(layers))), last]]
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return bucket_for(self.buckets, num_tokens)
@@ -134,11 +151,9 @@ class CudaGraphRunner:
             return None
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
-        segments = self.segments[bucket]
-        for (outputs, replay), kv_cache in zip(segments, kv_caches):
+        replays = self.replays[bucket]
+        for replay, kv_cache in zip(replays, kv_caches):
             replay()
-            _, q, k, v = outputs
-            self.attn_out[:t].copy_(attention.forward(q[:t], k[:t], v[:t], kv_cache, meta))
-        (hidden,), replay = segments[-1]
-        replay()
-        return self.model.lm_head(hidden[logits_indices]).float()
+            self.attn_out[:t].copy_(attention.forward(self.q[:t], self.k[:t], self.v[:t], kv_cache, meta))
+        replays[-1]()
+        return self.model.lm_head(self.x[logits_indices]).float()

@@ -40,7 +40,9 @@ def activation_reserve(config: EngineConfig, shape: ModelShape, dtype: torch.dty
     per_token = (3 * shape.intermediate_size + 4 * shape.hidden_size + qkv + shape.num_heads * shape.head_dim) * elem
     tokens = config.max_num_batched_tokens
     logits = config.max_num_seqs * shape.vocab_size * 4 * 4
-    graphs = 0 if config.enforce_eager else per_token * (config.cuda_graph_max_tokens or tokens)
+    # Piecewise graphs are captured before the KV cache is sized, so their pool already counts as in use;
+    # the whole-decode graphs, captured after, keep one decode step's activations and logits.
+    graphs = 0 if config.enforce_eager else per_token * config.max_num_seqs + config.max_num_seqs * shape.vocab_size * 4
     return per_token * tokens + logits + graphs
 
 
@@ -64,5 +66,20 @@ def kv_cache_bytes(config: EngineConfig, shape: ModelShape) -> int:
     device = torch.device(config.device)
     if device.type != "cuda":
         return CPU_KV_CACHE_MEMORY
+    # Cached blocks the weights' float32 staging copies left behind would otherwise count as in use.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return gpu_kv_budget(free, total, config.gpu_memory_utilization, activation_reserve(config, shape, getattr(torch, config.dtype)))
+
+
+def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes one block takes over `num_layers` layers (default: all of them)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    layers = shape.num_layers if num_layers is None else num_layers
+    return layers * 2 * block_size * shape.num_kv_heads * shape.head_dim * elem
+
+
+def num_kv_blocks(config: EngineConfig, shape: ModelShape, num_layers: int) -> int:
+    """KV blocks the budget holds for `num_layers` layers (the runner adds one scratch block beyond it)."""
+    dtype = getattr(torch, config.dtype)
+    return kv_cache_bytes(config, shape) // kv_bytes_per_block(shape, config.block_size, dtype, num_layers)

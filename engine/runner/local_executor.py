@@ -6,15 +6,14 @@ from collections import deque
 
 import torch
 
-from engine.core.config import EngineConfig, ModelShape
+from engine.core.config import EngineConfig
 from engine.core.executor import Sampled
 from engine.core.request import Request
 from engine.core.scheduler import Batch
 from engine.model.llama import LlamaModel
 from engine.model.loader import Checkpoint
 from engine.model.sampler import Sampler
-from engine.runner.device import kv_cache_bytes
-from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.runner.model_runner import ModelRunner
 
 
 def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None) -> LlamaModel:
@@ -35,11 +34,6 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     return model.eval().requires_grad_(False)
 
 
-def num_kv_blocks(config: EngineConfig, shape: ModelShape, num_layers: int) -> int:
-    dtype = getattr(torch, config.dtype)
-    return kv_cache_bytes(config, shape) // kv_bytes_per_block(shape, config.block_size, dtype, num_layers)
-
-
 class LocalExecutor:
     """The whole model in this process: each batch runs and samples as it is submitted."""
 
@@ -47,9 +41,9 @@ class LocalExecutor:
 
     def __init__(self, config: EngineConfig, ckpt: Checkpoint, max_model_len: int):
         self.model = build_model(ckpt, max_model_len, config)
-        # Sized after the weights are loaded: on a GPU the KV cache takes what they leave free.
-        self.num_blocks = num_kv_blocks(config, ckpt.shape, ckpt.shape.num_layers)
-        self.runner = ModelRunner(config, self.model, self.num_blocks, max_model_len)
+        # The runner sizes the KV cache after the weights and the piecewise graphs: it takes what they leave.
+        self.runner = ModelRunner(config, self.model, None, max_model_len)
+        self.num_blocks = self.runner.num_blocks
         self.sampler = Sampler(config.seed, torch.device(config.device))
         self.done: deque[tuple[Batch, Sampled]] = deque()
 

@@ -7,17 +7,14 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.selector import make_backend
-from engine.core.config import EngineConfig, ModelShape
+from engine.core.config import EngineConfig
 from engine.core.scheduler import Batch
 from engine.model.llama import LlamaModel
 from engine.runner.cuda_graphs import CudaGraphRunner
+from engine.runner.decode_graphs import DecodeGraphRunner
+from engine.runner.device import num_kv_blocks
 
-
-def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """Bytes one block takes over `num_layers` layers (default: all of them)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    layers = shape.num_layers if num_layers is None else num_layers
-    return layers * 2 * block_size * shape.num_kv_heads * shape.head_dim * elem
+DEFAULT_GRAPH_TOKENS = 512  # 67 token buckets: with L + 1 graphs each, llama-1b captures ~1.1k graphs
 
 
 class StepInputs:
@@ -60,25 +57,42 @@ class StepInputs:
         return host.to(self.device, non_blocking=True)
 
 
-class ModelRunner:
-    """Owns the model, the KV cache tensors, the attention backend and (on a GPU) the CUDA graphs."""
+def graph_max_tokens(config: EngineConfig) -> int:
+    """The largest piecewise-graph bucket: mixed batches beyond it run eagerly, where graphs matter least."""
+    return config.cuda_graph_max_tokens or min(config.max_num_batched_tokens, DEFAULT_GRAPH_TOKENS)
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int, max_model_len: int):
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the attention backend and (on a GPU) the CUDA graphs.
+
+    `num_blocks=None` sizes the KV cache from the memory left once the weights and the piecewise graphs
+    are in place. One block beyond `num_blocks` is the scratch block padded graph rows write to; the
+    scheduler never hands it out.
+    """
+
+    def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int | None, max_model_len: int):
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         s = model.shape
-        self.kv_caches = [
-            torch.zeros(2, s.num_kv_heads, num_blocks, config.block_size, s.head_dim, dtype=self.dtype, device=self.device)
-            for _ in model.layers  # a pipeline stage caches only its own layers
-        ]
         self.attention = make_backend(config.attention_backend)
         self.inputs = StepInputs(config, max_model_len, self.device)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and model.is_whole
         self.graphs: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and model.is_whole:
-            max_graph_tokens = config.cuda_graph_max_tokens or config.max_num_batched_tokens
-            self.graphs = CudaGraphRunner(model, max_graph_tokens, self.device, self.dtype)
+        if use_graphs:
+            self.graphs = CudaGraphRunner(model, graph_max_tokens(config), self.device, self.dtype)
+        self.num_blocks = num_blocks if num_blocks is not None else num_kv_blocks(config, s, len(model.layers))
+        self.scratch_block = self.num_blocks
+        self.kv_caches = [
+            torch.zeros(2, s.num_kv_heads, self.num_blocks + 1, config.block_size, s.head_dim, dtype=self.dtype,
+                        device=self.device)
+            for _ in model.layers  # a pipeline stage caches only its own layers
+        ]
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if use_graphs and getattr(self.attention, "graph_safe_decode", False):
+            self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, self.attention, config.max_num_seqs,
+                                                   self.scratch_block, self.device, self.graphs.capture)
 
     @torch.inference_mode()
     def run(self, batch: Batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,10 +102,14 @@ class ModelRunner:
         returns its own for the next.
         """
         input_ids, positions, meta, logits_indices = self.prepare(batch)
-        if self.graphs is not None:
+        logits = None
+        if self.decode_graphs is not None and batch.num_tokens == len(batch.requests) and all(
+                r.sample for r in batch.requests):
+            logits = self.decode_graphs.forward(input_ids, positions, meta)
+        if logits is None and self.graphs is not None:
             logits = self.graphs.forward(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices)
-            if logits is not None:
-                return logits
+        if logits is not None:
+            return logits
         return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
 
     def prepare(self, batch: Batch):

@@ -1,0 +1,74 @@
+"""The served GPU path end to end: `orcinus serve --model dummy:llama-1b` answers the OpenAI SDK (streaming
+and not) and a short closed-loop `bench_serving.py`; then 2 pipeline stages on one GPU (NCCL) give the
+tokens of one stage. Part of `loadtest/gpu_check.sh OUT --long`.
+
+    python loadtest/gpu_serve_check.py --out serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "loadtest")]
+
+from local_server import launch_server, stop_server  # noqa: E402
+
+MODEL = "dummy:llama-1b"
+
+
+def check_sdk(url: str) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=16, temperature=0, stream=True))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    return {"completion": whole.choices[0].text, "streamed_equals_whole": streamed == whole.choices[0].text,
+            "completion_tokens": whole.usage.completion_tokens, "chat_finish": chat.choices[0].finish_reason}
+
+
+def check_pipeline() -> dict:
+    from engine import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(20 + 13 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for stages in (1, 2):
+        with LLM(MODEL, device="cuda", pipeline_stages=stages, kv_cache_memory=2**30) as llm:
+            outputs[stages] = [c.token_ids for c in llm.generate(prompts, params)]
+    return {"identical": sum(a == b for a, b in zip(outputs[1], outputs[2])), "prompts": len(prompts)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/gpu/serve.json")
+    args = ap.parse_args()
+    report = {}
+    proc, url = launch_server(["--model", MODEL, "--served-model-name", MODEL, "--max-num-seqs", "64"])
+    try:
+        report["sdk"] = check_sdk(url)
+        print("sdk", report["sdk"], flush=True)
+        bench = subprocess.run(
+            [sys.executable, "loadtest/bench_serving.py", "--base-url", url, "--model", MODEL, "--num-prompts", "64",
+             "--max-concurrency", "32", "--out", str(Path(args.out).with_suffix(".bench.json"))],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        report["bench_serving"] = {"exit": bench.returncode, "tail": bench.stdout[-1500:] + bench.stderr[-500:]}
+        print(report["bench_serving"]["tail"], flush=True)
+    finally:
+        report["shm_left"] = stop_server(proc)
+    report["pipeline_2_stages"] = check_pipeline()
+    print("pipeline", report["pipeline_2_stages"], flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    ok = report["sdk"]["streamed_equals_whole"] and report["bench_serving"]["exit"] == 0
+    return 0 if ok and report["pipeline_2_stages"]["identical"] == report["pipeline_2_stages"]["prompts"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
