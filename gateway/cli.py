@@ -13,7 +13,7 @@ from engine.core.config import EngineConfig
 _ENGINE_FLAGS = {
     "model": dict(default=None, help="GGUF file, HF checkpoint dir, or dummy:NAME (default: bundled SmolLM2-135M)"),
     "device": dict(help="cuda|cpu (default: cuda when torch sees a GPU, else cpu)"),
-    "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations (default: bfloat16 on GPU, float32 on CPU)"),
+    "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations (default: bfloat16; float32 is exact but slower)"),
     "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
     "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),
     "cuda_graph_max_tokens": dict(type=int, help="largest token bucket of the piecewise CUDA graphs (default: min(token budget, 512))"),

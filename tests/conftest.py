@@ -155,7 +155,8 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--max-num-seqs", "64", *args],
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--max-num-seqs", "64",
+             "--dtype", "float32", *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"

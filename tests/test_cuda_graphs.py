@@ -58,7 +58,7 @@ def test_no_buckets_below_one_token():
 @pytest.fixture(scope="module")
 def engines(checkpoint):
     """An eager engine and one whose runner replays (CPU stand-in) graphs up to 16 tokens, on the same weights."""
-    config = EngineConfig(device="cpu", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280)
+    config = EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280)
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     graphed.runner.graphs = CudaGraphRunner(graphed.model, 16, torch.device("cpu"), torch.float32)
     return eager, graphed
@@ -128,7 +128,7 @@ def test_every_bucket_shares_one_set_of_static_buffers(engines):
 @pytest.fixture(scope="module")
 def decode_engines(checkpoint):
     """An eager engine and one whose pure-decode steps replay whole-model graphs (CPU stand-in) of up to 8 rows."""
-    config = EngineConfig(device="cpu", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 * 737_280,
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 * 737_280,
                           max_model_len=256)
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     r = graphed.runner

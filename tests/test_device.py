@@ -26,10 +26,10 @@ def test_auto_picks_the_gpu_in_bfloat16_when_torch_sees_one(monkeypatch):
     assert (config.device, config.dtype) == ("cuda", "bfloat16")
 
 
-def test_auto_falls_back_to_cpu_in_float32(monkeypatch):
+def test_auto_falls_back_to_cpu_in_bfloat16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = resolve_device(EngineConfig())
-    assert (config.device, config.dtype) == ("cpu", "float32")
+    assert (config.device, config.dtype) == ("cpu", "bfloat16")
 
 
 def test_explicit_choices_are_kept(monkeypatch):

@@ -37,7 +37,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint=checkpoint)
+    return LLM(checkpoint=checkpoint, dtype="float32")  # the servers run float32 too (conftest)
 
 
 def complete(http: httpx.Client, **body) -> dict:

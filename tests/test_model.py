@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint=checkpoint)
+    return LLM(checkpoint=checkpoint, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def first_logits(engine: EngineCore, prompt_ids: list[list[int]]) -> torch.Tenso
 
 
 def test_first_iteration_logits_match_transformers(checkpoint, hf_model, tokenizer):
-    engine = build_engine(EngineConfig(), checkpoint)
+    engine = build_engine(EngineConfig(dtype="float32"), checkpoint)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
     ours = first_logits(engine, prompt_ids)  # all six in one flattened batch
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
@@ -88,7 +88,7 @@ def test_all_prompts_in_one_generate_call(llm, reference_tokens):
 
 def test_preemption_and_recompute_give_the_same_tokens(checkpoint, reference_tokens):
     # 12 blocks of 16 slots cannot hold twelve requests of ~45 tokens: the newest get preempted.
-    llm = LLM(checkpoint=checkpoint, block_size=16, kv_cache_memory=12 * 737_280)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", block_size=16, kv_cache_memory=12 * 737_280)
     engine = llm.engine
     assert engine.scheduler.kv.num_blocks == 12
     completions = llm.generate(PROMPTS, GREEDY)
@@ -98,13 +98,13 @@ def test_preemption_and_recompute_give_the_same_tokens(checkpoint, reference_tok
 
 
 def test_chunked_prefill_matches(checkpoint, reference_tokens):
-    llm = LLM(checkpoint=checkpoint, max_num_batched_tokens=7)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", max_num_batched_tokens=7)
     completions = llm.generate(PROMPTS[:4], GREEDY)
     assert [c.token_ids for c in completions] == reference_tokens[:4]
 
 
 def test_request_level_mode_gives_the_same_tokens(checkpoint, reference_tokens):
-    llm = LLM(checkpoint=checkpoint, scheduling="request", max_num_seqs=4)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling="request", max_num_seqs=4)
     completions = llm.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in completions] == reference_tokens
 
@@ -122,7 +122,7 @@ def test_hf_checkpoint_directory_loads_the_same_model(hf_model, tokenizer, refer
     save_file(state, out / "model.safetensors")
     path = default_model_path()
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
-    llm = LLM(str(out))
+    llm = LLM(str(out), dtype="float32")
     assert llm.tokenizer.encode(PROMPTS[1]) == tokenizer.encode(PROMPTS[1])
     assert llm.tokenizer.eos_token_id == tokenizer.eos_token_id
     completions = llm.generate(PROMPTS[:3], GREEDY)

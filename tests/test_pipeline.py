@@ -83,12 +83,12 @@ def run_staggered(llm: LLM, tokenizer, check_in_flight: bool = False) -> list[li
 
 @pytest.fixture(scope="module")
 def reference(checkpoint, tokenizer):
-    return run_staggered(LLM(checkpoint=checkpoint), tokenizer)
+    return run_staggered(LLM(checkpoint=checkpoint, dtype="float32"), tokenizer)
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_stages_give_the_same_tokens(num_stages, reference, tokenizer):
-    with LLM(pipeline_stages=num_stages) as llm:
+    with LLM(pipeline_stages=num_stages, dtype="float32") as llm:
         assert llm.engine.executor.max_in_flight == num_stages
         assert run_staggered(llm, tokenizer, check_in_flight=True) == reference
         # Orca: with N stages the scheduler keeps N batches in flight, each request in one of them at most.
@@ -111,7 +111,7 @@ def test_stages_started_as_separate_hosts_rendezvous_through_the_environment(ref
     try:
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(port))
-        with LLM(pipeline_stages=2, external_stages=True, num_threads=1) as llm:
+        with LLM(pipeline_stages=2, external_stages=True, num_threads=1, dtype="float32") as llm:
             assert run_staggered(llm, tokenizer) == reference
         assert [p.wait(timeout=30) for p in stages] == [0, 0]  # shut down cleanly by the driver
     finally:

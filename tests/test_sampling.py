@@ -11,7 +11,7 @@ PROMPT = "Write a short story about a robot:"
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint=checkpoint)
+    return LLM(checkpoint=checkpoint, dtype="float32")
 
 
 def test_same_seed_same_tokens_whatever_else_is_in_the_batch(llm):

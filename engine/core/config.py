@@ -52,7 +52,7 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file, HF checkpoint dir, or "dummy:NAME"; None = bundled default
     device: str = "auto"  # torch device the model runs on; "auto" = cuda when torch sees a GPU, else cpu
-    dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 on GPU, float32 on CPU
+    dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 (GPU and CPU)
     block_size: int = 16  # tokens per KV cache block
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
