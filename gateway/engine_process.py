@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -20,6 +21,16 @@ from engine.ipc.messages import FromEngine, Shutdown, ToEngine
 from engine.ipc.worker import WorkerSpec
 
 log = logging.getLogger("orcinus.engine_process")
+
+
+def engine_env() -> dict[str, str]:
+    """The engine's environment: OpenMP threads that sleep as soon as they wait (unless the user says otherwise).
+
+    libgomp's default spins a waiting thread for ~300k iterations between every parallel region; with
+    the gateway and the clients on the same cores, those spins take the cores they need, and every
+    iteration stalls behind them (benchmarks/vs_llama_server.json measures both policies).
+    """
+    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 class EngineProcess:
@@ -40,7 +51,7 @@ class EngineProcess:
         spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle())
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode())
+                sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode(), env=engine_env())
         except BaseException:
             await self.close()
             raise

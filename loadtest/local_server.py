@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -20,11 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_server(flags: list[str], log=subprocess.DEVNULL, timeout: float = 300) -> tuple[subprocess.Popen, str]:
-    """`orcinus serve --port P *flags`; returns the process and its URL once /health is 200."""
+def launch_server(flags: list[str], log=subprocess.DEVNULL, timeout: float = 300,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`orcinus serve --port P *flags` (with `env` added to this process's); returns it and its URL once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

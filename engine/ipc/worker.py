@@ -44,13 +44,12 @@ class WorkerSpec(msgspec.Struct):
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
-    """Leave a core to the gateway: torch threads spinning on every core stall each time it runs.
-
-    Measured on 2 cores (benchmarks/pipeline.json): one torch thread serves 2.7x the tokens/s of two.
-    """
+    """Every core by default. Two threads collapsed under load (benchmarks/pipeline.json) because idle
+    OpenMP threads spun on the cores the gateway needed; the engine now runs with a passive wait policy
+    (gateway/engine_process.py), and benchmarks/vs_llama_server.json measures the result."""
     if config.num_threads is not None:
         return config
-    return config.with_(num_threads=max(1, (os.cpu_count() or 2) - 1))
+    return config.with_(num_threads=os.cpu_count() or 1)
 
 
 class EngineWorker:
