@@ -1,11 +1,13 @@
-"""The CPU default, bfloat16, against float32 on the bundled model: teacher-forced logits stay within a stated
-bound, and the greedy choice is the same wherever float32's top-1/top-2 margin is clear."""
+"""The CPU default, bfloat16 (with 4-bit copies of the Q4_1 projections for small batches), against float32 on
+the bundled model: teacher-forced logits stay within a stated bound, and the greedy choice is the same wherever
+float32's top-1/top-2 margin is clear."""
 
 import pytest
 import torch
 from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
+from engine.model.int4 import Int4Linear
 
 # Measured on the bundled SmolLM2 over 12 prompts x 24 greedy tokens: mean |diff| 0.18 per sequence (max
 # 2.8 in the tails of the vocabulary), float32's top token's log-probability moved by at most 0.28,
@@ -16,8 +18,18 @@ CLEAR_MARGIN = 0.5  # where float32's best beats its second by this much, bfloat
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoint):
-    return LLM(checkpoint=checkpoint, dtype="float32"), LLM(checkpoint=checkpoint)
+def fp32(checkpoint):
+    return LLM(checkpoint=checkpoint, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def default(checkpoint):
+    return LLM(checkpoint=checkpoint)
+
+
+# "dense": bfloat16 weights throughout; "int4": the 4-bit copies for every row count, so that the whole
+# teacher-forced prefill below runs through them (by default only batches of <= 32 rows do).
+VARIANTS = {"dense": dict(weights="dense"), "int4": dict(int4_max_rows=1 << 20)}
 
 
 def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -34,13 +46,17 @@ def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return logits.float()
 
 
-def test_the_cpu_default_is_bfloat16(engines):
-    assert engines[1].engine.config.dtype == "bfloat16"
-    assert engines[1].engine.model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
+def test_the_cpu_default_is_bfloat16_with_int4_projections(default):
+    assert default.engine.config.dtype == "bfloat16"
+    layer = default.engine.model.layers[0]
+    assert layer.qkv_proj.weight.dtype == torch.bfloat16
+    assert all(isinstance(getattr(layer, n), Int4Linear) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert isinstance(default.engine.model.lm_head, torch.nn.Linear)  # the Q8_0 embedding stays dense
 
 
-def test_bfloat16_logits_stay_close_to_float32_and_keep_every_clear_greedy_choice(engines):
-    fp32, bf16 = engines
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_bfloat16_logits_stay_close_to_float32_and_keep_every_clear_greedy_choice(checkpoint, fp32, variant):
+    bf16 = LLM(checkpoint=checkpoint, **VARIANTS[variant])
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     clear = agreed = 0
     for out in fp32.generate(PROMPTS, greedy):

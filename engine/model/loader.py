@@ -22,6 +22,7 @@ class Checkpoint:
     shape: ModelShape
     weights: dict[str, torch.Tensor]
     tokenizer: object | None
+    quantization: str | None = None  # "q4_1" when the file stores every decoder projection in Q4_1
 
 
 def load_checkpoint(model: str | None, seed: int = 0, weights: bool = True) -> Checkpoint:
@@ -59,7 +60,10 @@ def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
 
     reader = gguf.GGUFReader(path)
     shape = shape_from_gguf(reader)
-    return Checkpoint(path.name, shape, gguf_weights(reader, shape) if weights else {}, Tokenizer.from_gguf(reader))
+    projections = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and t.name.count(".") == 3
+                   and t.name.split(".")[2] in _GGUF_NAMES and "norm" not in t.name}
+    return Checkpoint(path.name, shape, gguf_weights(reader, shape) if weights else {}, Tokenizer.from_gguf(reader),
+                      quantization="q4_1" if projections == {"Q4_1"} else None)
 
 
 def shape_from_gguf(reader) -> ModelShape:

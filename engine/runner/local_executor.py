@@ -11,8 +11,10 @@ from engine.core.executor import Sampled
 from engine.core.request import Request
 from engine.core.scheduler import Batch
 from engine.model.llama import LlamaModel
+from engine.model.int4 import use_int4
 from engine.model.loader import Checkpoint
 from engine.model.sampler import Sampler
+from engine.runner.device import int4_weights
 from engine.runner.model_runner import ModelRunner
 
 
@@ -28,6 +30,8 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         model.load_weights(ckpt.weights)
     else:
         model.init_random(config.seed)
+    if int4_weights(config, ckpt.quantization):
+        use_int4(model, dtype, config.int4_max_rows)  # from the float32 weights, before the cast below
     # Parameters only: the RoPE tables stay float32.
     for p in model.parameters():
         p.data = p.data.to(dtype)
