@@ -24,13 +24,19 @@ log = logging.getLogger("orcinus.engine_process")
 
 
 def engine_env() -> dict[str, str]:
-    """The engine's environment: OpenMP threads that sleep as soon as they wait (unless the user says otherwise).
+    """The engine's environment: OpenMP threads spin about a millisecond before they sleep (unless the user
+    sets OMP_WAIT_POLICY or GOMP_SPINCOUNT).
 
-    libgomp's default spins a waiting thread for ~300k iterations between every parallel region; with
-    the gateway and the clients on the same cores, those spins take the cores they need, and every
-    iteration stalls behind them (benchmarks/vs_llama_server.json measures both policies).
+    libgomp's default spins a waiting thread ~3 ms (300k spins) after every parallel region: between
+    iterations those spins hold the cores the gateway and the clients need, and two threads collapsed
+    under load. A passive policy sleeps at once, but then every one of a step's ~600 small ops pays a
+    wake-up (a batch-1 step went 19 -> 35 ms). A 100k spin count keeps the threads awake across the
+    gaps inside a step and off the cores between steps (benchmarks/vs_llama_server.json measures all three).
     """
-    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = dict(os.environ)
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", "100000")
+    return env
 
 
 class EngineProcess:

@@ -1,9 +1,11 @@
-"""Decode tokens/s of Orcinus vs transformers `generate` (static padded batch) on the same weights.
+"""Decode tokens/s of Orcinus vs transformers `generate` (static padded batch) on the same weights and dtype.
 
 Both systems run the same prompts at each batch size, interleaved and repeated; decode time is
-(time for N tokens) - (time for 1 token), so prefill is excluded for both. Reports medians.
+(time for N tokens) - (time for 1 token), so prefill is excluded for both. Reports medians. In bfloat16,
+Orcinus runs twice: with its defaults (4-bit copies of the Q4_1 projections for small batches) and with
+`weights="dense"` (bfloat16 weights, as transformers reads them).
 
-    .venv/bin/python loadtest/bench_offline.py --out benchmarks/offline_cpu.json
+    .venv/bin/python loadtest/bench_offline.py --dtype bfloat16 --out benchmarks/offline_cpu.json
 """
 
 from __future__ import annotations
@@ -76,21 +78,24 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both systems' dtype")
     ap.add_argument("--out", default="benchmarks/offline_cpu.json")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     ckpt = load_checkpoint(None)
-    llm = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches))
+    llm = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
     pad_id = ckpt.tokenizer.eos_token_id
 
-    runners = {
-        "orcinus": lambda p, n: time_orcinus(llm, p, n),
-        "transformers": lambda p, n: time_transformers(hf, p, n, pad_id),
-    }
+    runners = {"orcinus": lambda p, n: time_orcinus(llm, p, n)}
+    if args.dtype == "bfloat16":
+        dense = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype, weights="dense")
+        runners["orcinus-dense"] = lambda p, n: time_orcinus(dense, p, n)
+    runners["transformers"] = lambda p, n: time_transformers(hf, p, n, pad_id)
     results = {}
     for batch in args.batches:
         prompts = prompts_for(ckpt.tokenizer, batch)
@@ -103,13 +108,14 @@ def main() -> None:
                 samples[name].append(batch * (args.tokens - 1) / max(full - first, 1e-9))
         med = {name: statistics.median(v) for name, v in samples.items()}
         results[batch] = {"samples_tok_s": samples, "median_tok_s": med, "ratio": med["orcinus"] / med["transformers"]}
-        print(f"batch {batch:>3}: orcinus {med['orcinus']:7.1f} tok/s  transformers {med['transformers']:7.1f} tok/s"
-              f"  ratio {results[batch]['ratio']:.2f}x", flush=True)
+        results[batch]["ratios"] = {name: med[name] / med["transformers"] for name in med}
+        print(f"batch {batch:>3}: " + "  ".join(f"{name} {v:7.1f} tok/s" for name, v in med.items())
+              + "  ratios " + " ".join(f"{r:.2f}x" for r in results[batch]["ratios"].values()), flush=True)
 
     report = {
         "command": "python " + " ".join(sys.argv),
         "machine": machine(),
-        "what": "decode tokens/s, greedy, fp32, prefill excluded; median of interleaved repeats",
+        "what": f"decode tokens/s, greedy, {args.dtype}, prefill excluded; median of interleaved repeats",
         "tokens_per_request": args.tokens,
         "results": results,
     }

@@ -4,17 +4,20 @@ concurrency levels, every system driven by `bench_serving.py`, runs interleaved,
 Start the peer first (../shared/peers/README.md: build_llama_server.sh, then start_llama_server.sh), then:
 
     python loadtest/compare_llama_server.py --out benchmarks/vs_llama_server.json \\
-        --variant default= --variant float32-1thread="--dtype float32 --num-threads 1"
+        --variant default= --variant passive=OMP_WAIT_POLICY=PASSIVE
 
 Each variant is an `orcinus serve` with those flags (the empty one: the defaults a user gets); leading
 KEY=VALUE words set its environment (e.g. "OMP_WAIT_POLICY=ACTIVE --num-threads 2"). Prompts
-are random token ids with a new seed for every run, so llama-server's prompt cache never hits.
+are random token ids with a new seed for every run, so llama-server's prompt cache never hits within a
+run; restart llama-server (or pass another --seed-base) before running again, or its slots still hold
+the last run's prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -53,6 +56,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 284], help="~150 prompt tokens on average")
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed-base", type=int, default=1000, help="runs use seeds from here up")
     ap.add_argument("--out", default="benchmarks/vs_llama_server.json")
     args = ap.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant) or {"default": ""}
@@ -65,7 +69,7 @@ def main() -> int:
     systems = {"llama-server": (args.llama_url, "smollm2-135m")}
     systems |= {f"orcinus {name}": (url, "SmolLM2-135M-Instruct") for name, (_, url) in servers.items()}
     samples: dict = {c: {s: [] for s in systems} for c in args.concurrency}
-    seed = 1000
+    seed = args.seed_base
     try:
         for name, (url, model) in systems.items():  # warm-up: first requests, allocator, threads
             bench(url, model, 4, args, seed := seed + 1)
@@ -87,7 +91,9 @@ def main() -> int:
         for s in med:
             med[s]["vs_llama_server"] = med[s]["output_tok_s"] / med["llama-server"]["output_tok_s"]
         table[c] = med
+    cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     report = {"command": "python " + " ".join(map(shlex.quote, sys.argv)), "variants": variants,
+              "machine": {"cpu": cpu.stdout.strip(), "cores": os.cpu_count(), "llama_server": "b11434, 32 slots, 2 threads"},
               "workload": {"input_len": args.input_len, "output_len": args.output_len,
                            "prompts_per_client": args.prompts_per_client, "repeats": args.repeats},
               "medians": table, "samples": samples}

@@ -108,7 +108,7 @@ def test_greedy_tokens_identical_with_graphs_on_mixed_batches(engines, tokenizer
 
 def test_default_buckets_stop_at_512_tokens():
     """~260 buckets x (layers + 1) graphs took minutes and tens of GiB; the default stops at 512 tokens."""
-    assert graph_max_tokens(EngineConfig()) == 512 and len(graph_buckets(512)) == 67
+    assert graph_max_tokens(EngineConfig(max_num_batched_tokens=2048)) == 512 and len(graph_buckets(512)) == 67
     assert graph_max_tokens(EngineConfig(max_num_batched_tokens=256)) == 256
     assert graph_max_tokens(EngineConfig(cuda_graph_max_tokens=2048)) == 2048
 

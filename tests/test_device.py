@@ -23,13 +23,15 @@ GiB = 2**30
 def test_auto_picks_the_gpu_in_bfloat16_when_torch_sees_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = resolve_device(EngineConfig())
-    assert (config.device, config.dtype) == ("cuda", "bfloat16")
+    assert (config.device, config.dtype, config.max_num_batched_tokens) == ("cuda", "bfloat16", 2048)
 
 
 def test_auto_falls_back_to_cpu_in_bfloat16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = resolve_device(EngineConfig())
-    assert (config.device, config.dtype) == ("cpu", "bfloat16")
+    # a smaller token budget on the CPU: every stream waits for the whole step there
+    assert (config.device, config.dtype, config.max_num_batched_tokens) == ("cpu", "bfloat16", 256)
+    assert resolve_device(EngineConfig(max_num_batched_tokens=1024)).max_num_batched_tokens == 1024
 
 
 def test_explicit_choices_are_kept(monkeypatch):

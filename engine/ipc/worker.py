@@ -45,7 +45,7 @@ class WorkerSpec(msgspec.Struct):
 
 def serving_config(config: EngineConfig) -> EngineConfig:
     """Every core by default. Two threads collapsed under load (benchmarks/pipeline.json) because idle
-    OpenMP threads spun on the cores the gateway needed; the engine now runs with a passive wait policy
+    OpenMP threads spun on the cores the gateway needed; the engine now runs with a bounded spin
     (gateway/engine_process.py), and benchmarks/vs_llama_server.json measures the result."""
     if config.num_threads is not None:
         return config

@@ -7,6 +7,11 @@ import torch
 from engine.core.config import EngineConfig, ModelShape
 
 CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
+GPU_TOKEN_BUDGET = 2048  # tokens per iteration on a GPU, when the config gives none
+# On the CPU a step's time grows with its tokens, and every running stream waits for the whole step: 256-token
+# prefill chunks beside 32 decodes gave the best prefill rate and a 0.5 s longest step, 2048 a 7.6 s one
+# (benchmarks/prefill_budget.json).
+CPU_TOKEN_BUDGET = 256
 
 
 class DeviceError(ValueError):
@@ -14,7 +19,8 @@ class DeviceError(ValueError):
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
-    """Replace "auto" device and dtype with concrete ones: a GPU in bfloat16 when torch sees one."""
+    """Replace "auto" device and dtype (and a missing token budget) with concrete ones: a GPU in bfloat16
+    when torch sees one."""
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,7 +33,8 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         dtype = "bfloat16"
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise DeviceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    return config.with_(device=device, dtype=dtype)
+    budget = config.max_num_batched_tokens or (GPU_TOKEN_BUDGET if torch.device(device).type == "cuda" else CPU_TOKEN_BUDGET)
+    return config.with_(device=device, dtype=dtype, max_num_batched_tokens=budget)
 
 
 def int4_weights(config: EngineConfig, quantization: str | None) -> bool:
