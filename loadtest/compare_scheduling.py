@@ -29,8 +29,9 @@ from local_server import launch_server, stop_server
 
 def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     """`orcinus serve` with the shared limits from `args` plus `extra` flags; returns it once /health is 200."""
-    flags = [*extra, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    flags = [*extra, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
         flags += ["--model", args.model]
     return launch_server(flags, timeout=180)
@@ -75,7 +76,7 @@ def plot(result: dict, path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="as `orcinus serve --model` (default: the bundled model)")
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0, 4.0])
     ap.add_argument("--num-prompts", type=int, default=20, help="requests per rate")
     # Orca's inputs are U[32, 512]; on a 2-core CPU their prefill alone caps the server near 0.3 req/s,
     # so the default sweep (sized for < 10 minutes) shortens prompts and keeps Orca's output lengths.
@@ -83,7 +84,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, nargs=2, default=[1, 128])
     ap.add_argument("--max-num-seqs", type=int, default=16, help="max batch size, both modes")
     ap.add_argument("--kv-cache-memory", type=int, default=512 * 2**20, help="KV cache bytes, both modes")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024, help="per-iteration token budget, both modes")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="per-iteration token budget, both modes (default: the server's)")
     ap.add_argument("--latency-target", type=float, default=None,
                     help="p50 normalized latency (s/token) at which to compare; default 2x the best seen")
     ap.add_argument("--out", default="benchmarks/scheduling.json")
@@ -124,7 +126,7 @@ def main() -> int:
     result = {
         "command": "python " + " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "model": args.model or "SmolLM2-135M-Instruct (bundled GGUF, fp32 CPU)",
+        "model": args.model or "SmolLM2-135M-Instruct (bundled GGUF, the server's CPU defaults)",
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
         "workload": asdict(Workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed=1)),
         "modes": modes, "summary": summary, "summary_line": line,

@@ -49,7 +49,7 @@ def test_stage_spans_chained_give_the_whole_models_logits(checkpoint, tokenizer)
     from engine.core.scheduler import Batch, ScheduledRequest
     from engine.runner.model_runner import ModelRunner
 
-    config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=8 * 737_280)
+    config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=8 * 737_280, max_num_batched_tokens=256)
     ids = tokenizer.encode(PROMPTS[2])
     batch = Batch([ScheduledRequest("r", ids, 0, list(range(-(-len(ids) // 16))), True)])
     whole = ModelRunner(config, build_model(checkpoint, 512, config), 8, 512)
