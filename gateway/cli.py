@@ -22,7 +22,7 @@ _ENGINE_FLAGS = {
     "block_size": dict(type=int, help="tokens per KV cache block"),
     "kv_cache_memory": dict(type=int, help="bytes for the KV cache (default: 512 MiB on CPU, what is free on GPU)"),
     "max_num_seqs": dict(type=int, help="most requests in one iteration"),
-    "max_num_batched_tokens": dict(type=int, help="per-iteration token budget (default: 2048 on a GPU, 256 on the CPU)"),
+    "max_num_batched_tokens": dict(type=int, help="per-iteration token budget (default: 2048 on a GPU, 512 on the CPU)"),
     "max_model_len": dict(type=int, help="context window cap"),
     "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
     "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),

@@ -30,7 +30,7 @@ def test_auto_falls_back_to_cpu_in_bfloat16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = resolve_device(EngineConfig())
     # a smaller token budget on the CPU: every stream waits for the whole step there
-    assert (config.device, config.dtype, config.max_num_batched_tokens) == ("cpu", "bfloat16", 256)
+    assert (config.device, config.dtype, config.max_num_batched_tokens) == ("cpu", "bfloat16", 512)
     assert resolve_device(EngineConfig(max_num_batched_tokens=1024)).max_num_batched_tokens == 1024
 
 

@@ -61,7 +61,7 @@ class EngineConfig:
     enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)
     cuda_graph_max_tokens: int | None = None  # largest piecewise-graph token bucket; None = min(token budget, 512)
     max_num_seqs: int = 64  # most requests in one iteration
-    max_num_batched_tokens: int | None = None  # per-iteration token budget (prefill chunks + decodes); None = 2048 on a GPU, 256 on the CPU
+    max_num_batched_tokens: int | None = None  # per-iteration token budget (prefill chunks + decodes); None = 2048 on a GPU, 512 on the CPU
     max_model_len: int | None = None  # context cap; None = the model's own window
     scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
     kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front

@@ -8,10 +8,10 @@ from engine.core.config import EngineConfig, ModelShape
 
 CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
 GPU_TOKEN_BUDGET = 2048  # tokens per iteration on a GPU, when the config gives none
-# On the CPU a step's time grows with its tokens, and every running stream waits for the whole step: 256-token
-# prefill chunks beside 32 decodes gave the best prefill rate and a 0.5 s longest step, 2048 a 7.6 s one
+# On the CPU a step's time grows with its tokens, and every running stream waits for the whole step: beside 32
+# decodes, 512-token prefill chunks kept 95% of 2048's prefill rate with a 0.6 s longest step instead of 1.8 s
 # (benchmarks/prefill_budget.json).
-CPU_TOKEN_BUDGET = 256
+CPU_TOKEN_BUDGET = 512
 
 
 class DeviceError(ValueError):
