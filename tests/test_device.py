@@ -97,3 +97,20 @@ def test_step_inputs_stage_values_and_shapes():
     assert tables.tolist() == [[1, 2], [3, 0]] and tables.dtype == torch.int32
     inputs.put("input_ids", [9])  # refilling the staging buffer must not change what was returned before
     assert ids.tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, "100000"),  # ~1 ms: awake across a step's small ops, off the cores between steps
+    ({"GOMP_SPINCOUNT": "5"}, "5"),  # the user's word wins
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, None),  # and so does a wait policy, which sets its own spin
+])
+def test_the_engine_process_gets_a_bounded_openmp_spin(monkeypatch, env, want):
+    from gateway.engine_process import engine_env
+
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    got = engine_env()
+    assert got.get("GOMP_SPINCOUNT") == want
+    assert got.get("OMP_WAIT_POLICY") == env.get("OMP_WAIT_POLICY")
