@@ -28,7 +28,7 @@ def default(checkpoint):
 
 
 # "dense": bfloat16 weights throughout; "int4": the 4-bit copies for every row count, so that the whole
-# teacher-forced prefill below runs through them (by default only batches of <= 32 rows do).
+# teacher-forced prefill below runs through them (by default only batches of <= 16 rows do).
 VARIANTS = {"dense": dict(weights="dense"), "int4": dict(int4_max_rows=1 << 20)}
 
 

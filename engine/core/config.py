@@ -55,7 +55,7 @@ class EngineConfig:
     dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 (GPU and CPU)
     block_size: int = 16  # tokens per KV cache block
     weights: Literal["auto", "dense", "int4"] = "auto"  # "int4": 4-bit copies for small batches (CPU, bfloat16); auto = int4 for a Q4_1 model there
-    int4_max_rows: int = 32  # batches of up to this many rows read the int4 weights, larger ones the dense copy
+    int4_max_rows: int = 16  # batches of up to this many rows read the int4 weights, larger ones the dense copy
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
     enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)

@@ -32,8 +32,8 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 class Int4Linear(nn.Module):
     """A bias-free linear layer that keeps its dense weight and a packed 4-bit copy of it.
 
-    Batches of up to `max_rows` rows (decode steps) read the 4-bit copy; larger ones (prefill chunks, where
-    arithmetic rather than memory bounds the matmul) the dense one.
+    Batches of up to `max_rows` rows (small decode steps) read the 4-bit copy; larger ones (big batches and
+    prefill chunks, where arithmetic rather than reading weights bounds the matmul) the dense one.
     """
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, max_rows: int):
