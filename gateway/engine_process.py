@@ -27,11 +27,13 @@ def engine_env() -> dict[str, str]:
     """The engine's environment: OpenMP threads spin about a millisecond before they sleep (unless the user
     sets OMP_WAIT_POLICY or GOMP_SPINCOUNT).
 
-    libgomp's default spins a waiting thread ~3 ms (300k spins) after every parallel region: between
-    iterations those spins hold the cores the gateway and the clients need, and two threads collapsed
-    under load. A passive policy sleeps at once, but then every one of a step's ~600 small ops pays a
-    wake-up (a batch-1 step went 19 -> 35 ms). A 100k spin count keeps the threads awake across the
-    gaps inside a step and off the cores between steps (benchmarks/vs_llama_server.json measures all three).
+    libgomp's default spins a waiting thread ~3 ms (300k spins) after every parallel region, holding cores
+    the gateway and the clients may need between iterations: the suspected cause of two threads collapsing
+    under load (benchmarks/pipeline.json). A passive policy sleeps at once, but then every one of a step's
+    ~600 small ops pays a wake-up (a batch-1 step went 19 -> 35 ms; 0.59x the default's tokens/s at one
+    client). A 100k count keeps the threads awake across the gaps inside a step and bounds the spin
+    between steps to ~1 ms; against libgomp's 300k it measured within noise
+    (benchmarks/vs_llama_server_variants.json).
     """
     env = dict(os.environ)
     if "OMP_WAIT_POLICY" not in env:

@@ -67,3 +67,10 @@ def test_which_configs_get_int4_weights(device, dtype, weights, quantization, wa
 def test_int4_where_the_kernel_is_missing_is_a_clear_error(device, dtype):
     with pytest.raises(DeviceError, match="int4 weights run on the CPU in bfloat16 only"):
         int4_weights(EngineConfig(device=device, dtype=dtype, weights="int4"), "q4_1")
+
+
+def test_the_bundled_gguf_is_recognised_as_q4_1_and_a_dummy_is_not():
+    from engine.model.loader import load_checkpoint
+
+    assert load_checkpoint(None, weights=False).quantization == "q4_1"
+    assert load_checkpoint("dummy:smollm2-135m").quantization is None

@@ -44,9 +44,9 @@ class WorkerSpec(msgspec.Struct):
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
-    """Every core by default. Two threads collapsed under load (benchmarks/pipeline.json) because idle
-    OpenMP threads spun on the cores the gateway needed; the engine now runs with a bounded spin
-    (gateway/engine_process.py), and benchmarks/vs_llama_server.json measures the result."""
+    """Every core by default, with a bounded OpenMP spin (gateway/engine_process.py): two threads that
+    once collapsed under load (benchmarks/pipeline.json) now serve 1.04-2.56x llama-server's tokens/s
+    (benchmarks/vs_llama_server.json)."""
     if config.num_threads is not None:
         return config
     return config.with_(num_threads=os.cpu_count() or 1)

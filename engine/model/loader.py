@@ -60,10 +60,15 @@ def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
 
     reader = gguf.GGUFReader(path)
     shape = shape_from_gguf(reader)
-    projections = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and t.name.count(".") == 3
-                   and t.name.split(".")[2] in _GGUF_NAMES and "norm" not in t.name}
     return Checkpoint(path.name, shape, gguf_weights(reader, shape) if weights else {}, Tokenizer.from_gguf(reader),
-                      quantization="q4_1" if projections == {"Q4_1"} else None)
+                      quantization=gguf_quantization(reader))
+
+
+def gguf_quantization(reader) -> str | None:
+    """"q4_1" when every decoder projection is stored in Q4_1: the format the int4 weights repack losslessly."""
+    kinds = {t.tensor_type.name for t in reader.tensors
+             if t.name.startswith("blk.") and not t.name.split(".")[2].endswith("norm")}
+    return "q4_1" if kinds == {"Q4_1"} else None
 
 
 def shape_from_gguf(reader) -> ModelShape:
