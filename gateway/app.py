@@ -17,6 +17,7 @@ from gateway import errors
 from gateway.admission import Admission
 from gateway.auth import APIKeyMiddleware
 from gateway.chat import create_chat_completion
+from gateway.cors import add_cors
 from gateway.completions import create_completion
 from gateway.engine_client import EngineClient
 from gateway.metrics import Metrics
@@ -35,6 +36,7 @@ class GatewayConfig:
     metrics_need_key: bool = False  # /metrics also needs the API key (it is open by default, for scrapers)
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
+    allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
 
 
 def served_name(config: GatewayConfig) -> str:
@@ -117,4 +119,5 @@ def build_app(config: GatewayConfig) -> Starlette:
     app.state.orcinus = state
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, protect_metrics=config.metrics_need_key)
+    add_cors(app, config.allowed_origins)  # last: the outermost layer
     return app

@@ -76,6 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         EngineConfig(**engine_kwargs(args)), args.api_key or os.environ.get("ORCINUS_API_KEY") or None,
         args.served_model_name, max_waiting=args.max_waiting, metrics_need_key=args.metrics_need_key,
         shutdown_timeout=args.shutdown_timeout,
+        allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
     )
     # uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests, then the app's
     # shutdown stops the engine and frees its shared memory.
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-waiting", type=_non_negative, default=None,
                      help="sequences queued beyond the batch before new requests get 429 "
                           "(default: min(max-num-seqs, KV blocks))")
+    srv.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
+                     help="browser origins that may call the API, e.g. https://chat.example.com, or * for any "
+                          "(default: http://localhost:* and http://127.0.0.1:*; the flag alone: none)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM")
     add_engine_flags(srv)

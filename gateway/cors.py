@@ -1,0 +1,22 @@
+"""CORS: which browser origins may call the API. By default pages served from this machine
+(`http://localhost:*`, `http://127.0.0.1:*`), as Ollama does; `--allowed-origins` names others."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
+
+LOCAL_ORIGINS = r"^http://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"  # any port on this machine, http only
+
+
+def add_cors(app: Starlette, allowed_origins: tuple[str, ...] | None) -> None:
+    """Let pages on `allowed_origins` call the API: None = this machine's; otherwise exactly these ("*": any).
+
+    Add it last, so that it is outermost: preflights are answered before the API key check, and errors
+    (401, 429) carry CORS headers, so a page can read them.
+    """
+    origins = {"allow_origin_regex": LOCAL_ORIGINS} if allowed_origins is None else {"allow_origins": list(allowed_origins)}
+    # Authorization is allowed so a page can send the API key; the key is still checked on every request
+    # (preflights carry no credentials and are answered before the key check).
+    app.add_middleware(CORSMiddleware, **origins, allow_methods=["GET", "POST", "OPTIONS"],
+                       allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"], max_age=600)
