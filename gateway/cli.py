@@ -26,6 +26,8 @@ _ENGINE_FLAGS = {
     "max_model_len": dict(type=int, help="context window cap"),
     "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
     "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),
+    "prefix_caching": dict(action=argparse.BooleanOptionalAction,
+                           help="reuse the cached K/V of prompt prefixes shared with earlier requests (default: on)"),
     "attention_backend": dict(choices=["auto", "torch", "cuda"], help="attention backend: auto|torch|cuda"),
     "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),
     "pipeline_stages": dict(type=int, help="split the layers over N stage processes, N batches in flight"),

@@ -19,8 +19,14 @@ class Metrics:
         self.running = Gauge("orcinus_requests_running", "Requests the engine is running", registry=r)
         self.waiting = Gauge("orcinus_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_used = Gauge("orcinus_kv_blocks_used", "KV cache blocks held by requests", registry=r)
-        self.kv_free = Gauge("orcinus_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.kv_free = Gauge("orcinus_kv_blocks_free", "KV cache blocks nobody holds (cached ones included)", registry=r)
         self.preemptions = Gauge("orcinus_preemptions", "Preemptions since start", registry=r)
+        self.prefix_queried = Gauge("orcinus_prefix_cache_queried_tokens",
+                                    "Prompt tokens looked up in the prefix cache since start", registry=r)
+        self.prefix_hits = Gauge("orcinus_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache since start",
+                                 registry=r)
+        self.kv_cached = Gauge("orcinus_kv_blocks_cached", "KV cache blocks the prefix cache can find (held or free)",
+                               registry=r)
         self.iterations = Gauge("orcinus_iterations", "Engine iterations since start", registry=r)
         self.engine_rss = Gauge("orcinus_engine_resident_memory_bytes", "Resident memory of the engine process",
                                 registry=r)
@@ -47,6 +53,9 @@ class Metrics:
         self.kv_used.set(s.kv_blocks_used)
         self.kv_free.set(s.kv_blocks_free)
         self.preemptions.set(s.num_preemptions)
+        self.prefix_queried.set(s.prefix_queried_tokens)
+        self.prefix_hits.set(s.prefix_hit_tokens)
+        self.kv_cached.set(s.kv_blocks_cached)
         self.iterations.set(s.num_iterations)
         if s.rss_bytes:
             self.engine_rss.set(s.rss_bytes)

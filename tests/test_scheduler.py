@@ -16,7 +16,10 @@ def make(num_blocks=64, **cfg) -> Scheduler:
 
 
 def req(rid, prompt_len=6, max_tokens=4, **params) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **params), eos_token_id=0)
+    # Prompts differ per id, so no request finds another's blocks in the prefix cache (tests/test_prefix_cache.py).
+    base = 1000 * (1 + sum(map(ord, rid)))
+    return Request(rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params),
+                   eos_token_id=0)
 
 
 def step(s: Scheduler, token=7):
@@ -50,7 +53,7 @@ def test_finished_request_leaves_at_end_of_its_iteration_and_frees_blocks():
     assert step(s) == {"b": 1}  # b's 5th token
     assert not s.has_unfinished()
     assert s.kv.num_free_blocks == 10
-    assert sorted(s.kv.free_blocks) == list(range(10))
+    assert sorted(s.kv.free_queue) == list(range(10)) and all(n == 0 for n in s.kv.ref_counts)
 
 
 def test_stop_token_finishes_with_stop_and_respects_min_tokens():
@@ -114,8 +117,10 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it():
     assert list(s.waiting) == [new]
     while "old" in s.requests:
         assert "new" not in step(s)
-    # Recompute: the whole prompt plus the tokens it had generated, in one prefill.
-    assert step(s) == {"new": 9}
+    # Recompute: the prompt plus the tokens it had generated, in one prefill, less its first block: the prefix
+    # cache still holds it (its second went to old, which evicted it).
+    assert step(s) == {"new": 9 - BS}
+    assert s.prefix_hit_tokens == BS
     assert new.num_output_tokens == 6
     while s.has_unfinished():
         step(s)

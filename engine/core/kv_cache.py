@@ -1,7 +1,15 @@
-"""Owns the KV cache blocks: who holds which, and how many a request may take."""
+"""Owns the KV cache blocks: who holds which, how many a request may take, and which full blocks are cached.
+
+Automatic prefix caching (as in vLLM v1): a full block is named by a hash chained from its parent block's
+hash and its own token ids, so two requests whose prompts share a prefix share its blocks (ref-counted).
+A block nobody holds keeps its contents and name in the free queue until it is taken for other tokens.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from typing import Callable
 
 from engine.core.request import Request
@@ -20,28 +28,62 @@ def _orca_reserve(req: Request, num_tokens: int) -> int:
 KV_POLICIES: dict[str, Callable[[Request, int], int]] = {"paged": _paged, "orca-reserve": _orca_reserve}
 
 
-class KVCacheManager:
-    """A free list of fixed-size blocks; each request's block table grows as its tokens are computed."""
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """A block's name: SHA-256 of its parent's name and its tokens (a client cannot forge a collision)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
-    def __init__(self, num_blocks: int, block_size: int, policy: str = "paged"):
+
+class KVCacheManager:
+    """Fixed-size blocks with reference counts; each request's block table grows as its tokens are computed."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: str = "paged", prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block: raise kv_cache_memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.slots_needed = KV_POLICIES[policy]
-        # LIFO: recently freed blocks are reused first (warm in cache).
-        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.prefix_caching = prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Blocks nobody holds, taken from the front. A freed cached block goes to the back, so the prefixes
+        # used last stay findable longest; a freed block with nothing worth finding goes to the front and
+        # is reused first (still warm in the CPU's caches).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # name -> block holding those tokens' K/V
+        self.block_names: dict[int, bytes] = {}  # the reverse, for eviction
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks nobody holds, cached ones included: they can be taken whenever needed."""
+        return len(self.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def take_cached_prefix(self, req: Request) -> int:
+        """Give a request holding no blocks every cached full block of its prefix; returns the tokens covered.
+
+        At least the last token is left to compute: its logits pick the next token.
+        """
+        if not self.prefix_caching or req.block_table:
+            return 0
+        num_full = (req.num_tokens - 1) // self.block_size
+        self._name_blocks(req, num_full)
+        for name in req.block_names[:num_full]:
+            block = self.cached.get(name)
+            if block is None:
+                break
+            self._hold(block)
+            req.block_table.append(block)
+        req.num_registered_blocks = len(req.block_table)
+        return len(req.block_table) * self.block_size
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow `req.block_table` so its next `num_new_tokens` tokens have slots; False if blocks run out."""
@@ -49,12 +91,49 @@ class KVCacheManager:
         missing = self.blocks_for(target) - len(req.block_table)
         if missing <= 0:
             return True
-        if missing > len(self.free_blocks):
+        if missing > len(self.free_queue):
             return False
         for _ in range(missing):
-            req.block_table.append(self.free_blocks.pop())
+            block = next(iter(self.free_queue))
+            name = self.block_names.pop(block, None)
+            if name is not None:  # evict: its contents are about to be overwritten
+                del self.cached[name]
+            self._hold(block)
+            req.block_table.append(block)
         return True
 
+    def cache_full_blocks(self, req: Request) -> None:
+        """Name the blocks `req` has filled since last time, so later requests with the same prefix find them."""
+        if not self.prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        self._name_blocks(req, num_full)
+        for i in range(req.num_registered_blocks, num_full):
+            name, block = req.block_names[i], req.block_table[i]
+            if name not in self.cached:  # another block may hold the same tokens already: keep that one
+                self.cached[name] = block
+                self.block_names[block] = name
+        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
+
     def free(self, req: Request) -> None:
-        self.free_blocks.extend(reversed(req.block_table))
+        # Last block first, so a request's tail is evicted before its (more widely shared) head.
+        for block in reversed(req.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                if block not in self.block_names:
+                    self.free_queue.move_to_end(block, last=False)
         req.block_table = []
+        req.num_registered_blocks = 0
+
+    def _hold(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def _name_blocks(self, req: Request, num_full: int) -> None:
+        """Extend `req.block_names` to its first `num_full` full blocks (names depend only on the tokens)."""
+        bs = self.block_size
+        for i in range(len(req.block_names), num_full):
+            parent = req.block_names[i - 1] if i else b""
+            req.block_names.append(chain_hash(parent, req.token_ids(i * bs, (i + 1) * bs)))

@@ -48,6 +48,8 @@ class Request:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # KV block ids, in order
+    block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks (from its tokens)
+    num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
 

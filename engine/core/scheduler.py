@@ -57,13 +57,15 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.kv_policy)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.kv_policy, config.prefix_caching)
         self.admission = ADMISSION_POLICIES[config.scheduling]()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: oldest first
         self.requests: dict[str, Request] = {}
         self.in_flight: set[str] = set()  # ids in a batch submitted but not yet updated (Orca: at most one batch each)
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # prompt tokens of admitted requests looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, found there (not computed again)
 
     @property
     def num_waiting(self) -> int:
@@ -132,9 +134,14 @@ class Scheduler:
             and self.admission.may_admit(num_running_at_start, budget)
         ):
             req = self.waiting[0]
+            req.num_computed_tokens = self.kv.take_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req, num_new):
+                self.kv.free(req)  # the prefix it took stays cached for its next try
+                req.num_computed_tokens = 0
                 break  # FCFS: nobody overtakes a request that does not fit
+            self.prefix_queried_tokens += req.num_tokens
+            self.prefix_hit_tokens += req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -178,6 +185,7 @@ class Scheduler:
             if req is None:  # aborted while its batch was in flight
                 continue
             req.num_computed_tokens += len(sr.token_ids)
+            self.kv.cache_full_blocks(req)
             if not sr.sample:
                 continue
             token_id, logprobs = sampled[sr.request_id]

@@ -108,7 +108,8 @@ class EngineWorker:
         self.outbox.send(EngineStats(
             s.num_running, s.num_waiting, s.kv.num_used_blocks, s.kv.num_free_blocks, e.num_iterations,
             e.last_batch_size, s.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
-            e.last_batch_tokens, iteration_seconds, self._rss(),
+            e.last_batch_tokens, iteration_seconds, self._rss(), s.prefix_queried_tokens, s.prefix_hit_tokens,
+            s.kv.num_cached_blocks,
         ))
 
     def _rss(self) -> int:
