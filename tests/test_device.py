@@ -114,3 +114,11 @@ def test_the_engine_process_gets_a_bounded_openmp_spin(monkeypatch, env, want):
     got = engine_env()
     assert got.get("GOMP_SPINCOUNT") == want
     assert got.get("OMP_WAIT_POLICY") == env.get("OMP_WAIT_POLICY")
+
+
+def test_cli_prefix_caching_and_weights_flags():
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_kwargs(p.parse_args(["--no-prefix-caching"])) == {"prefix_caching": False}
+    assert engine_kwargs(p.parse_args(["--weights", "dense", "--int4-max-rows", "8"])) == {"weights": "dense",
+                                                                                         "int4_max_rows": 8}
