@@ -15,11 +15,13 @@ from engine.model.int4 import Int4Linear
 MEAN_ABS_DIFF = 0.3  # logits, averaged over the vocabulary and the positions of one sequence
 TOP1_LOGPROB_DIFF = 0.5  # nats: float32's best token keeps about its probability
 CLEAR_MARGIN = 0.5  # where float32's best beats its second by this much, bfloat16 must pick it too
+# Teacher forcing computes every position in one prefill: no prompt may start from cached blocks.
+NO_CACHE = dict(prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
 def fp32(checkpoint):
-    return LLM(checkpoint=checkpoint, dtype="float32")
+    return LLM(checkpoint=checkpoint, dtype="float32", **NO_CACHE)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def test_the_cpu_default_is_bfloat16_with_int4_projections(default):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_bfloat16_logits_stay_close_to_float32_and_keep_every_clear_greedy_choice(checkpoint, fp32, variant):
-    bf16 = LLM(checkpoint=checkpoint, **VARIANTS[variant])
+    bf16 = LLM(checkpoint=checkpoint, **VARIANTS[variant], **NO_CACHE)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     clear = agreed = 0
     for out in fp32.generate(PROMPTS, greedy):
