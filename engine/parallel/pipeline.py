@@ -166,6 +166,8 @@ class PipelineExecutor:
         if self.failed:
             for proc in self.procs:
                 proc.kill()  # the survivors may be blocked on the dead one; no point asking them
+            # Still leave no process group behind: this process may build another pipeline.
+            dist.destroy_process_group()
             return
         for rank in range(1, self.num_stages + 1):
             send_frame(StageShutdown(), rank, self.pending)
