@@ -15,8 +15,10 @@ def add_cors(app: Starlette, allowed_origins: tuple[str, ...] | None) -> None:
     Add it last, so that it is outermost: preflights are answered before the API key check, and errors
     (401, 429) carry CORS headers, so a page can read them.
     """
-    origins = {"allow_origin_regex": LOCAL_ORIGINS} if allowed_origins is None else {"allow_origins": list(allowed_origins)}
-    # Authorization is allowed so a page can send the API key; the key is still checked on every request
-    # (preflights carry no credentials and are answered before the key check).
+    if allowed_origins is None:
+        origins = {"allow_origin_regex": LOCAL_ORIGINS}
+    else:
+        origins = {"allow_origins": list(allowed_origins)}
+    # Authorization is allowed so a page can send the API key, which is still checked on every request.
     app.add_middleware(CORSMiddleware, **origins, allow_methods=["GET", "POST", "OPTIONS"],
                        allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"], max_age=600)

@@ -22,8 +22,8 @@ class Metrics:
         self.kv_free = Gauge("orcinus_kv_blocks_free", "KV cache blocks nobody holds (cached ones included)", registry=r)
         self.preemptions = Gauge("orcinus_preemptions", "Preemptions since start", registry=r)
         self.prefix_queried = Gauge("orcinus_prefix_cache_queried_tokens",
-                                    "Prompt tokens looked up in the prefix cache since start", registry=r)
-        self.prefix_hits = Gauge("orcinus_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache since start",
+                                    "Tokens of admitted requests looked up in the prefix cache since start", registry=r)
+        self.prefix_hits = Gauge("orcinus_prefix_cache_hit_tokens", "Tokens found in the prefix cache since start",
                                  registry=r)
         self.kv_cached = Gauge("orcinus_kv_blocks_cached", "KV cache blocks the prefix cache can find (held or free)",
                                registry=r)

@@ -54,14 +54,16 @@ class EngineConfig:
     device: str = "auto"  # torch device the model runs on; "auto" = cuda when torch sees a GPU, else cpu
     dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 (GPU and CPU)
     block_size: int = 16  # tokens per KV cache block
-    weights: Literal["auto", "dense", "int4"] = "auto"  # "int4": 4-bit copies for small batches (CPU, bfloat16); auto = int4 for a Q4_1 model there
+    # "int4": 4-bit copies of the projections for small batches (CPU, bfloat16); auto = int4 for a Q4_1 model there
+    weights: Literal["auto", "dense", "int4"] = "auto"
     int4_max_rows: int = 16  # batches of up to this many rows read the int4 weights, larger ones the dense copy
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
     enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)
     cuda_graph_max_tokens: int | None = None  # largest piecewise-graph token bucket; None = min(token budget, 512)
     max_num_seqs: int = 64  # most requests in one iteration
-    max_num_batched_tokens: int | None = None  # per-iteration token budget (prefill chunks + decodes); None = 2048 on a GPU, 512 on the CPU
+    # per-iteration token budget (prefill chunks + decodes); None = 2048 on a GPU, 512 on the CPU
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # context cap; None = the model's own window
     scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
     kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front

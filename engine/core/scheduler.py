@@ -64,7 +64,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.in_flight: set[str] = set()  # ids in a batch submitted but not yet updated (Orca: at most one batch each)
         self.num_preemptions = 0
-        self.prefix_queried_tokens = 0  # prompt tokens of admitted requests looked up in the prefix cache
+        # Tokens of admitted requests (prompt, plus outputs after a preemption) looked up in the prefix cache.
+        self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0  # of those, found there (not computed again)
 
     @property

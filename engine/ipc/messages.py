@@ -64,7 +64,7 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     last_batch_tokens: int = 0  # tokens in the last iteration
     last_iteration_seconds: float = 0.0  # 0 when this report follows no iteration
     rss_bytes: int = 0  # the engine process's resident memory; 0 when unknown
-    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache since start
+    prefix_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache since start
     prefix_hit_tokens: int = 0  # of those, found there
     kv_blocks_cached: int = 0  # blocks whose contents the prefix cache can find
 

@@ -33,7 +33,8 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         dtype = "bfloat16"
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise DeviceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    budget = config.max_num_batched_tokens or (GPU_TOKEN_BUDGET if torch.device(device).type == "cuda" else CPU_TOKEN_BUDGET)
+    on_gpu = torch.device(device).type == "cuda"
+    budget = config.max_num_batched_tokens or (GPU_TOKEN_BUDGET if on_gpu else CPU_TOKEN_BUDGET)
     return config.with_(device=device, dtype=dtype, max_num_batched_tokens=budget)
 
 
