@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -27,8 +28,10 @@ ATTENTION = {"aten::index", "aten::index_copy_", "aten::bmm", "aten::_softmax", 
              "aten::_scaled_dot_product_flash_attention_for_cpu"}
 
 
-def decode_engine(batch: int, context: int, model: str | None) -> EngineCore:
-    engine = build_engine(EngineConfig(model=model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context)))
+def decode_engine(batch: int, context: int, args) -> EngineCore:
+    config = EngineConfig(model=args.model, device=args.device, max_num_seqs=batch, enforce_eager=args.enforce_eager,
+                          max_num_batched_tokens=max(2048, batch * context))
+    engine = build_engine(config)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)  # outlasts the profiled steps
     for i in range(batch):
         engine.add_request([1000 + (i * 7 + j) % 20000 for j in range(context)], params)
@@ -54,11 +57,15 @@ def phases(engine: EngineCore, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in t.items()}
 
 
-def op_split(engine: EngineCore, steps: int) -> dict[str, float]:
+def op_split(engine: EngineCore, steps: int, table: bool) -> dict[str, float]:
     """Share of model time in GEMMs, attention ops and everything else (torch profiler, self CPU time)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    gpu = engine.runner.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
         for _ in range(steps):
             engine.step()  # the whole step: a batch left in flight would keep its requests out of the next one
+    if table:
+        for key in ("self_cpu_time_total",) + ("self_device_time_total",) * gpu:
+            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
     total = gemm = attn = 0.0
     for e in prof.key_averages():
         total += e.self_cpu_time_total
@@ -73,20 +80,27 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when there is one)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--table", action="store_true", help="print the profiler's table of ops")
     ap.add_argument("--out", default="benchmarks/iteration_profile.json")
     args = ap.parse_args()
     rows = {}
     for b in args.batches:
-        engine = decode_engine(b, args.context, args.model)
+        engine = decode_engine(b, args.context, args)
         phases(engine, 3)  # warm-up
         ph = phases(engine, args.steps)
-        split = op_split(engine, max(3, args.steps // 3))
+        split = op_split(engine, max(3, args.steps // 3), args.table)
         rows[b] = {"phases_ms": ph, "model_op_share": split, "step_ms": sum(ph.values()),
                    "tokens_per_s": b / sum(ph.values()) * 1000}
         print(f"batch {b:>3}: step {rows[b]['step_ms']:7.1f} ms ({rows[b]['tokens_per_s']:6.1f} tok/s)  "
               + "  ".join(f"{k} {v:6.1f}" for k, v in ph.items())
               + f"  | model: gemm {split['gemm']:.0%} attention {split['attention']:.0%} other {split['other']:.0%}",
               flush=True)
+        del engine  # its KV cache holds most of a GPU's memory: the next engine needs it
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     report = {"command": "python " + " ".join(sys.argv), "threads": torch.get_num_threads(),
               "context": args.context, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -138,12 +138,11 @@ class CudaAttention:
         cp, stack = self._cp, contextlib.ExitStack()
         key = (t.device.index, torch.cuda.current_stream(t.device).cuda_stream)
         if key not in self._streams:
-            # One wrapper per stream, made once: CuPy 14 warns on every ExternalStream construction.
-            from_external = getattr(cp.cuda.Stream, "from_external", None)
+            # One wrapper per stream, made once: CuPy 14 deprecates ExternalStream (its from_external wants
+            # a __cuda_stream__ object instead) and warns on every construction. It still works in 13 and 14.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
-                self._streams[key] = from_external(*key[::-1]) if from_external else cp.cuda.ExternalStream(
-                    key[1], key[0])
+                self._streams[key] = cp.cuda.ExternalStream(key[1], key[0])
         stack.enter_context(cp.cuda.Device(t.device.index))
         stack.enter_context(self._streams[key])
         return stack
