@@ -37,11 +37,11 @@ class IncrementalDetokenizer:
     completes any stop string ends the sequence, cutting at the earliest occurrence among those it completed.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, stop: Iterable[str] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer  # None (a dummy model served without one): no text, token ids and counts only
         self.stop = tuple(dict.fromkeys(s for s in stop if s))  # empty strings would match everywhere: ignored
         self.skip_special_tokens = skip_special_tokens
-        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._skip = tokenizer.special_token_ids if tokenizer is not None and skip_special_tokens else frozenset()
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
         self._first_chars = frozenset(s[0] for s in self.stop)
         self._decoder = _Utf8Decoder(errors="replace")
@@ -82,6 +82,9 @@ class IncrementalDetokenizer:
             return ""
         if self.finished:
             raise RuntimeError("push() after flush()")
+        if self.tokenizer is None:
+            self._offsets += [0] * len(token_ids)
+            return ""
         vocab_size, token_bytes, skip = self.tokenizer.vocab_size, self.tokenizer.token_bytes, self._skip
         for token_id in token_ids:
             self._offsets.append(self._decoded_len)

@@ -1,11 +1,12 @@
-"""Check and time the CUDA ragged paged attention kernel (engine/cuda_attention.py) on a GPU.
+"""Check and time the CUDA attention backend (engine/attention/cupy_backend.py) on a GPU.
 
     python loadtest/bench_attention.py --out benchmarks/attention.json
 
 (a) correctness: fresh random ragged batches (prefill-only, decode-only, mixed; GQA 1, 3, 8; lengths
     1..8192 incl. block boundaries) against float32 SDPA per request, by relative error;
-(b) speed: the kernel vs torch SDPA on the same work (one call per request on pre-gathered K/V, and
-    one padded-batch call with a mask), and for decode vs the floor = K/V bytes / copy bandwidth.
+(b) speed: the backend's whole attention call (the decode kernel, SDPA for prefill chunks, and the
+    cache write) vs torch SDPA on the same work (one call per request on pre-gathered K/V, and one
+    padded-batch call with a mask), and for decode vs the floor = K/V bytes / copy bandwidth.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
         reqs = per_request(q, cache, meta)
         qp, kp, vp, mask = padded(q, cache, meta)
         row = {"batch": name, "tokens": q.shape[0],
-               "kernel_ms": time_ms(lambda: backend.attend(q, cache, meta, max(meta.context_lens_cpu)), args.iters),
+               "kernel_ms": time_ms(lambda: backend.forward(q, k, v, cache, meta), args.iters),
                "sdpa_per_request_ms": time_ms(lambda: [F.scaled_dot_product_attention(
                    a, b, c, **m, enable_gqa=True) for a, b, c, m in reqs], args.iters),
                "sdpa_padded_ms": time_ms(lambda: F.scaled_dot_product_attention(
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(results, indent=2))
     print(f"\n{results['device']}, {args.dtype}, D={d}, Hkv={hkv}, G={args.group}, "
           f"copy bandwidth {bandwidth / 1e6:.0f} GB/s; floor = K/V bytes / that bandwidth")
-    print(f"{'batch':20s} {'kernel ms':>10s} {'sdpa/req ms':>12s} {'sdpa pad ms':>12s} {'floor ms':>9s} "
+    print(f"{'batch':20s} {'backend ms':>10s} {'sdpa/req ms':>12s} {'sdpa pad ms':>12s} {'floor ms':>9s} "
           f"{'x floor':>8s}")
     for r in results["timings"]:
         print(f"{r['batch']:20s} {r['kernel_ms']:10.3f} {r['sdpa_per_request_ms']:12.3f} {r['sdpa_padded_ms']:12.3f} "

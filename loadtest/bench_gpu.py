@@ -163,7 +163,8 @@ def decode_step_times(args, bandwidth: float) -> list[dict]:
         print(f"(b) {shape_name}: capture {capture}", flush=True)
         for batch in args.batches:
             prompt_len = args.decode_context
-            steps = args.steps * (2 * args.repeats + 1) + 34  # timed + warm-up + decodes during prefill
+            # Enough tokens that nobody finishes: timed + warm-up + those decoded while others still prefill.
+            steps = args.steps * len(MODES) * args.repeats + len(MODES) + batch * prompt_len // args.token_budget + 8
             for i in range(batch):
                 ids = [(7 * i + j) % engine.shape.vocab_size for j in range(prompt_len)]
                 engine.add_request(ids, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
@@ -254,7 +255,9 @@ def run_transformers(hf, work, batch_size: int, device: torch.device) -> float:
 
 def throughput(args) -> dict:
     shape_name = args.throughput_shape
-    orca, request_level = make_engine(shape_name, args), make_engine(shape_name, args, scheduling="request")
+    # No prefix caching: repeats re-send the same prompts, which would then cost Orcinus (not transformers) nothing.
+    orca = make_engine(shape_name, args, prefix_caching=False)
+    request_level = make_engine(shape_name, args, scheduling="request", prefix_caching=False)
     hf = hf_model_from(orca)
     work = workload(args.requests, tuple(args.input_len), tuple(args.output_len), orca.shape.vocab_size, seed=0)
     out_tokens = sum(n for _, n in work)

@@ -34,7 +34,9 @@ def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
         flags += ["--model", args.model]
-    return launch_server(flags, timeout=180)
+    log = Path(args.out).with_suffix(f".{extra[-1]}.server.log")  # extra ends with the scheduling mode
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return launch_server(flags, log=log.open("w"), timeout=180)
 
 
 def throughput_at(points: list[dict], latency: float) -> float:
@@ -108,6 +110,8 @@ def main() -> int:
                          "output_tok_s": s["output_throughput"],
                          "p50_normalized_latency": s["normalized_latency_s"]["p50"],
                          "p50_ttft": s["ttft_s"]["p50"], "failed": s["failed"], "duration_s": duration}
+                if point["p50_normalized_latency"] is None:  # every request failed: no curve to draw
+                    sys.exit(f"{mode} rate {rate}/s: all {s['failed']} requests failed; see {Path(args.out).with_suffix(f'.{mode}.server.log')}")
                 modes[mode].append(point)
                 print(f"{mode:>9} rate {rate:5.2f}/s: {point['throughput']:.3f} req/s "
                       f"{point['output_tok_s']:6.1f} tok/s  p50 norm. latency "

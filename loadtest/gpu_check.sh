@@ -3,7 +3,8 @@
 #
 #   loadtest/gpu_check.sh OUT_DIR          kernels, graphs, quick benchmarks (fails fast: quick sizes first)
 #   loadtest/gpu_check.sh OUT_DIR --long   the measurements: bench_attention, bench_gpu at full size,
-#                                          a served dummy:llama-1b (SDK, bench_serving), 2 pipeline stages
+#                                          a served dummy:llama-1b (SDK, bench_serving), 2 pipeline stages,
+#                                          iteration- vs request-level scheduling served (compare_scheduling)
 #
 # It uses the machine's python3 (with its torch and CuPy) and installs what it lacks from the wheels in
 # .whl/ (make them here with loadtest/gpu_wheels.sh, then carry .whl along). Every log and JSON goes
@@ -42,9 +43,13 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output t
 } 2>&1 | tee "$OUT/env.log"
 
 if [ "$MODE" = "--long" ]; then
-    step bench_attention 150 $PY loadtest/bench_attention.py --out "$OUT/bench_attention.json"
-    step bench_gpu 330 $PY loadtest/bench_gpu.py --out "$OUT/bench_gpu.json"
-    step serve 90 $PY loadtest/gpu_serve_check.py --out "$OUT/serve.json"
+    # Together at most 580 s, so one 10-minute call of a lent machine runs them all.
+    step bench_attention 80 $PY loadtest/bench_attention.py --out "$OUT/bench_attention.json"
+    step bench_gpu 290 $PY loadtest/bench_gpu.py --out "$OUT/bench_gpu.json"
+    step serve 100 $PY loadtest/gpu_serve_check.py --out "$OUT/serve.json"
+    step scheduling 110 $PY loadtest/compare_scheduling.py --model dummy:llama-1b --rates 20 40 80 \
+        --num-prompts 120 --input-len 32 512 --max-num-seqs 64 --kv-cache-memory $((4 * 2**30)) \
+        --out "$OUT/scheduling.json" --plot "$OUT/scheduling.png"
 else
     step kernels 120 $PY -m pytest -q -x --gpu tests/test_cuda_kernels.py
     step graphs 150 $PY -m pytest -q -x --gpu tests/test_cuda_graphs.py

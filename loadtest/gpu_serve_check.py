@@ -22,15 +22,18 @@ MODEL = "dummy:llama-1b"
 
 
 def check_sdk(url: str) -> dict:
+    """Completions through the OpenAI SDK, whole and streamed. A dummy model has no tokenizer, so the
+    prompt is token ids (the API allows that) and there is no chat template to try."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
-    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="Hello", max_tokens=16, temperature=0, stream=True))
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
-    return {"completion": whole.choices[0].text, "streamed_equals_whole": streamed == whole.choices[0].text,
-            "completion_tokens": whole.usage.completion_tokens, "chat_finish": chat.choices[0].finish_reason}
+    prompt = [(31 * i) % 1000 + 1 for i in range(24)]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    streamed = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)]
+    return {"completion": whole.choices[0].text, "streamed_equals_whole": "".join(streamed) == whole.choices[0].text,
+            "stream_chunks": len(streamed), "completion_tokens": whole.usage.completion_tokens,
+            "finish_reason": whole.choices[0].finish_reason}
 
 
 def check_pipeline() -> dict:
@@ -50,7 +53,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/gpu/serve.json")
     args = ap.parse_args()
     report = {}
-    proc, url = launch_server(["--model", MODEL, "--served-model-name", MODEL, "--max-num-seqs", "64"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    server_log = Path(args.out).with_suffix(".server.log").open("w")
+    proc, url = launch_server(["--model", MODEL, "--served-model-name", MODEL, "--max-num-seqs", "64"], log=server_log)
     try:
         report["sdk"] = check_sdk(url)
         print("sdk", report["sdk"], flush=True)
@@ -66,7 +71,8 @@ def main() -> int:
     print("pipeline", report["pipeline_2_stages"], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    ok = report["sdk"]["streamed_equals_whole"] and report["bench_serving"]["exit"] == 0
+    ok = report["sdk"]["streamed_equals_whole"] and report["sdk"]["completion_tokens"] == 16 and \
+        report["bench_serving"]["exit"] == 0
     return 0 if ok and report["pipeline_2_stages"]["identical"] == report["pipeline_2_stages"]["prompts"] else 1
 
 

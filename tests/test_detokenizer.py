@@ -249,3 +249,13 @@ def test_token_text(tok):
     assert token_text(tok, partial) == "bytes:" + "".join(f"\\x{b:02x}" for b in data)
     assert token_text(tok, partial).startswith("bytes:\\xf0")
     assert token_text(tok, tok.vocab_size + 1) == ""
+
+
+def test_no_tokenizer_gives_no_text_but_counts_every_token():
+    """A dummy model served where the default tokenizer is absent (an offline GPU machine): token-id prompts
+    still complete; the text is empty and the offsets still cover every token (found on the first GPU run: 500)."""
+    detok = IncrementalDetokenizer(None, stop=["x"])
+    assert detok.push([5, 6, 7]) == ""
+    assert detok.push([8]) == ""
+    assert detok.flush() == ""
+    assert detok.text == "" and detok.token_offsets == [0, 0, 0, 0] and not detok.stopped

@@ -1,10 +1,11 @@
-"""The CUDA attention backend: cuda/ragged_paged_attention.cu launched through CuPy.
+"""The CUDA attention backend: cuda/paged_decode_attention.cu launched through CuPy, SDPA for prefills.
 
-One kernel writes this iteration's K/V into the paged cache; one kernel attends every query of a
-mixed prefill/decode batch (grid: query token x KV head x KV split); a small reduction combines the
-splits when there is more than one. Everything runs on PyTorch's current stream on the tensors'
-own memory (raw `data_ptr()`s), so there are no copies and no synchronisation. The split count is
-chosen from the host-side length lists in the metadata, so choosing it costs no device sync either.
+One kernel writes this iteration's K/V into the paged cache; one kernel attends every decoding
+request to its paged context (grid: request x KV head x KV split), and a small reduction combines the
+splits when there is more than one. Multi-token queries (prefill chunks) go to PyTorch's fused SDPA,
+whose flash kernels use tensor cores; a per-token kernel re-reading each token's prefix cannot.
+Everything runs on PyTorch's current stream on the tensors' own memory (raw `data_ptr()`s), so there
+are no copies and no synchronisation; the split count comes from host-side lengths.
 
 CuPy is imported lazily so this module imports on machines without it; constructing the backend
 there raises a RuntimeError that says why.
@@ -20,18 +21,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata
-from engine.attention.torch_backend import TorchAttention
+from engine.attention.torch_backend import TorchAttention, attend_prefill
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "ragged_paged_attention.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "paged_decode_attention.cu"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-MAX_HEAD_DIM = 128  # kMaxHeadDim in the kernel
-MAX_HEADS_PER_BLOCK = 16  # kMaxHeadsPerBlock: one warp per query head
-TILE = 32  # kTile: partitions are whole tiles
+WARPS = 4  # kWarps in the kernel: threads per block = 128
+MAX_HEADS_PER_BLOCK = 4  # kMaxHeads: query heads scored per K/V read
 MIN_PARTITION = 256  # fewer keys per split than this and the reduction costs more than it saves
 MAX_SPLITS = 64
 WAVES = 4  # aim for this many thread blocks per SM before splitting stops
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _cupy():
@@ -87,7 +89,7 @@ class CudaAttention:
         for extra in [()] + [(f"-I{d}",) for d in _header_dirs(cp)]:
             try:
                 module = cp.RawModule(code=source, options=("-std=c++17", *extra))
-                module.get_function("ragged_paged_attention_bf16")  # RawModule compiles lazily: force it
+                module.get_function("paged_decode_attention_bf16")  # RawModule compiles lazily: force it
             except Exception as e:  # cupy.cuda.compiler.CompileException, mostly
                 errors.append(f"{' '.join(extra) or 'no -I'}: {e}")
                 continue
@@ -104,12 +106,12 @@ class CudaAttention:
         return self._kernels[key]
 
     def self_test(self) -> None:
-        """Compile, then run a 3-token prefill (GQA, bf16) through the kernels and compare with the reference."""
+        """Compile, then decode one token against 3 cached ones (GQA, bf16) and compare with the reference."""
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(3, h, 64, generator=gen).to(torch.bfloat16) for h in (2, 1, 1))
-        cache = torch.zeros(2, 1, 2, 16, 64, dtype=torch.bfloat16)  # 2 blocks; the request lives in block 1
-        meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                                 torch.tensor([[1]], dtype=torch.int32), torch.tensor([16, 17, 18]), [3], [3])
+        q, k, v = (torch.randn(1, h, 64, generator=gen).to(torch.bfloat16) for h in (2, 1, 1))
+        cache = torch.randn(2, 1, 2, 16, 64, generator=gen).to(torch.bfloat16)  # the request lives in block 1
+        meta = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                                 torch.tensor([[1]], dtype=torch.int32), torch.tensor([18]), [1], [3])
         expected = self._fallback.forward(q.float(), k.float(), v.float(), cache.float(), meta)
         dev = torch.device("cuda", torch.cuda.current_device())
         got = self.forward(q.to(dev), k.to(dev), v.to(dev), cache.to(dev), meta.to(dev))
@@ -117,14 +119,33 @@ class CudaAttention:
         if not torch.allclose(got.float().cpu(), expected, atol=3e-2, rtol=3e-2):
             raise RuntimeError("the kernel's self-test output differs from the PyTorch reference")
 
+    def _fits(self, q: torch.Tensor) -> bool:
+        """Whether the kernel takes q: on a GPU, a dtype it is built for, rows of whole 16-byte loads."""
+        if not q.is_cuda or q.dtype not in _SUFFIX:
+            return False
+        per_load = 16 // q.element_size()
+        return q.shape[2] % per_load == 0 and q.shape[2] // per_load <= 32
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
-        if not q.is_cuda or q.shape[2] > MAX_HEAD_DIM or q.dtype not in _SUFFIX:
+        if not self._fits(q):
             return self._fallback.forward(q, k, v, kv_cache, meta)
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, max(meta.context_lens_cpu))
+        decode_lens = [c for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n == 1]
+        out = self.attend(q, kv_cache, meta, max(decode_lens)) if decode_lens else torch.empty_like(q)
+        if len(decode_lens) < meta.num_requests:  # after the kernel: it leaves prefill rows alone
+            qsl = [0]
+            for n in meta.query_lens_cpu:
+                qsl.append(qsl[-1] + n)
+            # Not cuDNN's SDPA: it builds a plan for every new (query, context) shape, ~0.1-0.6 s each, and
+            # prefill chunks come in ever new shapes (seen on an H100: mixed steps 60x slower until warm).
+            with sdpa_kernel(PREFILL_SDPA):
+                for i, n in enumerate(meta.query_lens_cpu):
+                    if n > 1:
+                        attend_prefill(q, kv_cache, meta, i, qsl, out)
+        return out
 
     def forward_decode(self, q, k, v, kv_cache, meta: AttentionMetadata):
-        if not q.is_cuda or q.shape[2] > MAX_HEAD_DIM or q.dtype not in _SUFFIX:
+        if not self._fits(q):
             return self._fallback.forward_decode(q, k, v, kv_cache, meta)
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         # The split plan for the longest context the block tables can hold: fixed, so it can be captured.
@@ -164,56 +185,57 @@ class CudaAttention:
             )
 
     def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int) -> torch.Tensor:
+        """Attention of every request with one query token; other rows of the result are left unwritten."""
         num_tokens, num_q_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
         q = q.contiguous()
         out = torch.empty_like(q)  # after contiguous(): the kernel writes rows at q's dense strides
-        if num_tokens == 0:
+        num_requests = meta.num_requests
+        if num_tokens == 0 or num_requests == 0:
             return out
         qsl = meta.query_start_loc.to(torch.int32).contiguous()
         ctx = meta.context_lens.to(torch.int32).contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
         group = num_q_heads // num_kv_heads
-        # Groups wider than 16 heads are cut into equal head blocks (one warp per head).
+        # Groups wider than MAX_HEADS_PER_BLOCK heads are cut into equal head blocks.
         blocks_per_kv = -(-group // MAX_HEADS_PER_BLOCK)
         heads_per_block = -(-group // blocks_per_kv)
-        base_blocks = num_tokens * num_kv_heads * blocks_per_kv
-        num_splits, partition = self._splits(base_blocks, max_context_len, q.device)
-
+        num_splits = self._splits(num_requests * num_kv_heads * blocks_per_kv, max_context_len, q.device)
         if num_splits > 1:
-            ws_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim, dtype=torch.float32, device=q.device)
-            ws_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=q.device)
+            rows = num_requests * num_q_heads * num_splits
+            ws_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
+            ws_ml = torch.empty(rows * 2, dtype=torch.float32, device=q.device)
         else:  # the kernel writes `out` directly and never touches the workspace
             ws_acc = ws_ml = out
-        shared = 4 * (heads_per_block * head_dim + TILE * (head_dim + 1) + TILE * head_dim)
+        per_load = 16 // q.element_size()
+        lanes_per_key = 1 << (head_dim // per_load - 1).bit_length()
+        groups = WARPS * 32 // lanes_per_key
+        shared = 4 * groups * heads_per_block * (head_dim + 2)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         with self._on_torch_stream(q):
-            self._kernel("ragged_paged_attention", q.dtype, q.device)(
-                (num_tokens, num_kv_heads * blocks_per_kv, num_splits), (heads_per_block * 32,),
+            self._kernel("paged_decode_attention", q.dtype, q.device)(
+                (num_requests, num_kv_heads * blocks_per_kv, num_splits), (WARPS * 32,),
                 (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(q), _ptr(kv_cache), _ptr(qsl), _ptr(ctx), _ptr(tables),
-                 np.int32(meta.num_requests), np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
+                 np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
                  np.int32(heads_per_block), np.int32(head_dim), np.int32(block_size),
-                 np.int64(kv_cache.shape[2] * block_size), np.int32(partition), np.float32(scale_log2)),
+                 np.int64(kv_cache.shape[2] * block_size), np.float32(scale_log2)),
                 shared_mem=shared,
             )
             if num_splits > 1:
-                self._kernel("ragged_paged_attention_reduce", q.dtype, q.device)(
-                    (num_tokens, num_q_heads), (min(head_dim, 128),),
-                    (_ptr(out), _ptr(ws_acc), _ptr(ws_ml),
+                self._kernel("paged_decode_attention_reduce", q.dtype, q.device)(
+                    (num_requests, num_q_heads), (min(head_dim, 128),),
+                    (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(qsl),
                      np.int32(num_q_heads), np.int32(head_dim), np.int32(num_splits)),
                 )
         return out
 
-    def _splits(self, base_blocks: int, max_ctx: int, device: torch.device) -> tuple[int, int]:
-        """(splits, keys per split): split the KV range only while the grid is short of WAVES blocks per SM."""
+    def _splits(self, base_blocks: int, max_ctx: int, device: torch.device) -> int:
+        """How many ranges to cut each context into: only while the grid is short of WAVES blocks per SM."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._sm_count:
             self._sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
         wanted = -(-WAVES * self._sm_count[index] // base_blocks)
-        num_splits = max(1, min(wanted, -(-max_ctx // MIN_PARTITION), MAX_SPLITS))
-        partition = -(-max_ctx // num_splits)
-        partition = -(-partition // TILE) * TILE
-        return -(-max_ctx // partition), partition
+        return max(1, min(wanted, -(-max_ctx // MIN_PARTITION), MAX_SPLITS))
 
 
 def _header_dirs(cp) -> list[Path]:

@@ -34,7 +34,7 @@ class TorchAttention:
                                            meta.context_lens[rows])
         for i, n in enumerate(meta.query_lens_cpu):
             if n > 1:
-                self._prefill(q, kv_cache, meta, i, qsl, out)
+                attend_prefill(q, kv_cache, meta, i, qsl, out)
         return out
 
     def forward_decode(self, q, k, v, kv_cache, meta):
@@ -54,20 +54,22 @@ class TorchAttention:
         mask = (torch.arange(keys.shape[2], device=q.device) < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).reshape(b, num_heads, head_dim)
 
-    def _prefill(self, q, kv_cache, meta, i, qsl, out):
-        block_size = kv_cache.shape[3]
-        n, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
-        table = meta.block_tables[i, : -(-ctx // block_size)].long()
-        keys = gather_context(kv_cache[0], table)[:, :ctx]  # [Hkv, ctx, D]
-        values = gather_context(kv_cache[1], table)[:, :ctx]
-        query = q[qsl[i] : qsl[i + 1]].transpose(0, 1)  # [Hq, n, D]
-        if n == ctx:
-            mask, causal = None, True
-        else:
-            # Queries are the last n of ctx positions (chunked prefill, or recompute after preemption).
-            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            causal = False
-        # 4-D inputs: 3-D ones fall to SDPA's unfused math path on the CPU (a 2048-token prefill: 212 vs 36 ms a layer).
-        o = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-                                           enable_gqa=True)[0]
-        out[qsl[i] : qsl[i + 1]] = o.transpose(0, 1)
+
+def attend_prefill(q, kv_cache, meta, i, qsl, out):
+    """Request i's queries (rows qsl[i]:qsl[i+1]) against its cached context through SDPA, written into out."""
+    block_size = kv_cache.shape[3]
+    n, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
+    table = meta.block_tables[i, : -(-ctx // block_size)].long()
+    keys = gather_context(kv_cache[0], table)[:, :ctx]  # [Hkv, ctx, D]
+    values = gather_context(kv_cache[1], table)[:, :ctx]
+    query = q[qsl[i] : qsl[i + 1]].transpose(0, 1)  # [Hq, n, D]
+    if n == ctx:
+        mask, causal = None, True
+    else:
+        # Queries are the last n of ctx positions (chunked prefill, or recompute after preemption).
+        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        causal = False
+    # 4-D inputs: 3-D ones fall to SDPA's unfused math path on the CPU (a 2048-token prefill: 212 vs 36 ms a layer).
+    o = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+                                       enable_gqa=True)[0]
+    out[qsl[i] : qsl[i + 1]] = o.transpose(0, 1)

@@ -55,9 +55,12 @@ def stage_span(num_layers: int, stage: int, num_stages: int) -> range:
 
 
 
-def tensor_group(device: torch.device):
-    """The activations' process group: NCCL between GPUs, else the (gloo) world group. Collective: every rank calls it."""
-    return dist.new_group(backend="nccl") if device.type == "cuda" else None
+def tensor_group(device: torch.device, num_stages: int):
+    """The activations' process group: NCCL when each stage has a GPU of its own, else None: the (gloo) world group,
+    through host memory (NCCL refuses two ranks on one GPU). Collective: every rank calls it."""
+    if device.type == "cuda" and torch.cuda.device_count() >= num_stages:
+        return dist.new_group(backend="nccl")
+    return None
 
 
 class Stage:
@@ -78,7 +81,9 @@ class Stage:
         self.sampler = Sampler(config.seed, self.runner.device) if self.model.is_last else None
         self.rank = setup.stage + 1
         self.next_rank = self.rank + 1
-        self.tensors = tensor_group(self.runner.device)
+        self.tensors = tensor_group(self.runner.device, setup.num_stages)
+        # Stages sharing a GPU send activations through gloo, which takes host tensors only.
+        self.via_host = self.runner.device.type == "cuda" and self.tensors is None
         self.requests: dict[str, Request] = {}  # the last stage's copy of what sampling needs per request
         self.pending = PendingSends()
 
@@ -100,10 +105,12 @@ class Stage:
         hidden = None
         if not self.model.is_first:
             hidden = torch.empty(batch.num_tokens, self.model.shape.hidden_size, dtype=self.runner.dtype,
-                                 device=self.runner.device)
+                                 device="cpu" if self.via_host else self.runner.device)
             dist.recv(hidden, self.rank - 1, group=self.tensors, tag=ACTIVATION_TAG)
+            hidden = hidden.to(self.runner.device)
         out = self.runner.run(batch, hidden)
         if not self.model.is_last:
+            out = out.cpu() if self.via_host else out
             self.pending.add(dist.isend(out, self.next_rank, group=self.tensors, tag=ACTIVATION_TAG), out)
             return
         sampling = [self.requests[r.request_id] for r in batch.requests if r.sample]
