@@ -1,21 +1,24 @@
-"""The Starlette app: OpenAI routes, health, metrics, the OpenAPI document, and the engine's lifetime."""
+"""The Starlette app: OpenAI routes, health, metrics, the OpenAPI document, the chat page, and the engine's lifetime."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from engine.core.config import EngineConfig
 from gateway import errors
 from gateway.admission import Admission
 from gateway.auth import APIKeyMiddleware
+from gateway.banner import startup_block
 from gateway.chat import create_chat_completion
 from gateway.cors import add_cors
 from gateway.completions import create_completion
@@ -24,6 +27,8 @@ from gateway.metrics import Metrics
 from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
 from gateway.serving import ServerState, json_response
+
+CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class GatewayConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
     allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
+    url: str | None = None  # where clients reach the server, for the startup log (None: not logged)
 
 
 def served_name(config: GatewayConfig) -> str:
@@ -75,10 +81,14 @@ def build_app(config: GatewayConfig) -> Starlette:
                         config.shutdown_timeout)
     started = int(time.time())
     contract = msgspec.json.encode(openapi_document(bool(config.api_key), config.metrics_need_key))
+    page = CHAT_PAGE.read_text(encoding="utf-8")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await state.client.start(config.engine_start_timeout)
+        # uvicorn's own logger: the block sits with its "Uvicorn running on ..." lines.
+        logging.getLogger("uvicorn.error").info(
+            "%s", startup_block(state.client.ready, state.model_name, config.url, bool(config.api_key)))
         try:
             yield
         finally:
@@ -104,6 +114,9 @@ def build_app(config: GatewayConfig) -> Starlette:
     async def openapi(request: Request) -> Response:
         return Response(contract, media_type="application/json")
 
+    async def chat_page(request: Request) -> Response:
+        return HTMLResponse(page)
+
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -112,6 +125,7 @@ def build_app(config: GatewayConfig) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
+            Route("/", chat_page, methods=["GET"]),
         ],
         exception_handlers=errors.EXCEPTION_HANDLERS,
         lifespan=lifespan,

@@ -79,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.served_model_name, max_waiting=args.max_waiting, metrics_need_key=args.metrics_need_key,
         shutdown_timeout=args.shutdown_timeout,
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
+        url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
     )
     # uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests, then the app's
     # shutdown stops the engine and frees its shared memory.

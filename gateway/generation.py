@@ -97,6 +97,7 @@ class Generation:
             for rid, choice in self.choices.items():
                 if not choice.finished:
                     self.client.abort(rid)
+                    self.metrics.aborted.inc()
                 else:
                     self.client.release(rid)
             self.close()

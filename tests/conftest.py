@@ -21,6 +21,7 @@ torch.set_num_threads(2)
 
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run the GPU tests (marked `gpu`) on the GPU, and only them")
+    parser.addoption("--screenshots", default=None, help="also save the browser tests' screenshots in this folder")
 
 
 def pytest_configure(config):
@@ -182,6 +183,7 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
         assert ours, f"the server created no /dev/shm/orcinus_{proc.pid}_* ring: {sorted(_shm_segments())}"
         children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
         assert children, "the server has no engine process"
+        assert f"  chat page       {url}/" in log_path.read_text(errors="replace"), "no startup block:\n" + log_tail()
         yield url
     finally:
         if proc.poll() is None:

@@ -109,6 +109,32 @@ def test_abort_and_preemption_keep_finished_work_findable():
     assert step(s) == {"b": 20 - 16}  # a's 4 full blocks outlived it (the 5th holds its last token)
 
 
+def test_choices_of_one_prompt_share_its_blocks():
+    """n > 1 reaches the engine as n requests with one prompt: the first computes it, the others wait for
+    its full blocks to be computed rather than compute them again, then take them from the cache."""
+    s = make()
+    prompt = list(range(100, 118))  # 4 full blocks and 2 tokens
+    for i in range(3):
+        s.add(req(f"c{i}", prompt, max_tokens=4))
+    assert step(s) == {"c0": 18}
+    assert step(s) == {"c0": 1, "c1": 2, "c2": 2}  # the siblings compute only the last, partial block
+    tables = [s.requests[f"c{i}"].block_table for i in range(3)]
+    assert tables[0][:4] == tables[1][:4] == tables[2][:4]
+    assert all(s.kv.ref_counts[b] == 3 for b in tables[0][:4])
+    assert s.prefix_hit_tokens == 2 * 16
+    run_all(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_a_request_waits_only_for_blocks_a_running_request_is_computing():
+    s = make()
+    s.add(req("a", list(range(100, 118))))
+    s.add(req("b", list(range(100, 104)) + list(range(900, 914))))  # shares a's first block only
+    s.add(req("c", list(range(500, 518))))  # shares nothing, but FCFS keeps it behind b
+    assert step(s) == {"a": 18}
+    assert step(s) == {"a": 1, "b": 14, "c": 18}  # b takes a's first block, computes the rest
+
+
 def test_no_prefix_caching_finds_nothing():
     s = make(prefix_caching=False)
     prompt = list(range(40))
@@ -155,6 +181,7 @@ def reference(checkpoint, tokenizer):
     # 13 float32 blocks, and outputs long enough that running requests must grow into blocks others hold
     ({"kv_cache_memory": 13 * 737_280}, 40),
     ({"max_num_batched_tokens": 7}, 12),  # chunked prefill
+    ({"kv_policy": "orca-reserve"}, 12),  # blocks for max_tokens held from admission
 ])
 def test_greedy_tokens_are_identical_with_prefix_caching(checkpoint, tokenizer, reference, setting, max_tokens):
     llm = LLM(checkpoint=checkpoint, dtype="float32", **setting)
@@ -171,3 +198,15 @@ def test_greedy_tokens_are_identical_with_prefix_caching_over_two_pipeline_stage
     with LLM(model=None, dtype="float32", pipeline_stages=2) as llm:
         assert run_in_order(llm, prompts_sharing(tokenizer), 12) == reference(12)
         assert llm.engine.scheduler.prefix_hit_tokens > 0
+
+
+def test_choices_of_one_prompt_get_the_tokens_of_one_computed_alone(checkpoint, tokenizer, reference):
+    """Three copies of one prompt at once (as n = 3 arrives): one computes it, the other two share its blocks."""
+    prompt = prompts_sharing(tokenizer)[0]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(checkpoint=checkpoint, dtype="float32")
+    outs = [o.token_ids for o in llm.generate([prompt] * 3, greedy)]
+    assert outs == [reference(12)[0]] * 3
+    s = llm.engine.scheduler
+    assert s.prefix_hit_tokens == 2 * ((len(prompt) - 1) // 16 * 16)
+    assert s.kv.num_free_blocks == s.kv.num_blocks

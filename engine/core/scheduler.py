@@ -128,6 +128,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        pending = self._blocks_being_computed() if self.waiting and self.kv.prefix_caching else set()
         while (
             self.waiting
             and len(scheduled) < max_seqs
@@ -136,6 +137,13 @@ class Scheduler:
         ):
             req = self.waiting[0]
             req.num_computed_tokens = self.kv.take_cached_prefix(req)
+            following = len(req.block_table)
+            if following < len(req.block_names) and req.block_names[following] in pending:
+                # A running request is computing the next block of this prompt (a sibling choice of an n > 1
+                # request, a shared system prompt): wait an iteration or two and take it from the cache.
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                break  # FCFS, as for a request that does not fit
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req, num_new):
                 self.kv.free(req)  # the prefix it took stays cached for its next try
@@ -146,12 +154,17 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            pending.update(req.block_names[req.num_registered_blocks:])
             if num_new:
                 scheduled.append((req, num_new))
                 budget -= num_new
 
         self.in_flight.update(req.request_id for req, _ in scheduled)
         return Batch([self._to_scheduled(req, n) for req, n in scheduled])
+
+    def _blocks_being_computed(self) -> set[bytes]:
+        """Prefix-cache names of the full blocks that running requests have yet to compute."""
+        return {name for r in self.running for name in r.block_names[r.num_registered_blocks:]}
 
     def _to_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens

@@ -29,11 +29,24 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 # ---------------------------------------------------------------- engine -> gateway
 
 
+class EngineSummary(msgspec.Struct, frozen=True, array_like=True):
+    """What the engine resolved and sized at startup, for the server's startup log."""
+
+    device: str  # the torch device the model runs on
+    dtype: str
+    num_params: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefix_caching: bool
+    pipeline_stages: int
+
+
 class EngineReady(msgspec.Struct, tag=True, array_like=True):
     """Sent once the model is loaded: what the gateway needs to validate requests without asking."""
 
     model_name: str
     limits: RequestLimits
+    summary: EngineSummary
 
 
 class TokenDelta(msgspec.Struct, tag=True, array_like=True):

@@ -25,6 +25,7 @@ from engine.ipc.messages import (
     Abort,
     AddRequest,
     EngineReady,
+    EngineSummary,
     EngineStats,
     FromEngine,
     RequestError,
@@ -63,7 +64,10 @@ class EngineWorker:
         self.outbox = Channel.attach(spec.from_engine, FromEngine)
         self.engine = build_engine(serving_config(spec.config))
         e = self.engine
-        self.outbox.send(EngineReady(e.model_name, e.limits))
+        c = e.config  # resolved: the device and dtype are what "auto" became
+        summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
+                                c.prefix_caching, c.pipeline_stages)
+        self.outbox.send(EngineReady(e.model_name, e.limits, summary))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.rss_bytes, self.rss_sampled_at = 0, 0.0

@@ -1,0 +1,23 @@
+"""The block the server logs once its engine is ready: what runs, how big, and where to reach it."""
+
+from __future__ import annotations
+
+from engine.ipc.messages import EngineReady
+
+
+def startup_block(ready: EngineReady, model_name: str, url: str | None, api_key: bool) -> str:
+    """Plain lines, no colours: it lands in log files as often as on a terminal."""
+    s, limits = ready.summary, ready.limits
+    stages = f", {s.pipeline_stages} pipeline stages" if s.pipeline_stages > 1 else ""
+    lines = [
+        "Orcinus is ready",
+        f"  model           {model_name} ({s.num_params / 1e6:,.1f}M parameters, max {limits.max_model_len} tokens)",
+        f"  engine          {s.device}, {s.dtype}{stages}",
+        f"  KV cache        {limits.num_kv_blocks} blocks x {limits.block_size} tokens = "
+        f"{limits.num_kv_blocks * limits.block_size:,} tokens",
+        f"  batch           up to {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens per iteration",
+        f"  prefix caching  {'on' if s.prefix_caching else 'off'}",
+    ]
+    if url is not None:
+        lines += [f"  API             {url}/v1{' (API key required)' if api_key else ''}", f"  chat page       {url}/"]
+    return "\n".join(lines)

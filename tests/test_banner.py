@@ -1,0 +1,28 @@
+"""The startup block: what the engine resolved, where to reach the server."""
+
+from engine.core.request_limits import RequestLimits
+from engine.ipc.messages import EngineReady, EngineSummary
+from gateway.banner import startup_block
+
+
+def test_the_block_names_model_engine_capacity_and_addresses():
+    ready = EngineReady("m", RequestLimits(8192, 49152, 1456, 16),
+                        EngineSummary("cpu", "bfloat16", 134_515_008, 64, 512, True, 1))
+    text = startup_block(ready, "SmolLM2-135M-Instruct", "http://127.0.0.1:8000", api_key=True)
+    assert text.splitlines() == [
+        "Orcinus is ready",
+        "  model           SmolLM2-135M-Instruct (134.5M parameters, max 8192 tokens)",
+        "  engine          cpu, bfloat16",
+        "  KV cache        1456 blocks x 16 tokens = 23,296 tokens",
+        "  batch           up to 64 sequences, 512 tokens per iteration",
+        "  prefix caching  on",
+        "  API             http://127.0.0.1:8000/v1 (API key required)",
+        "  chat page       http://127.0.0.1:8000/",
+    ]
+
+
+def test_pipeline_stages_and_no_caching_are_said():
+    ready = EngineReady("m", RequestLimits(2048, 100, 10, 16), EngineSummary("cuda", "bfloat16", 10**9, 8, 2048, False, 2))
+    text = startup_block(ready, "x", None, api_key=False)
+    assert "  engine          cuda, bfloat16, 2 pipeline stages" in text
+    assert "  prefix caching  off" in text and "chat page" not in text
