@@ -10,6 +10,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from gateway.errors import request_too_large
+from gateway.structured import ANY_OBJECT, json_schema_grammar
 
 MAX_N = 16  # choices per prompt (`n`)
 MAX_STOP = 4  # stop strings per request, as OpenAI
@@ -41,6 +42,29 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    description: str | None = None
+    strict: bool | None = None  # the output always matches the schema, strict or not
+
+
+class ResponseFormat(Struct, kw_only=True):
+    """`text`, `json_object` (any JSON object) or `json_schema` (a document matching `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> str | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return json_schema_grammar(ANY_OBJECT)
+        if self.json_schema is None:
+            raise InvalidRequestError("response_format type 'json_schema' needs `json_schema`", "response_format")
+        return json_schema_grammar(self.json_schema.schema or ANY_OBJECT)
+
+
 class _SamplingFields(Struct, kw_only=True):
     """Fields both endpoints share. Unknown fields (`user`, `metadata`, ...) are ignored."""
 
@@ -62,6 +86,7 @@ class _SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop_token_ids: list[TokenId] | None = None
+    response_format: ResponseFormat | None = None  # constrain the output to JSON (a schema's, or any object)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -80,6 +105,7 @@ class _SamplingFields(Struct, kw_only=True):
             logit_bias=_logit_bias(self.logit_bias),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            grammar=self.response_format.grammar() if self.response_format is not None else None,
         )
 
     def _validate_common(self) -> None:
@@ -163,8 +189,6 @@ class ChatMessage(Struct):
         return self.content or ""
 
 
-class ResponseFormat(Struct, kw_only=True):
-    type: str = "text"
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -176,7 +200,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None  # not supported (an empty list is fine)
-    response_format: ResponseFormat | None = None  # only {"type": "text"}
 
     def template_messages(self) -> list[dict[str, str]]:
         """`[{"role", "content"}]` for the tokenizer's chat template."""
@@ -209,8 +232,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tools:
             raise InvalidRequestError("tools are not supported", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported", "response_format")
         self._validate_common()
         self.to_sampling_params(default_max_tokens=max(self.min_tokens, 1))
 

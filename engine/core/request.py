@@ -52,6 +52,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
+    matcher: object | None = None  # a constrained request's llguidance matcher, made by the sampler
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,6 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end the request
     ignore_eos: bool = False  # keep generating past eos
     logprobs: int | None = None  # return this many top logprobs per token (and the chosen one's)
+    grammar: str | None = None  # an llguidance grammar the output must match (from a JSON schema, Lark or a regex)
 
     def __post_init__(self) -> None:
         checks = [

@@ -9,14 +9,16 @@ from __future__ import annotations
 import torch
 
 from engine.core.request import Request, TokenLogprobs
+from engine.model.grammar import GrammarMasks
 
 
 class Sampler:
     """Batched where settings agree; per request only where they cannot be (seeds, penalties, bias)."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu", tokenizer=None):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for requests without their own seed
+        self.grammar = GrammarMasks(tokenizer) if tokenizer is not None else None  # no tokenizer: no grammars
 
     def _tensor(self, values, dtype=None) -> torch.Tensor:
         """A small host list on the sampling device without a sync: pinned memory, asynchronous copy."""
@@ -31,6 +33,8 @@ class Sampler:
         num_top = [r.params.logprobs for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_top) else None
         logits = self._adjust(logits.clone(), requests)  # the runner returns an inference tensor: no in-place
+        if self.grammar is not None:
+            self.grammar.apply(logits, requests)
 
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -39,8 +43,12 @@ class Sampler:
             tokens[random_rows] = self._draw(probs, [requests[i] for i in random_rows])
 
         if raw_logprobs is None:
-            return {req.request_id: (token, None) for req, token in zip(requests, tokens.tolist())}
-        return self._with_logprobs(tokens, raw_logprobs, requests, num_top)
+            out = {req.request_id: (token, None) for req, token in zip(requests, tokens.tolist())}
+        else:
+            out = self._with_logprobs(tokens, raw_logprobs, requests, num_top)
+        if self.grammar is not None:
+            self.grammar.advance(requests, [out[r.request_id][0] for r in requests])
+        return out
 
     def _with_logprobs(self, tokens, raw_logprobs, requests, num_top) -> dict[str, tuple[int, TokenLogprobs | None]]:
         k = max(n or 0 for n in num_top)

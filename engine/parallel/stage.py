@@ -75,10 +75,11 @@ class Stage:
         ckpt = load_checkpoint(config.model, config.seed)
         self.span = stage_span(ckpt.shape.num_layers, setup.stage, setup.num_stages)
         self.model = build_model(ckpt, setup.max_model_len, config, self.span)
+        tokenizer = ckpt.tokenizer  # the last stage's sampler needs it for grammars
         del ckpt
         self.num_blocks = num_kv_blocks(config, self.model.shape, len(self.span))
         self.runner = ModelRunner(config, self.model, self.num_blocks, setup.max_model_len)
-        self.sampler = Sampler(config.seed, self.runner.device) if self.model.is_last else None
+        self.sampler = Sampler(config.seed, self.runner.device, tokenizer) if self.model.is_last else None
         self.rank = setup.stage + 1
         self.next_rank = self.rank + 1
         self.tensors = tensor_group(self.runner.device, setup.num_stages)

@@ -48,7 +48,7 @@ class LocalExecutor:
         # The runner sizes the KV cache after the weights and the piecewise graphs: it takes what they leave.
         self.runner = ModelRunner(config, self.model, None, max_model_len)
         self.num_blocks = self.runner.num_blocks
-        self.sampler = Sampler(config.seed, torch.device(config.device))
+        self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
         self.done: deque[tuple[Batch, Sampled]] = deque()
 
     @property

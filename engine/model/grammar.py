@@ -1,0 +1,70 @@
+"""Constrained decoding: each request with a grammar gets an llguidance matcher that allows only the tokens
+keeping its output inside the grammar (a JSON schema, Lark or a regex, compiled by the gateway)."""
+
+from __future__ import annotations
+
+import logging
+
+import llguidance
+import torch
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+from engine.core.request import Request
+
+log = logging.getLogger(__name__)
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class _TokenTable:
+    """What llguidance.TokenizerWrapper reads: every id's bytes, the special ids, eos/bos, and encode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text)
+
+
+class GrammarMasks:
+    """Masks the logits of constrained requests before sampling, and advances their matchers after it."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ll: llguidance.LLTokenizer | None = None  # built on first use (~0.1 s for a 49k vocabulary)
+
+    def _matcher(self, req: Request) -> llguidance.LLMatcher:
+        if req.matcher is None:
+            if self._ll is None:
+                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(self._tokenizer)))
+            req.matcher = llguidance.LLMatcher(self._ll, req.params.grammar, log_level=0)
+            # After a preemption the outputs so far come back as prompt: the new matcher catches up on them.
+            req.matcher.consume_tokens(req.output_token_ids)
+        return req.matcher
+
+    def apply(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Set the logits of tokens each constrained request may not take next to -inf, in place."""
+        rows = [i for i, r in enumerate(requests) if r.params.grammar is not None]
+        if not rows:
+            return
+        bitmask = allocate_token_bitmask(len(rows), self._tokenizer.vocab_size)
+        for j, i in enumerate(rows):
+            matcher = self._matcher(requests[i])
+            if matcher.is_error():  # cannot happen for a grammar the gateway validated; never stall the batch
+                log.warning("request %s: grammar error %s; sampling it unconstrained", requests[i].request_id,
+                            matcher.get_error())
+                continue
+            fill_next_token_bitmask(matcher, bitmask, j)
+        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[1]].bool()
+        if allowed.shape[1] < logits.shape[1]:  # ids past the tokenizer's vocabulary are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def advance(self, requests: list[Request], tokens: list[int]) -> None:
+        for req, token in zip(requests, tokens):
+            if req.params.grammar is not None and req.matcher is not None and not req.matcher.is_stopped():
+                req.matcher.consume_token(token)

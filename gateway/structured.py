@@ -1,0 +1,25 @@
+"""`response_format` -> the llguidance grammar the engine constrains decoding with; a bad schema is a 400."""
+
+from __future__ import annotations
+
+import llguidance
+import msgspec
+
+from engine.core.sampling_params import InvalidRequestError
+
+# Compact JSON with single spaces: a flexible-whitespace grammar lets a small model emit newlines forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+
+
+def json_schema_grammar(schema: dict, param: str = "response_format") -> str:
+    """The grammar of JSON documents matching `schema`; InvalidRequestError naming `param` if it cannot be one."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(msgspec.json.encode(schema).decode(),
+                                                                 defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise InvalidRequestError(f"invalid JSON schema: {e}", param) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequestError(f"unsupported JSON schema: {error}", param)
+    return grammar

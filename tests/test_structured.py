@@ -1,0 +1,163 @@
+"""Structured outputs: `response_format` constrains decoding with an llguidance grammar, so every output
+parses and validates against its schema, on the engine (batched, preempted, pipelined) and through the
+OpenAI SDK; bad schemas are 400s that name `response_format`."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from gateway.structured import ANY_OBJECT, json_schema_grammar
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 16}
+INT = {"type": "integer", "minimum": -1000, "maximum": 1000}
+# Bounded integers and closed objects: a schema that admits any extra property lets a 135M model add digits or keys until max_tokens.
+SCHEMAS = {
+    "flat": {"type": "object", "properties": {"name": NAME, "age": INT}, "required": ["name", "age"],
+             "additionalProperties": False},
+    "bounded numbers": {"type": "object", "properties": {
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "count": {"type": "integer", "minimum": 3, "maximum": 7}}, "required": ["score", "count"],
+        "additionalProperties": False},
+    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+             "additionalProperties": False},
+    "array of strings": {"type": "object", "properties": {
+        "items": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}}, "required": ["items"],
+        "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "person": {"type": "object", "properties": {"name": NAME, "address": {
+            "type": "object", "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"], "additionalProperties": False}}, "required": ["name", "address"],
+            "additionalProperties": False}}, "required": ["person"], "additionalProperties": False},
+    "optional fields": {"type": "object", "properties": {"title": NAME, "subtitle": NAME, "year": INT},
+                        "required": ["title"], "additionalProperties": False},
+    "array of objects": {"type": "object", "properties": {"rows": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"k": NAME, "v": {"type": "boolean"}}, "required": ["k", "v"],
+        "additionalProperties": False}}}, "required": ["rows"], "additionalProperties": False},
+    "ref": {"$defs": {"point": {"type": "object", "properties": {"x": INT, "y": INT},
+                                "required": ["x", "y"], "additionalProperties": False}},
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+            "required": ["a", "b"], "additionalProperties": False},
+    "top-level array": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                        "minItems": 2, "maxItems": 4},
+    "const and boolean": {"type": "object", "properties": {"kind": {"const": "ticket"}, "open": {"type": "boolean"}},
+                          "required": ["kind", "open"], "additionalProperties": False},
+    "anyOf": {"type": "object", "properties": {"id": {"anyOf": [INT, NAME]}}, "required": ["id"],
+              "additionalProperties": False},
+    "nullable": {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 16}},
+                 "required": ["note"], "additionalProperties": False},
+}
+PROMPT = "Give me an example of the JSON data you would return for a small web form."
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint=checkpoint, dtype="float32")
+
+
+def chat_prompt(llm, text=PROMPT) -> list[int]:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def constrained(schema, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 120), grammar=json_schema_grammar(schema), **kw)
+
+
+def test_every_output_validates_against_its_schema(llm):
+    """A dozen schemas in one batch, greedy and sampled: each output parses and validates, and ends by itself."""
+    names = sorted(SCHEMAS)
+    params = [constrained(SCHEMAS[n], temperature=0.0) for n in names]
+    params += [constrained(SCHEMAS[n], temperature=1.0, seed=7) for n in names]
+    outs = llm.generate([chat_prompt(llm)] * len(params), params)
+    for name, out in zip(names * 2, outs):
+        assert out.finish_reason == "stop", (name, out.text)
+        jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+
+
+def test_json_object_is_any_object_and_unconstrained_requests_in_the_batch_are_untouched(llm):
+    prompt = chat_prompt(llm, "Say hello.")
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate([prompt] * 2, [constrained(ANY_OBJECT, temperature=0.0), free])
+    assert isinstance(json.loads(outs[0].text), dict)
+    assert outs[1].token_ids == llm.generate([prompt], free)[0].token_ids
+
+
+def test_preempted_constrained_requests_stay_valid(checkpoint):
+    """A preempted request recomputes its outputs as prompt; its new matcher replays them."""
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_memory=14 * 737_280, max_num_seqs=8)
+    schema = SCHEMAS["array of objects"]
+    outs = llm.generate([chat_prompt(llm, f"Example {i}, please.") for i in range(6)],
+                        constrained(schema, temperature=1.0, seed=3, max_tokens=150))
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_the_last_of_two_pipeline_stages_constrains_alike(llm):
+    schema = SCHEMAS["nested"]
+    want = llm.generate([chat_prompt(llm)], constrained(schema, temperature=0.0))[0]
+    with LLM(model=None, dtype="float32", pipeline_stages=2) as piped:
+        got = piped.generate([chat_prompt(llm)], constrained(schema, temperature=0.0))[0]
+    assert got.token_ids == want.token_ids
+    jsonschema.validate(json.loads(got.text), schema)
+
+
+# ---------------------------------------------------------------- through the OpenAI SDK
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def schema_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name.replace(" ", "_"), "schema": SCHEMAS[name],
+                                                   "strict": True}}
+
+
+@pytest.mark.parametrize("name", ["nested", "ref", "array of strings"])
+def test_chat_json_schema_streamed_and_whole_agree_and_validate(client, model, name):
+    kw = dict(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=150, temperature=0,
+              response_format=schema_format(name))
+    whole = client.chat.completions.create(**kw)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert whole.choices[0].finish_reason == "stop"
+    assert streamed == whole.choices[0].message.content
+    jsonschema.validate(json.loads(streamed), SCHEMAS[name])
+
+
+def test_json_object_and_n_2_and_completions(client, model):
+    obj = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A user record."}],
+                                         max_tokens=100, response_format={"type": "json_object"}, temperature=0)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    two = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], n=2, seed=1,
+                                         max_tokens=150, temperature=1.0, response_format=schema_format("enum"))
+    assert len(two.choices) == 2
+    for c in two.choices:
+        jsonschema.validate(json.loads(c.message.content), SCHEMAS["enum"])
+    comp = client.completions.create(model=model, prompt="The data as JSON:", max_tokens=100, temperature=0,
+                                     extra_body={"response_format": schema_format("flat")})
+    jsonschema.validate(json.loads(comp.choices[0].text), SCHEMAS["flat"])
+
+
+@pytest.mark.parametrize("response_format, message", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "unsupported JSON schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}},
+     "unsupported JSON schema"),
+    ({"type": "json_schema"}, "needs `json_schema`"),
+])
+def test_a_bad_schema_is_a_400_naming_response_format(client, model, response_format, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                       response_format=response_format)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == "response_format" and message in err["message"]
+    assert err["type"] == "invalid_request_error"
