@@ -14,8 +14,9 @@ from gateway.detokenizer import token_text
 from gateway.generation import ChoiceEvent
 from gateway.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, TopLogprob, Usage, decode_request,
+    ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, ToolCallChunk, TopLogprob, Usage, decode_request,
 )
+from gateway.tools import ToolPlan
 from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
@@ -25,7 +26,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     if state.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
     limits = state.engine_limits()
-    prompt = await state.encode(state.tokenizer.apply_chat_template(req.template_messages()))
+    plan = req.tool_plan()
+    prompt = await state.encode(state.tokenizer.apply_chat_template(req.template_messages(plan)))
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1))
     state.check_prompt(prompt, params, "messages")
     gen = state.generation([prompt], params, req.n, req.stop_strings)  # admitted from here: close() it
@@ -51,7 +53,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             # OpenAI opens every choice with a role-only delta.
             for i in range(req.n):
                 yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            held = {i: HeldChoice(plan) for i in range(req.n)} if plan.active else {}
             async for event in gen.events():
+                if event.index in held and held[event.index].holds(event):
+                    if event.finish_reason:  # the whole answer is in: a call, or the content held back
+                        yield chunk([held.pop(event.index).final_choice(event.index, logprobs)])
+                    continue
                 delta = ChatDelta(content=event.text) if event.text else ChatDelta()
                 if event.text or event.logprobs or event.finish_reason:
                     yield chunk([ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs(event),
@@ -72,12 +79,13 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                 content.setdefault(event.index, []).extend(lp.content)
             if event.finish_reason:
                 finish[event.index] = event.finish_reason
-        choices = [
-            ChatChoice(index=i, message=ChatResponseMessage(content="".join(texts[i])),
-                       logprobs=ChatLogprobs(content=content.get(i, [])) if top_n is not None else None,
-                       finish_reason=finish.get(i))
-            for i in sorted(texts)
-        ]
+        choices = []
+        for i in sorted(texts):
+            text, reason = "".join(texts[i]), finish.get(i)
+            call = plan.parse(text) if reason == "stop" else None
+            message = ChatResponseMessage(content=None, tool_calls=[call]) if call else ChatResponseMessage(content=text)
+            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if call else reason,
+                                      logprobs=ChatLogprobs(content=content.get(i, [])) if top_n is not None else None))
         return json_response(ChatCompletionResponse(
             id=rid, created=created, model=state.model_name, choices=choices,
             usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens),
@@ -87,6 +95,40 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         return await until_done_or_disconnect(request, collect())
     finally:
         gen.close()
+
+
+class HeldChoice:
+    """A streamed choice that may be a tool call: its text is held back while it could still be one (all of it
+    when a call is required; with `auto`, from a first non-blank `{`), then sent as a call or as content."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.text: list[str] = []
+        self.events: list[ChoiceEvent] = []
+        self.holding = True
+
+    def holds(self, event: ChoiceEvent) -> bool:
+        if not self.holding:
+            return False
+        self.text.append(event.text)
+        self.events.append(event)
+        start = "".join(self.text).lstrip()
+        if not self.plan.forced and start and not start.startswith("{"):
+            self.holding = False  # plain text: the caller sends it, starting with what was held
+            event.text = "".join(self.text)
+            event.logprobs = [lp for e in self.events for lp in e.logprobs]
+            return False
+        return True
+
+    def final_choice(self, index: int, logprobs) -> ChatChunkChoice:
+        text, last = "".join(self.text), self.events[-1]
+        call = self.plan.parse(text) if last.finish_reason == "stop" else None
+        merged = ChoiceEvent(index, text, [], [lp for e in self.events for lp in e.logprobs], [], last.finish_reason)
+        if call is not None:
+            delta = ChatDelta(tool_calls=[ToolCallChunk(index=0, id=call.id, function=call.function)])
+            return ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(merged), finish_reason="tool_calls")
+        return ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=logprobs(merged),
+                               finish_reason=last.finish_reason)
 
 
 def _top(state: ServerState, token_id: int, logprob: float) -> dict:

@@ -11,6 +11,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from gateway.errors import request_too_large
 from gateway.structured import ANY_OBJECT, json_schema_grammar
+from gateway.tools import FunctionCall, Tool, ToolCall, ToolChoice, ToolPlan, history_message
 
 MAX_N = 16  # choices per prompt (`n`)
 MAX_STOP = 4  # stop strings per request, as OpenAI
@@ -33,7 +34,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Meta(ge=1)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
 
@@ -180,6 +181,8 @@ class ChatMessage(Struct):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
     @property
     def text(self) -> str:
@@ -199,11 +202,23 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None  # the newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None  # not supported (an empty list is fine)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # none | auto (the default) | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # accepted; a choice makes at most one call
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """`[{"role", "content"}]` for the tokenizer's chat template."""
-        return [{"role": m.role, "content": m.text} for m in self.messages]
+    def tool_plan(self) -> ToolPlan:
+        return ToolPlan(self.tools or [], self.tool_choice)
+
+    def template_messages(self, plan: ToolPlan | None = None) -> list[dict[str, str]]:
+        """`[{"role", "content"}]` for the tokenizer's chat template, with the tools' system message first."""
+        out = [history_message(m.role, m.text, m.tool_calls, m.tool_call_id) for m in self.messages]
+        if plan is not None and plan.active:
+            tools = plan.system_message()
+            if out[0]["role"] == "system":  # one system message: many templates take no second one
+                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + tools["content"]}
+            else:
+                out.insert(0, tools)
+        return out
 
     def to_sampling_params(self, *, default_max_tokens: int | None = None) -> SamplingParams:
         """As CompletionRequest.to_sampling_params; logprobs -> top_logprobs (0 when absent)."""
@@ -211,12 +226,19 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         max_tokens = self.max_completion_tokens if explicit else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._sampling(max_tokens, logprobs, default_max_tokens)
+            params = self._sampling(max_tokens, logprobs, default_max_tokens)
         except InvalidRequestError as e:
             if e.param == "max_tokens" and explicit:
                 raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
                                           "max_completion_tokens") from None
             raise
+        grammar = self.tool_plan().grammar() if self.tools else None
+        if grammar is not None:
+            if params.grammar is not None:
+                raise InvalidRequestError("a required tool call and a response_format cannot both shape the output",
+                                          "tool_choice")
+            params = msgspec.structs.replace(params, grammar=grammar)
+        return params
 
     def validate(self) -> None:
         for i, m in enumerate(self.messages):
@@ -230,8 +252,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                     raise InvalidRequestError("a text content part needs `text`", f"messages[{i}].content[{j}].text")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", "tools")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
         self._validate_common()
         self.to_sampling_params(default_max_tokens=max(self.min_tokens, 1))
 
@@ -302,6 +324,7 @@ class ChatLogprobs(Struct, kw_only=True):
 class ChatResponseMessage(Struct, kw_only=True):
     role: str = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # present when the choice is a call
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -325,6 +348,16 @@ class ChatDelta(Struct, kw_only=True, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
+
+
+class ToolCallChunk(Struct, kw_only=True):
+    """A whole call in one streamed delta (OpenAI's deltas may also split `arguments`; clients join them)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatChunkChoice(Struct, kw_only=True):

@@ -17,7 +17,7 @@ def json_schema_grammar(schema: dict, param: str = "response_format") -> str:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(msgspec.json.encode(schema).decode(),
                                                                  defaults=JSON_OPTIONS)
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 - whatever a client's schema makes the compiler raise is a 400
         raise InvalidRequestError(f"invalid JSON schema: {e}", param) from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:

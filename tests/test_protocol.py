@@ -115,8 +115,14 @@ BAD = [
     ("chat: max_completion_tokens 0", chat('"max_completion_tokens": 0'), CHAT, "max_completion_tokens"),
     ("chat: max_tokens 0", chat('"max_tokens": 0'), CHAT, "max_tokens"),
     ("chat: n 1000", chat('"n": 1000'), CHAT, "n"),
-    ("chat: tools", chat('"tools": [{"type": "function", "function": {"name": "f"}}]'), CHAT, "tools"),
-    ("chat: json mode", chat('"response_format": {"type": "json_object"}'), CHAT, "response_format"),
+    ("chat: duplicate tools", chat('"tools": [{"type": "function", "function": {"name": "f"}}, '
+                                   '{"type": "function", "function": {"name": "f"}}]'), CHAT, "tools"),
+    ("chat: tool_choice without tools", chat('"tool_choice": "required"'), CHAT, "tool_choice"),
+    ("chat: json_schema without its schema", chat('"response_format": {"type": "json_schema"}'), CHAT,
+     "response_format"),
+    ("chat: a schema that does not compile",
+     chat('"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}'), CHAT,
+     "response_format"),
 ]
 
 

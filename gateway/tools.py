@@ -1,0 +1,137 @@
+"""Tool calling for chat completions: tools described to the model, calls constrained or recognised, parsed.
+
+The model is told about the tools in a system message (a generic prompt: templates that render tools
+themselves are not used yet) and asked to answer a call as one JSON object `{"name": ..., "arguments":
+{...}}`. With `tool_choice` `required` or a named function that object is enforced by a grammar built
+from the functions' parameter schemas; with `auto` the model may answer in text or with such an object,
+and an answer that parses as a call of a known function becomes one. One call per choice.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from msgspec import Struct
+
+from engine.core.sampling_params import InvalidRequestError
+from gateway.structured import json_schema_grammar
+
+SYSTEM_PROMPT = (
+    "You can call these functions:\n{tools}\n"
+    "To call one, reply with only a JSON object of the form "
+    '{{"name": "<function name>", "arguments": {{<the arguments>}}}} and nothing else. '
+    "{choice}"
+)
+CHOICE_TEXT = {"auto": "If no function helps, answer normally.", "required": "You must call a function."}
+
+
+class FunctionDef(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _parameters(f: FunctionDef) -> dict:
+    return f.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _call_schema(f: FunctionDef) -> dict:
+    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"const": f.name}, "arguments": _parameters(f)}}
+
+
+class ToolPlan:
+    """What one request's tools and tool_choice mean: the system message, the grammar, how to read the answer."""
+
+    def __init__(self, tools: list[Tool], choice: ToolChoice | None):
+        names = [t.function.name for t in tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("function names in tools must be unique", "tools")
+        self.functions = {t.function.name: t.function for t in tools}
+        self.mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
+        if self.mode == "required" and not tools:
+            raise InvalidRequestError("tool_choice 'required' needs tools", "tool_choice")
+        offered = list(self.functions.values())
+        if self.mode == "named":
+            if choice.function.name not in self.functions:
+                raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                          "tool_choice")
+            offered = [self.functions[choice.function.name]]
+        for f in offered:  # every schema compiles, or the request is a 400 naming tools
+            json_schema_grammar(_parameters(f), "tools")
+        self.offered = offered if self.mode != "none" else []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.offered)
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def system_message(self) -> dict[str, str]:
+        listing = json.dumps([{"name": f.name, "description": f.description or "", "parameters": _parameters(f)}
+                              for f in self.offered])
+        choice = CHOICE_TEXT.get(self.mode, f"You must call {self.offered[0].name}.")
+        return {"role": "system", "content": SYSTEM_PROMPT.format(tools=listing, choice=choice)}
+
+    def grammar(self) -> str | None:
+        """With a call required, the answer must be one: a call object of one of the offered functions."""
+        if not self.forced:
+            return None
+        schemas = [_call_schema(f) for f in self.offered]
+        return json_schema_grammar(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "tools")
+
+    def parse(self, text: str) -> ToolCall | None:
+        """The call `text` makes, if it is one of a known function; else None (it is plain content)."""
+        if not self.active or not text.lstrip().startswith("{"):
+            return None
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if not (isinstance(obj, dict) and obj.get("name") in self.functions and isinstance(obj.get("arguments"), dict)):
+            return None
+        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                        function=FunctionCall(name=obj["name"], arguments=json.dumps(obj["arguments"])))
+
+
+def history_message(role: str, content: str, tool_calls: list[ToolCall] | None, tool_call_id: str | None) -> dict:
+    """A past message for the chat template: an assistant's calls in the form the model is asked to answer in,
+    a tool's result as a `tool` message (which the template renders as it renders any role)."""
+    if tool_calls:
+        calls = [{"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")} for c in tool_calls]
+        content = (content + "\n" if content else "") + "\n".join(json.dumps(c) for c in calls)
+    if role == "tool" and tool_call_id:
+        content = f"(result of {tool_call_id}) {content}"
+    return {"role": role, "content": content}

@@ -1,0 +1,112 @@
+"""Tool calling through the OpenAI SDK: a named or required tool_choice always yields a valid call, streamed
+deltas assemble to the whole response, `auto` answers are well formed, history with calls is accepted, and
+unknown tools or bad schemas are 400s."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"], "properties": {
+        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}}}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def check_call(choice, name=None):
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return call
+
+
+@pytest.mark.parametrize("name", ["get_weather", "add"])
+def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client, model, name):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": name}})
+    check_call(r.choices[0], name)
+
+
+def test_required_calls_one_of_the_tools_and_n_2_gives_two_calls(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
+                                       n=2, temperature=1.0, seed=5)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        check_call(choice)
+
+
+def test_streamed_tool_call_deltas_assemble_to_the_whole_response(client, model):
+    kw = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = check_call(client.chat.completions.create(**kw).choices[0], "get_weather")
+    name, args, finish, content = None, "", None, ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                assert tc.index == 0
+                name = tc.function.name or name
+                args += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (name, json.loads(args), finish, content) == (
+        "get_weather", json.loads(whole.function.arguments), "tool_calls", "")
+
+
+def test_auto_answers_in_text_or_with_a_valid_call_and_none_never_calls(client, model):
+    for choice in ("auto", None):
+        r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=60, temperature=0)
+        c = r.choices[0]
+        if c.message.tool_calls:
+            check_call(c)
+        else:
+            assert c.finish_reason in ("stop", "length") and c.message.content
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=20,
+                                       temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_a_history_with_a_call_and_its_result_is_accepted(client, model):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
+    ]
+    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
+                                       max_tokens=30, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+])
+def test_bad_tools_are_400s(client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=5, **kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
