@@ -217,3 +217,17 @@ def server(server_factory):
     """One gateway (default model, `--max-num-seqs 64`) shared by every gateway test; yields its base URL."""
     with server_factory() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The OpenAI SDK on the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model(client):
+    """The model name the shared server serves."""
+    return client.models.list().data[0].id

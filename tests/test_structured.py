@@ -107,16 +107,6 @@ def test_the_last_of_two_pipeline_stages_constrains_alike(llm):
 # ---------------------------------------------------------------- through the OpenAI SDK
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def schema_format(name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name.replace(" ", "_"), "schema": SCHEMAS[name],
                                                    "strict": True}}
