@@ -27,7 +27,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
     limits = state.engine_limits()
     plan = req.tool_plan()
-    prompt = await state.encode(state.tokenizer.apply_chat_template(req.template_messages(plan)))
+    tok = state.tokenizer
+    if plan.active and tok.renders_tools:
+        text = tok.apply_chat_template(req.template_messages(), tools=plan.template_tools())
+    else:
+        text = tok.apply_chat_template(req.template_messages(plan))
+    prompt = await state.encode(text)
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1))
     state.check_prompt(prompt, params, "messages")
     gen = state.generation([prompt], params, req.n, req.stop_strings)  # admitted from here: close() it

@@ -1,7 +1,7 @@
 """Tool calling for chat completions: tools described to the model, calls constrained or recognised, parsed.
 
-The model is told about the tools in a system message (a generic prompt: templates that render tools
-themselves are not used yet) and asked to answer a call as one JSON object `{"name": ..., "arguments":
+A chat template that renders tools itself gets them (as transformers passes them); for one that does not,
+a generic system message describes them and asks for a call as one JSON object `{"name": ..., "arguments":
 {...}}`. With `tool_choice` `required` or a named function that object is enforced by a grammar built
 from the functions' parameter schemas; with `auto` the model may answer in text or with such an object,
 and an answer that parses as a call of a known function becomes one. One call per choice.
@@ -24,6 +24,7 @@ SYSTEM_PROMPT = (
     '{{"name": "<function name>", "arguments": {{<the arguments>}}}} and nothing else. '
     "{choice}"
 )
+TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 CHOICE_TEXT = {"auto": "If no function helps, answer normally.", "required": "You must call a function."}
 
 
@@ -105,6 +106,11 @@ class ToolPlan:
         choice = CHOICE_TEXT.get(self.mode, f"You must call {self.offered[0].name}.")
         return {"role": "system", "content": SYSTEM_PROMPT.format(tools=listing, choice=choice)}
 
+    def template_tools(self) -> list[dict]:
+        """The offered tools as chat templates take them (OpenAI's shape, as transformers passes them)."""
+        return [{"type": "function", "function": {"name": f.name, "description": f.description or "",
+                                                  "parameters": _parameters(f)}} for f in self.offered]
+
     def grammar(self) -> str | None:
         """With a call required, the answer must be one: a call object of one of the offered functions."""
         if not self.forced:
@@ -114,16 +120,21 @@ class ToolPlan:
 
     def parse(self, text: str) -> ToolCall | None:
         """The call `text` makes, if it is one of a known function; else None (it is plain content)."""
-        if not self.active or not text.lstrip().startswith("{"):
+        text = text.strip()
+        # Templates that render tools teach their own wrappers: Hermes/Qwen's <tool_call> tags, Llama's "parameters".
+        if text.startswith(TAG_OPEN) and text.endswith(TAG_CLOSE):
+            text = text[len(TAG_OPEN):-len(TAG_CLOSE)].strip()
+        if not self.active or not text.startswith("{"):
             return None
         try:
             obj = json.loads(text)
         except ValueError:
             return None
-        if not (isinstance(obj, dict) and obj.get("name") in self.functions and isinstance(obj.get("arguments"), dict)):
+        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+        if not (isinstance(args, dict) and obj.get("name") in self.functions):
             return None
-        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                        function=FunctionCall(name=obj["name"], arguments=json.dumps(obj["arguments"])))
+        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"],
+                                                                                   arguments=json.dumps(args)))
 
 
 def history_message(role: str, content: str, tool_calls: list[ToolCall] | None, tool_call_id: str | None) -> dict:

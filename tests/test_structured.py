@@ -112,7 +112,7 @@ def schema_format(name: str) -> dict:
                                                    "strict": True}}
 
 
-@pytest.mark.parametrize("name", ["nested", "ref", "array of strings"])
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_chat_json_schema_streamed_and_whole_agree_and_validate(client, model, name):
     kw = dict(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=150, temperature=0,
               response_format=schema_format(name))

@@ -100,3 +100,22 @@ def test_bad_tools_are_400s(client, model, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=5, **kw)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_a_template_that_renders_tools_gets_them_and_its_wrappers_are_understood(tokenizer):
+    import copy
+
+    from gateway.protocol import ChatCompletionRequest, decode_request
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    tok._template = None
+    assert tok.renders_tools and not tokenizer.renders_tools
+    req = decode_request(json.dumps({"messages": ASK, "tools": TOOLS}).encode(), ChatCompletionRequest)
+    plan = req.tool_plan()
+    text = tok.apply_chat_template(req.template_messages(), tools=plan.template_tools())
+    assert text == "[tool get_weather][tool add]<user>What is the weather like in Paris today?"
+    call = plan.parse('<tool_call>\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n</tool_call>')
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    assert plan.parse('{"name": "nope", "arguments": {}}') is None and plan.parse("[1, 2]") is None

@@ -193,8 +193,10 @@ class Tokenizer:
     def eos_token(self) -> str:
         return self._token_bytes[self.eos_token_id].decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template, as transformers' apply_chat_template(tokenize=False)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` (and `tools`, for templates that take them) with the model's chat template, as
+        transformers' apply_chat_template(tokenize=False)."""
         if self.chat_template is None:
             raise ValueError("the model has no chat template")
         if self._template is None:
@@ -204,7 +206,13 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            tools=tools,
         )
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template describes tools itself (it reads a `tools` variable)."""
+        return self.chat_template is not None and re.search(r"\btools\b", self.chat_template) is not None
 
 
 def _class_ranges(char_class: str) -> str:
