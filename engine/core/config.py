@@ -7,8 +7,18 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling: long wavelengths slowed by `factor`, short ones kept, a ramp between."""
+
+    factor: float = 8.0  # how much the long wavelengths are stretched
+    low_freq_factor: float = 1.0  # wavelengths above original_max_position / this are scaled fully
+    high_freq_factor: float = 4.0  # wavelengths below original_max_position / this are not scaled
+    original_max_position: int = 8192  # the context the base frequencies were trained for
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    """Dimensions of a Llama-architecture decoder."""
+    """Dimensions of a Llama-architecture decoder, and the small ways its families differ."""
 
     vocab_size: int = 49152  # rows of the embedding and the LM head
     hidden_size: int = 576  # width of the residual stream
@@ -21,11 +31,14 @@ class ModelShape:
     rms_norm_eps: float = 1e-5  # RMSNorm epsilon
     max_position: int = 8192  # context window the model was trained for
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
+    qkv_bias: bool = False  # Qwen2: biases on the Q, K and V projections
+    rope_scaling: RopeScaling | None = None  # Llama 3.1 and later: scaled RoPE frequencies
 
     @property
     def num_params(self) -> int:
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += (self.num_heads + 2 * self.num_kv_heads) * d if self.qkv_bias else 0
         per_layer = attn + 3 * h * i + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head

@@ -62,4 +62,6 @@ def use_int4(model: nn.Module, dtype: torch.dtype, max_rows: int) -> None:
     """
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            if getattr(layer, name).bias is not None:
+                continue  # Int4Linear has no bias: Qwen2's Q/K/V projection stays dense
             setattr(layer, name, Int4Linear(getattr(layer, name).weight.data, dtype, max_rows))

@@ -1,7 +1,11 @@
-"""Llama decoder over a flattened token batch (selective batching: no padding, attention split per request)."""
+"""Llama-family decoder over a flattened token batch (selective batching: no padding, attention split per request).
+
+Llama 2/3.x, Mistral and Qwen2 share it; their differences are fields of ModelShape (Q/K/V biases,
+scaled RoPE frequencies), not copies of this file."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -9,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.core.config import ModelShape
+from engine.core.config import ModelShape, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +32,11 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
 
-    def __init__(self, head_dim: int, theta: float, max_position: int):
+    def __init__(self, head_dim: int, theta: float, max_position: int, scaling: RopeScaling | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         # cos and sin side by side: one gather and one cast per call instead of two of each.
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
@@ -42,6 +48,19 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequencies (as transformers' `llama3` rope type): wavelengths longer than the original context
+    over low_freq_factor are stretched by `factor`, shorter than it over high_freq_factor kept, a ramp between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
@@ -51,7 +70,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
         # Q, K, V (and gate, up) fused: one matmul instead of three on the flattened batch.
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.gate_up_proj = nn.Linear(h, 2 * shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, h, bias=False)
@@ -109,7 +128,7 @@ class LlamaModel(nn.Module):
         """(Re)build what is computed rather than loaded, on the parameters' device; re-tie the LM head."""
         shape = self.shape
         with next(self.parameters()).device:
-            self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position)
+            self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position, shape.rope_scaling)
         if shape.tie_word_embeddings and self.is_whole:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -153,6 +172,8 @@ class LlamaModel(nn.Module):
             layer.input_layernorm.weight.copy_(w[p + "input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(w[p + "post_attention_layernorm.weight"])
             layer.qkv_proj.weight.copy_(torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]))
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(torch.cat([w[attn + n + "_proj.bias"] for n in "qkv"]))
             layer.o_proj.weight.copy_(w[attn + "o_proj.weight"])
             layer.gate_up_proj.weight.copy_(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
             layer.down_proj.weight.copy_(w[mlp + "down_proj.weight"])

@@ -1,4 +1,4 @@
-"""Load weights: the bundled GGUF, a Hugging Face Llama checkpoint, or dummy weights of a named shape."""
+"""Load weights: the bundled GGUF, a Hugging Face checkpoint of a supported family, or dummy weights of a shape."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from engine.core.config import DUMMY_SHAPES, ModelShape
+from engine.core.config import DUMMY_SHAPES, ModelShape, RopeScaling
 from engine.model.model_files import ModelNotFoundError, default_model_path
 
 
@@ -124,28 +124,53 @@ def gguf_weights(reader, shape: ModelShape) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- Hugging Face checkpoint directory
 
 
+# What sets each supported family apart from Llama: declarative, in ModelShape's fields.
+HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}}
+
+
+def shape_from_hf_config(cfg: dict) -> ModelShape:
+    """A Hugging Face `config.json` of a supported family as a ModelShape; a clear error for anything else."""
+    family = cfg.get("model_type", "llama")
+    if family not in HF_FAMILIES:
+        raise ValueError(f"unsupported model_type {family!r}: supported are {', '.join(sorted(HF_FAMILIES))}")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if kind == "llama3":
+        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                              int(rope["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise ValueError(f"unsupported RoPE scaling {kind!r}: supported are default and llama3")
+    num_heads = cfg["num_attention_heads"]
+    max_position = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", family == "mistral") and window < max_position:
+        # Within the window full attention is sliding-window attention: serve that much context, no more.
+        max_position = window
+    return ModelShape(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_position=max_position,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        **HF_FAMILIES[family],
+    )
+
+
 def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
     from safetensors.torch import load_file
 
     from engine.model.tokenizer import Tokenizer
 
     cfg = json.loads((path / "config.json").read_text())
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}: only llama is implemented")
-    num_heads = cfg["num_attention_heads"]
-    shape = ModelShape(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads", num_heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        max_position=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
+    shape = shape_from_hf_config(cfg)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors in {path}")
