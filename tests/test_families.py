@@ -50,7 +50,11 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
     assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_scaling is not None) == ("rope_parameters" in extra)
     if kind == "mistral":
         assert llm.engine.max_model_len == 256  # the window: every attended key is inside it
-    # The next-token distribution after each prompt against transformers' (top-5 logprobs, float32).
+    assert_matches(llm, hf, case)
+
+
+def assert_matches(llm: LLM, hf, case: str) -> None:
+    """The next-token distribution after each prompt (top-5 logprobs, float32) and 32 greedy tokens of each."""
     for prompt in PROMPTS:
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0, -1]
@@ -81,3 +85,78 @@ def test_qwen2_loads_its_biases(tmp_path):
     hf = build("qwen2", tmp_path)
     ckpt = load_checkpoint(str(tmp_path))
     assert torch.equal(ckpt.weights["model.layers.1.self_attn.k_proj.bias"], hf.model.layers[1].self_attn.k_proj.bias)
+
+
+# ---------------------------------------------------------------- GGUF files of the families
+
+
+def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
+    """The checkpoint as llama.cpp's converter writes it: its tensor names, Llama's Q/K rows interleaved."""
+    import gguf
+    import numpy as np
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    # A byte-level vocabulary of the model's size: the 256 byte symbols, then filler pairs.
+    from engine.model.tokenizer import _bytes_to_unicode
+
+    chars = list(_bytes_to_unicode().values())
+    tokens = chars + [chars[i % 256] + chars[(i * 7) % 256] for i in range(cfg.vocab_size - 256)]
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_eos_token_id(0)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, t in hf.state_dict().items():
+        a = t.detach().float().numpy()
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if key.startswith("model.layers."):
+            _, _, i, rest = key.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
+                a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+            name = f"blk.{i}.{names[module]}.{kind}"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[key]
+        w.add_tensor(name, np.ascontiguousarray(a))
+    if freq_factors is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(freq_factors, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case", ["qwen2 untied", "qwen2 tied", "llama 3.1 (scaled rope)"])
+def test_a_gguf_of_the_family_matches_transformers(case, tmp_path):
+    from engine.core.config import RopeScaling
+    from engine.model.llama import llama3_scaled
+
+    kind, extra = CASES[case]
+    hf = build(kind, tmp_path / "hf", **extra)
+    factors = None
+    if "rope_parameters" in extra:  # llama.cpp keeps Llama 3.1's scaling as each frequency's divisor
+        r = extra["rope_parameters"]
+        base = 1.0 / (r["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
+        scaled = llama3_scaled(base, RopeScaling(r["factor"], r["low_freq_factor"], r["high_freq_factor"],
+                                                 r["original_max_position_embeddings"]))
+        factors = (base / scaled).tolist()
+    path = tmp_path / "model.gguf"
+    write_gguf(hf, kind, path, factors)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=4)
+    assert llm.engine.shape.qkv_bias == (kind == "qwen2")
+    assert (llm.engine.shape.rope_freq_factors is not None) == (factors is not None)
+    assert_matches(llm, hf, case)

@@ -33,6 +33,7 @@ class ModelShape:
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
     qkv_bias: bool = False  # Qwen2: biases on the Q, K and V projections
     rope_scaling: RopeScaling | None = None  # Llama 3.1 and later: scaled RoPE frequencies
+    rope_freq_factors: tuple[float, ...] | None = None  # the same from a GGUF: each frequency's divisor
 
     @property
     def num_params(self) -> int:

@@ -32,11 +32,14 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
 
-    def __init__(self, head_dim: int, theta: float, max_position: int, scaling: RopeScaling | None = None):
+    def __init__(self, head_dim: int, theta: float, max_position: int, scaling: RopeScaling | None = None,
+                 freq_factors: tuple[float, ...] | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if scaling is not None:
             inv_freq = llama3_scaled(inv_freq, scaling)
+        if freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         # cos and sin side by side: one gather and one cast per call instead of two of each.
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
@@ -128,7 +131,8 @@ class LlamaModel(nn.Module):
         """(Re)build what is computed rather than loaded, on the parameters' device; re-tie the LM head."""
         shape = self.shape
         with next(self.parameters()).device:
-            self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position, shape.rope_scaling)
+            self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position, shape.rope_scaling,
+                                 shape.rope_freq_factors)
         if shape.tie_word_embeddings and self.is_whole:
             self.lm_head.weight = self.embed_tokens.weight
 

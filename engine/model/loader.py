@@ -71,27 +71,35 @@ def gguf_quantization(reader) -> str | None:
     return "q4_1" if kinds == {"Q4_1"} else None
 
 
+# GGUF architectures and what sets each apart; llama.cpp writes Mistral as "llama".
+GGUF_FAMILIES: dict[str, dict] = {"llama": {}, "qwen2": {"qkv_bias": True}}
+
+
 def shape_from_gguf(reader) -> ModelShape:
     def field(key: str):
         return reader.fields[key].contents()
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only llama is implemented")
-    num_heads = int(field("llama.attention.head_count"))
-    hidden = int(field("llama.embedding_length"))
+    if arch not in GGUF_FAMILIES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: supported are {', '.join(sorted(GGUF_FAMILIES))}")
+    num_heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    # Llama 3.1's scaled RoPE: llama.cpp stores the per-frequency divisors as a tensor.
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     return ModelShape(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
-        intermediate_size=int(field("llama.feed_forward_length")),
-        num_layers=int(field("llama.block_count")),
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_layers=int(field(f"{arch}.block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(field("llama.attention.head_count_kv")),
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv")),
         head_dim=hidden // num_heads,
-        rope_theta=float(field("llama.rope.freq_base")),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        max_position=int(field("llama.context_length")),
+        rope_theta=float(field(f"{arch}.rope.freq_base")),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_position=int(field(f"{arch}.context_length")),
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        rope_freq_factors=tuple(float(x) for x in np.asarray(freqs.data).reshape(-1)) if freqs is not None else None,
+        **GGUF_FAMILIES[arch],
     )
 
 
@@ -105,16 +113,20 @@ def gguf_weights(reader, shape: ModelShape) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     out = {}
+    # llama.cpp interleaves the RoPE halves of Llama's Q/K rows (not Qwen2's, which it rotates NeoX-style).
+    permuted = reader.fields["general.architecture"].contents() == "llama"
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False):
+        if t.name == "rope_freqs.weight":
+            continue  # part of the shape (rope_freq_factors)
         w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         parts = t.name.split(".")
         if parts[0] == "blk":
-            kind = parts[2]
-            if kind == "attn_q":
+            kind, suffix = parts[2], parts[3]
+            if permuted and kind == "attn_q":
                 w = _unpermute(w, shape.num_heads)
-            elif kind == "attn_k":
+            elif permuted and kind == "attn_k":
                 w = _unpermute(w, shape.num_kv_heads)
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.weight"
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.{suffix}"
         else:
             name = _GGUF_TOP_NAMES[parts[0]] + ".weight"
         out[name] = torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))

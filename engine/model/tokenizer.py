@@ -30,6 +30,32 @@ def pretokenize_pattern(letters: str = r"\p{L}", numerics: str = r"\p{N}" + UNIC
     )
 
 
+# Byte-level BPE pre-tokenizer regexes of the other families, as their tokenizer.json files give them.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+GGUF_PRE_PATTERNS = {"llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "gpt-2": GPT2_PATTERN}
+
+
+def hf_pretokenizer_pattern(pre: dict | None) -> str | None:
+    """The one regex a tokenizer.json's pre-tokenizer splits by (None: SmolLM2's digits + GPT-2 style)."""
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    kinds = [s.get("type") for s in steps]
+    splits = [s for s in steps if s.get("type") == "Split"]
+    byte_level = next((s for s in steps if s.get("type") == "ByteLevel"), None)
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+        return None
+    if kinds == ["ByteLevel"] and byte_level.get("use_regex", True):
+        return GPT2_PATTERN
+    if (len(splits) == 1 and byte_level and not byte_level.get("use_regex", True)
+            and splits[0].get("behavior") == "Isolated" and "Regex" in splits[0].get("pattern", {})):
+        return splits[0]["pattern"]["Regex"]
+    raise ValueError(f"unsupported pre-tokenizer {kinds}: byte-level BPE with one Split regex, GPT-2's ByteLevel "
+                     "regex, or digits + ByteLevel are")
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from each byte to a printable character."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -59,8 +85,10 @@ class Tokenizer:
         eos_token_id: int,
         chat_template: str | None = None,
         name: str = "gguf",
+        pattern: str | None = None,
     ) -> None:
-        """`tokens` are GGUF token strings in GPT-2 byte-level form; ids are their positions, already BPE ranks."""
+        """`tokens` are GGUF token strings in GPT-2 byte-level form; ids are their positions, already BPE ranks.
+        `pattern` is the pre-tokenizer's regex (None: SmolLM2's)."""
         char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
         self.vocab_size = len(tokens)
         self.bos_token_id = bos_token_id
@@ -82,7 +110,8 @@ class Tokenizer:
         self.unknown_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
         for n, b in enumerate(self.unknown_bytes):
             ranks[bytes([b])] = self.vocab_size + n
-        self._encoding = tiktoken.Encoding(name, pat_str=pretokenize_pattern(), mergeable_ranks=ranks,
+        self.pattern = pattern
+        self._encoding = tiktoken.Encoding(name, pat_str=pattern or pretokenize_pattern(), mergeable_ranks=ranks,
                                            special_tokens=special)
         unknown_chars = "".join(re.escape(chr(b)) for b in self.unknown_bytes if b < 0x80)
         # A missing lead byte (0xf1, 0xf2) can only come from code points U+40000..U+BFFFF; 0xc0, 0xc1 and 0xf5..0xff
@@ -110,6 +139,7 @@ class Tokenizer:
             eos_token_id=int(_field_value(reader, "tokenizer.ggml.eos_token_id", 0)),
             chat_template=_field_value(reader, "tokenizer.chat_template"),
             name=str(_field_value(reader, "general.name", "gguf")),
+            pattern=GGUF_PRE_PATTERNS.get(_field_value(reader, "tokenizer.ggml.pre")),
         )
 
     @classmethod
@@ -139,6 +169,7 @@ class Tokenizer:
         return cls(
             tokens, types, bos_token_id=token_id("bos_token", 0), eos_token_id=token_id("eos_token", 0),
             chat_template=cfg.get("chat_template"), name=path.name,
+            pattern=hf_pretokenizer_pattern(spec.get("pre_tokenizer")),
         )
 
     @classmethod
@@ -158,9 +189,8 @@ class Tokenizer:
         if self._pretokenize_re is None:
             # The `regex` module's Unicode tables are newer than tiktoken's; spelling out tiktoken's own \p{L} and
             # \p{N} keeps both splitters in agreement.
-            self._pretokenize_re = regex.compile(
-                pretokenize_pattern(_class_ranges(r"\p{L}"), _class_ranges(r"\p{N}" + UNICODE_17_NUMERICS))
-            )
+            self._pretokenize_re = regex.compile(self.pattern or pretokenize_pattern(
+                _class_ranges(r"\p{L}"), _class_ranges(r"\p{N}" + UNICODE_17_NUMERICS)))
         ids: list[int] = []
         for n, segment in enumerate(self._special_split_re.split(text)):
             if n % 2:
