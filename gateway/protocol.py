@@ -18,6 +18,7 @@ MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_BODY_BYTES = 4 * 1024 * 1024  # request body size; larger is a 413
+MAX_DRAIN_BYTES = 256 * 1024 * 1024  # of a refused body, read and dropped so that the client sees its 413
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, as OpenAI
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)
 # The engine samples in float32 (bf16 on a GPU): a tinier positive top_p or repetition penalty rounds

@@ -18,7 +18,7 @@ from gateway.admission import Admission
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.generation import Generation
 from gateway.metrics import Metrics
-from gateway.protocol import MAX_BODY_BYTES
+from gateway.protocol import MAX_BODY_BYTES, MAX_DRAIN_BYTES
 
 _json = msgspec.json.Encoder()
 THREADED_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop (tiktoken frees the GIL)
@@ -66,19 +66,35 @@ class ServerState:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request body, refusing (413) past MAX_BODY_BYTES without reading it all."""
+    """The request body; past MAX_BODY_BYTES a 413, after draining what the client is still sending."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        await _drain(request, 0)
         raise errors.request_too_large(MAX_BODY_BYTES)
     body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
             if len(body) > MAX_BODY_BYTES:
+                await _drain(request, len(body))
                 raise errors.request_too_large(MAX_BODY_BYTES)
     except ClientDisconnect:
         raise errors.invalid_request("the client disconnected while sending the body") from None
     return bytes(body)
+
+
+async def _drain(request: Request, already: int) -> None:
+    """Read and drop the rest of a refused body, up to MAX_DRAIN_BYTES, as nginx does: a client that writes its
+    whole body before reading (urllib, curl without Expect) would otherwise have the connection reset under it
+    and never see the 413. Past the bound the connection is closed anyway."""
+    seen = already
+    try:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > MAX_DRAIN_BYTES:
+                return
+    except ClientDisconnect:
+        return
 
 
 class _ClosingEventSource(EventSourceResponse):

@@ -224,3 +224,24 @@ def test_api_key_accepted_and_health_open(keyed_server):
     with pytest.raises(openai.AuthenticationError) as e:
         bad.models.list()
     assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("chunked_body", [False, True], ids=["content-length", "chunked"])
+def test_a_client_that_writes_its_whole_body_first_still_reads_the_413(server, chunked_body):
+    """urllib sends all 50 MB before it reads a byte: the server drains the refused body so the 413 reaches it
+    instead of a connection reset (and then serves the next request)."""
+    import urllib.error
+    import urllib.request
+
+    body = b'{"prompt": "' + b"a" * (50 * 2**20) + b'"}'
+    data = iter([body[i:i + 2**20] for i in range(0, len(body), 2**20)]) if chunked_body else body
+    headers = {"Content-Type": "application/json"}
+    if chunked_body:
+        headers["Transfer-Encoding"] = "chunked"
+    req = urllib.request.Request(f"{server}{CMPL}", data=data, headers=headers, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=120)
+    assert e.value.code == 413
+    assert json.loads(e.value.read())["error"]["code"] == "request_too_large"
+    ok = httpx.post(f"{server}{CMPL}", json={"prompt": "Hi", "max_tokens": 1}, timeout=120)
+    assert ok.status_code == 200
