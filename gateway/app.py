@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -85,6 +86,7 @@ def build_app(config: GatewayConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        state.loop = asyncio.get_running_loop()
         await state.client.start(config.engine_start_timeout)
         # uvicorn's own logger: the block sits with its "Uvicorn running on ..." lines.
         logging.getLogger("uvicorn.error").info(

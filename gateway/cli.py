@@ -81,10 +81,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
     )
-    # uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests, then the app's
-    # shutdown stops the engine and frees its shared memory.
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=config.shutdown_timeout)
+    # uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
+    # cleanly just before it), then the app's shutdown stops the engine and frees its shared memory.
+    app = build_app(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                app.state.orcinus.begin_shutdown()
+
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                          timeout_graceful_shutdown=config.shutdown_timeout)).run()
     return 0
 
 

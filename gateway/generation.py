@@ -42,7 +42,7 @@ class _Choice:
     offsets: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed, in the server's set of live ones) by identity
 class Generation:
     """Every choice of a request: `prompts` x `n`, choice index = prompt index * n + i."""
 
@@ -55,6 +55,7 @@ class Generation:
     stop: list[str]
     ticket: Ticket  # the admitted sequences; one is given back as each choice ends
     choices: dict[str, _Choice] = field(default_factory=dict)
+    _queue: asyncio.Queue | None = field(default=None, repr=False)  # events() reads its deltas here
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,7 +68,7 @@ class Generation:
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Yield events as tokens arrive; closing the iterator early aborts every unfinished choice."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = self._queue = asyncio.Queue()
         base = uuid.uuid4().hex
         try:
             for p, prompt in enumerate(self.prompts):
@@ -101,6 +102,11 @@ class Generation:
                 else:
                     self.client.release(rid)
             self.close()
+
+    def fail(self, error: Exception) -> None:
+        """End `events()` with `error` (its unfinished choices are then aborted), e.g. at the shutdown deadline."""
+        if self._queue is not None:
+            self._queue.put_nowait((None, error))
 
     def close(self) -> None:
         """Give back every admitted sequence not yet given back (idempotent)."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from sse_starlette import EventSourceResponse
@@ -32,6 +33,20 @@ class ServerState:
     model_name: str
     admission: Admission
     drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
+    live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM (any thread): shortly before the drain timeout, end what is still in flight with an error
+        event and [DONE] (a 503 for a whole response) rather than a cut connection; their requests are aborted."""
+        if self.loop is not None:
+            at = max(self.drain_timeout - min(1.0, self.drain_timeout / 4), 0.0)
+            self.loop.call_soon_threadsafe(self.loop.call_later, at, self._end_in_flight)
+
+    def _end_in_flight(self) -> None:
+        error = errors.service_unavailable("The server is shutting down; the request was stopped.")
+        for gen in list(self.live):
+            gen.fail(error)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -59,7 +74,9 @@ class ServerState:
     def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str]) -> Generation:
         """Admit the request's sequences (429 at capacity); the caller must `close()` the Generation."""
         ticket = self.admission.admit(len(prompts) * n, self.engine_limits())
-        return Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket)
+        gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket)
+        self.live.add(gen)
+        return gen
 
     def sse(self, events: AsyncIterator[object], on_close: Callable[[], None]) -> Response:
         return sse(events, on_close, self.drain_timeout)

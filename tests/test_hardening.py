@@ -346,3 +346,36 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_clean(server_factory)
         while running(gateway):
             assert time.monotonic() < deadline, "the server did not exit after its requests finished"
             time.sleep(0.1)
+
+
+def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_an_error_event_and_done(server_factory):
+    """SIGTERM with --shutdown-timeout 3 and a stream that needs a minute: just before the timeout the stream
+    gets an error event then `data: [DONE]` (not a cut connection), and a whole response a 503."""
+    long = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    with server_factory(*ONE_THREAD, "--shutdown-timeout", "3", "--max-model-len", "4200") as url:
+        gateway = gateway_pid(url)
+
+        async def run():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+                async def streamed():
+                    async with ac.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+                        return r.status_code, [line async for line in r.aiter_lines()]
+
+                tasks = [asyncio.create_task(streamed()), asyncio.create_task(ac.post("/v1/completions", json=long))]
+                deadline = time.monotonic() + 60
+                while parse_metrics((await ac.get("/metrics")).text)["orcinus_requests_running"] < 2:
+                    assert time.monotonic() < deadline, "the requests never ran"
+                    await asyncio.sleep(0.05)
+                started = time.monotonic()
+                os.kill(gateway, signal.SIGTERM)
+                results = await asyncio.gather(*tasks)
+                return time.monotonic() - started, results
+
+        waited, ((status, lines), plain) = asyncio.run(run())
+        assert status == 200
+        events, done = sse_lines_to_events(lines)
+        assert done, "the stream was cut without [DONE]"
+        assert "choices" in events[0] and events[-1]["error"]["code"] == "service_unavailable"
+        assert "shutting down" in events[-1]["error"]["message"]
+        assert plain.status_code == 503 and plain.json()["error"]["code"] == "service_unavailable"
+        assert waited < 30, waited
