@@ -7,7 +7,9 @@ import os
 import sys
 from dataclasses import fields
 
-from engine.core.config import EngineConfig
+import msgspec
+
+from engine.core.config import EngineConfig, FaultPlan
 
 # Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields.
 _ENGINE_FLAGS = {
@@ -32,6 +34,8 @@ _ENGINE_FLAGS = {
     "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),
     "pipeline_stages": dict(type=int, help="split the layers over N stage processes, N batches in flight"),
     "external_stages": dict(action="store_true", help="stages are started elsewhere (MASTER_ADDR/MASTER_PORT)"),
+    # Tests only, hidden from --help: failures to inject, as a FaultPlan in JSON.
+    "faults": dict(type=lambda text: msgspec.json.decode(text, type=FaultPlan), help=argparse.SUPPRESS),
 }
 
 

@@ -16,6 +16,7 @@ import time
 from engine.core.config import EngineConfig
 from engine.ipc.messages import Abort, AddRequest, EngineReady, EngineStats, RequestError, TokenDelta
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
+from gateway import errors
 from gateway.engine_process import EngineProcess
 from gateway.metrics import Metrics
 
@@ -202,8 +203,12 @@ class EngineClient:
             self.metrics.observe_stats(msg)
         elif isinstance(msg, RequestError):
             queue = self.routes.pop(msg.request_id, None)
+            if msg.internal:
+                self.metrics.failed.inc()
             if queue is not None:
-                queue.put_nowait((msg.request_id, InvalidRequestError(msg.message, msg.param)))
+                error = (errors.internal_error(f"The engine failed this request: {msg.message}") if msg.internal
+                         else InvalidRequestError(msg.message, msg.param))
+                queue.put_nowait((msg.request_id, error))
         elif isinstance(msg, EngineReady):
             self.ready = msg
             self._ready_event.set()

@@ -38,6 +38,8 @@ class Metrics:
         self.prompt_tokens = Counter("orcinus_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("orcinus_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("orcinus_requests_finished", "Finished sequences", ["finish_reason"], registry=r)
+        self.failed = Counter("orcinus_requests_failed", "Sequences the engine failed (its batch's forward pass or "
+                              "its own sampling raised); the engine went on with the others", registry=r)
         self.aborted = Counter("orcinus_requests_aborted", "Sequences ended before they finished: the client left, "
                                "stopped the stream or timed out", registry=r)
         self.ttft = Histogram("orcinus_time_to_first_token_seconds", "Time to first token", registry=r,

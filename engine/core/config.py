@@ -61,6 +61,14 @@ DUMMY_SHAPES: dict[str, ModelShape] = {
 
 
 @dataclass(frozen=True)
+class FaultPlan:
+    """Failures a test injects into a running engine, to check that each fails only what it should."""
+
+    sampler_token: int | None = None  # sampling raises for any request whose prompt holds this token id
+    runner_iterations: tuple[int, ...] = ()  # the forward pass raises on these iterations (1 = the first)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know before it loads a model."""
 
@@ -87,6 +95,7 @@ class EngineConfig:
     external_stages: bool = False  # stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT
     seed: int = 0  # seeds dummy weights and unseeded sampling
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    faults: FaultPlan | None = None  # tests only: failures to inject (engine/runner/local_executor.py)
 
     def with_(self, **changes) -> EngineConfig:
         return replace(self, **changes)

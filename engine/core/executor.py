@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.core.request import Request, TokenLogprobs
+from engine.core.request import Failure, Request, TokenLogprobs
 from engine.core.scheduler import Batch
 
-Sampled = dict[str, tuple[int, TokenLogprobs | None]]
+# Every request of a batch that samples gets a token or a Failure; one that only computed gets a Failure or nothing.
+Sampled = dict[str, tuple[int, TokenLogprobs | None] | Failure]
 
 
 class Executor(Protocol):

@@ -19,10 +19,18 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # hit eos or a stop token id
     FINISHED_LENGTH = "length"  # hit max_tokens or the context window
     FINISHED_ABORTED = "abort"  # cancelled by its client
+    FINISHED_ERROR = "error"  # its batch's forward pass, or its own sampling, raised (Request.error says what)
 
     @property
     def finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """In place of a request's sampled token: what raised while its batch ran or while it sampled."""
+
+    message: str
 
 
 @dataclass(slots=True)
@@ -53,6 +61,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
     matcher: object | None = None  # a constrained request's llguidance matcher, made by the sampler
+    error: str | None = None  # why it failed (status FINISHED_ERROR)
 
     @property
     def num_prompt_tokens(self) -> int:

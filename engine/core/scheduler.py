@@ -8,7 +8,7 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
-from engine.core.request import Request, RequestStatus, TokenLogprobs
+from engine.core.request import Failure, Request, RequestStatus, TokenLogprobs
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True):
@@ -189,7 +189,7 @@ class Scheduler:
         return victim
 
     def update(
-        self, batch: Batch, sampled: dict[str, tuple[int, TokenLogprobs | None]]
+        self, batch: Batch, sampled: dict[str, tuple[int, TokenLogprobs | None] | Failure]
     ) -> list[Request]:
         """Account computed tokens, append sampled ones, retire finished requests; returns those that got a token."""
         updated = []
@@ -198,11 +198,17 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None:  # aborted while its batch was in flight
                 continue
+            result = sampled.get(sr.request_id)
+            if isinstance(result, Failure):  # only this request (or only this batch) goes; its blocks are freed
+                req.error = result.message
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                updated.append(req)
+                continue
             req.num_computed_tokens += len(sr.token_ids)
             self.kv.cache_full_blocks(req)
             if not sr.sample:
                 continue
-            token_id, logprobs = sampled[sr.request_id]
+            token_id, logprobs = result
             req.output_token_ids.append(token_id)
             if logprobs is not None:
                 req.output_logprobs.append(logprobs)

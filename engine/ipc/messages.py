@@ -60,6 +60,7 @@ class RequestError(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     message: str
     param: str | None = None
+    internal: bool = False  # the engine failed it (a 500), rather than the request being invalid (a 400)
 
 
 class EngineStats(msgspec.Struct, tag=True, array_like=True):

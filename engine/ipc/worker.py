@@ -98,6 +98,9 @@ class EngineWorker:
         updated = self.engine.step()
         elapsed = time.perf_counter() - t
         for req in updated:
+            if req.error is not None:
+                self.outbox.send(RequestError(req.request_id, req.error, internal=True))
+                continue
             lp = None
             if req.params.logprobs is not None:
                 last = req.output_logprobs[-1]

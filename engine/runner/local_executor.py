@@ -6,9 +6,9 @@ from collections import deque
 
 import torch
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, FaultPlan
 from engine.core.executor import Sampled
-from engine.core.request import Request
+from engine.core.request import Failure, Request
 from engine.core.scheduler import Batch
 from engine.model.llama import LlamaModel
 from engine.model.int4 import use_int4
@@ -16,6 +16,10 @@ from engine.model.loader import Checkpoint
 from engine.model.sampler import Sampler
 from engine.runner.device import int4_weights
 from engine.runner.model_runner import ModelRunner
+
+
+class InjectedFault(RuntimeError):
+    """Raised where EngineConfig.faults says, so tests can see what one failure takes down."""
 
 
 def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None) -> LlamaModel:
@@ -50,13 +54,45 @@ class LocalExecutor:
         self.num_blocks = self.runner.num_blocks
         self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
         self.done: deque[tuple[Batch, Sampled]] = deque()
+        self.faults = config.faults or FaultPlan()
+        self.num_submitted = 0
 
     @property
     def num_in_flight(self) -> int:
         return len(self.done)
 
     def submit(self, batch: Batch, sampling: list[Request]) -> None:
-        self.done.append((batch, self.sampler(self.runner.run(batch), sampling)))
+        """Run and sample; what raises fails only the requests it can be traced to, and the engine goes on."""
+        self.num_submitted += 1
+        try:
+            if self.num_submitted in self.faults.runner_iterations:
+                raise InjectedFault(f"injected into the forward pass of iteration {self.num_submitted}")
+            logits = self.runner.run(batch)
+        except Exception as e:
+            if self.runner.device.type == "cuda":
+                raise  # a failed kernel may leave the device or the KV cache in doubt: the engine restarts
+            self.done.append((batch, {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}))
+            return
+        self.done.append((batch, self._sample_isolated(logits, sampling)))
+
+    def _sample_isolated(self, logits: torch.Tensor, sampling: list[Request]) -> Sampled:
+        try:
+            return self._sample(logits, sampling)
+        except Exception:
+            # Who raised? Each request samples alone; the others get their tokens as usual.
+            out: Sampled = {}
+            for i, req in enumerate(sampling):
+                try:
+                    out.update(self._sample(logits[i : i + 1], [req]))
+                except Exception as e:
+                    out[req.request_id] = Failure(f"sampling failed: {e!r}")
+            return out
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> Sampled:
+        token = self.faults.sampler_token
+        if token is not None and any(token in r.prompt_token_ids for r in sampling):
+            raise InjectedFault("injected into sampling")
+        return self.sampler(logits, sampling)
 
     def collect(self) -> tuple[Batch, Sampled]:
         return self.done.popleft()

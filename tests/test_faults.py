@@ -1,0 +1,63 @@
+"""Fault isolation: a request whose sampling raises fails alone, a forward pass that raises fails only its batch;
+the others get the reference tokens, every KV block comes back, and the engine goes on (faults injected by a
+FaultPlan in the engine's config, never an environment variable)."""
+
+import httpx
+import pytest
+from conftest import PROMPTS, wait_for_metrics, parse_metrics
+
+from engine import LLM, SamplingParams
+from engine.core.config import FaultPlan
+
+MARK = 4321  # a token id none of the prompts holds: a prompt with it fails in sampling
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    ids = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    assert not any(MARK in p for p in ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    return [c.token_ids for c in LLM(checkpoint=checkpoint, dtype="float32").generate(prompts, GREEDY)]
+
+
+def test_a_request_whose_sampling_raises_fails_alone(checkpoint, prompts, reference):
+    llm = LLM(checkpoint=checkpoint, dtype="float32", faults=FaultPlan(sampler_token=MARK))
+    bad = prompts[1][:5] + [MARK] + prompts[1][5:]
+    outs = llm.generate(prompts[:1] + [bad] + prompts[2:], GREEDY)
+    assert outs[1].finish_reason == "error" and outs[1].token_ids == []
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == reference[:1] + reference[2:]
+    s = llm.engine.scheduler
+    assert s.kv.num_free_blocks == s.kv.num_blocks and not s.has_unfinished()
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference  # and it goes on
+
+
+def test_a_forward_pass_that_raises_fails_only_its_batch(checkpoint, prompts, reference):
+    llm = LLM(checkpoint=checkpoint, dtype="float32", faults=FaultPlan(runner_iterations=(3,)))
+    first = llm.generate(prompts[:2], GREEDY)  # iterations 1-2 fine, 3 raises: both requests were in it
+    assert [o.finish_reason for o in first] == ["error", "error"]
+    s = llm.engine.scheduler
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference  # the engine goes on
+
+
+def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_serves_the_others(server_factory, prompts):
+    plan = f'{{"sampler_token": {MARK}}}'
+    with server_factory("--faults", plan) as url:
+        bad = prompts[1][:5] + [MARK] + prompts[1][5:]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": bad, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "sampling failed" in r.json()["error"]["message"]
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"prompt": bad, "max_tokens": 4, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data:")]
+        assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        m = wait_for_metrics(lambda: parse_metrics(httpx.get(f"{url}/metrics").text),
+                             lambda m: m["orcinus_kv_blocks_used"] == 0, 30, "blocks freed")
+        assert m["orcinus_requests_failed_total"] == 2 and m["orcinus_engine_restarts_total"] == 0
