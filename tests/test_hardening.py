@@ -307,6 +307,20 @@ def test_kill_9_of_the_engine_fails_in_flight_requests_at_once_and_a_new_engine_
 # ---------------------------------------------------------------- graceful shutdown
 
 
+async def stream_and_whole_running(ac: httpx.AsyncClient, body: dict) -> list[asyncio.Task]:
+    """Start one streamed and one whole completion of `body`; return their tasks once both are running."""
+    async def streamed():
+        async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            return r.status_code, [line async for line in r.aiter_lines()]
+
+    tasks = [asyncio.create_task(streamed()), asyncio.create_task(ac.post("/v1/completions", json=body))]
+    deadline = time.monotonic() + 60
+    while parse_metrics((await ac.get("/metrics")).text)["orcinus_requests_running"] < 2:
+        assert time.monotonic() < deadline, "the requests never ran"
+        await asyncio.sleep(0.05)
+    return tasks
+
+
 def test_sigterm_lets_in_flight_requests_finish_then_exits_clean(server_factory):
     body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     # Leaving this block runs conftest's checks: exit code, no /dev/shm segment of ours, no child outlives it.
@@ -316,15 +330,8 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_clean(server_factory)
 
         async def run():
             async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
-                async def streamed():
-                    async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                        return r.status_code, [line async for line in r.aiter_lines()]
-
-                tasks = [asyncio.create_task(streamed()), asyncio.create_task(ac.post("/v1/completions", json=body))]
+                tasks = await stream_and_whole_running(ac, body)
                 deadline = time.monotonic() + 60
-                while parse_metrics((await ac.get("/metrics")).text)["orcinus_requests_running"] < 2:
-                    assert time.monotonic() < deadline, "the requests never ran"
-                    await asyncio.sleep(0.05)
                 os.kill(gateway, signal.SIGTERM)
                 refused = False
                 while not refused and time.monotonic() < deadline:  # it stops accepting new connections
@@ -357,15 +364,7 @@ def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_an_error_event
 
         async def run():
             async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
-                async def streamed():
-                    async with ac.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
-                        return r.status_code, [line async for line in r.aiter_lines()]
-
-                tasks = [asyncio.create_task(streamed()), asyncio.create_task(ac.post("/v1/completions", json=long))]
-                deadline = time.monotonic() + 60
-                while parse_metrics((await ac.get("/metrics")).text)["orcinus_requests_running"] < 2:
-                    assert time.monotonic() < deadline, "the requests never ran"
-                    await asyncio.sleep(0.05)
+                tasks = await stream_and_whole_running(ac, long)
                 started = time.monotonic()
                 os.kill(gateway, signal.SIGTERM)
                 results = await asyncio.gather(*tasks)
