@@ -74,8 +74,6 @@ def _non_negative(text: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import GatewayConfig, build_app
 
     config = GatewayConfig(
@@ -85,20 +83,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
     )
-    # uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
-    # cleanly just before it), then the app's shutdown stops the engine and frees its shared memory.
-    app = build_app(config)
+    run_server(build_app(config), host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout)
+    return 0
+
+
+def run_server(app, *, host: str, port: int, shutdown_timeout: float) -> None:
+    """uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
+    cleanly just before it), then the app's shutdown stops the engine and frees its shared memory."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
-            if first:
+            if first:  # the app cannot see SIGTERM itself: uvicorn owns the signal handlers
                 app.state.orcinus.begin_shutdown()
 
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                          timeout_graceful_shutdown=config.shutdown_timeout)).run()
-    return 0
+    Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                          timeout_graceful_shutdown=shutdown_timeout)).run()
 
 
 def main(argv: list[str] | None = None) -> int:

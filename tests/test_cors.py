@@ -61,10 +61,8 @@ def test_allowed_origins_replace_the_default():
     (["--allowed-origins", "https://a.example", "*"], ("https://a.example", "*")),
 ])
 def test_the_cli_flag(monkeypatch, argv, want):
-    import uvicorn
-
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("app", app))
+    monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
     monkeypatch.setattr("gateway.app.build_app", lambda config: seen.setdefault("config", config))
     assert cli_main(["serve", *argv]) == 0
     assert seen["config"].allowed_origins == want
