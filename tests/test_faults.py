@@ -10,13 +10,14 @@ from engine import LLM, SamplingParams
 from engine.core.config import FaultPlan
 
 MARK = 4321  # a token id none of the prompts holds: a prompt with it fails in sampling
+PUBLISH_MARK = 4322  # ... and one with this fails while the engine process publishes its tokens
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     ids = [tokenizer.encode(p) for p in PROMPTS[:4]]
-    assert not any(MARK in p for p in ids)
+    assert not any(MARK in p or PUBLISH_MARK in p for p in ids)
     return ids
 
 
@@ -46,7 +47,7 @@ def test_a_forward_pass_that_raises_fails_only_its_batch(checkpoint, prompts, re
 
 
 def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_serves_the_others(server_factory, prompts):
-    plan = f'{{"sampler_token": {MARK}}}'
+    plan = f'{{"sampler_token": {MARK}, "publish_token": {PUBLISH_MARK}}}'
     with server_factory("--faults", plan) as url:
         bad = prompts[1][:5] + [MARK] + prompts[1][5:]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": bad, "max_tokens": 4}, timeout=60)
@@ -56,8 +57,11 @@ def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_serves_the_o
                           json={"prompt": bad, "max_tokens": 4, "stream": True}) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data:")]
         assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        unpublishable = [PUBLISH_MARK] + prompts[2]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": unpublishable, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 500 and "publishing its tokens failed" in r.json()["error"]["message"]
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
         m = wait_for_metrics(lambda: parse_metrics(httpx.get(f"{url}/metrics").text),
                              lambda m: m["orcinus_kv_blocks_used"] == 0, 30, "blocks freed")
-        assert m["orcinus_requests_failed_total"] == 2 and m["orcinus_engine_restarts_total"] == 0
+        assert m["orcinus_requests_failed_total"] == 3 and m["orcinus_engine_restarts_total"] == 0

@@ -66,6 +66,7 @@ class FaultPlan:
 
     sampler_token: int | None = None  # sampling raises for any request whose prompt holds this token id
     runner_iterations: tuple[int, ...] = ()  # the forward pass raises on these iterations (1 = the first)
+    publish_token: int | None = None  # the engine process raises publishing any request whose prompt holds this id
 
 
 @dataclass(frozen=True)

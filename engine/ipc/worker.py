@@ -101,13 +101,23 @@ class EngineWorker:
             if req.error is not None:
                 self.outbox.send(RequestError(req.request_id, req.error, internal=True))
                 continue
-            lp = None
-            if req.params.logprobs is not None:
-                last = req.output_logprobs[-1]
-                lp = [[last.token_id, last.logprob, [list(x) for x in last.top]]]
-            self.outbox.send(TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp))
+            try:
+                self.outbox.send(self.delta(req))
+            except Exception as e:  # noqa: BLE001 - one request's bad delta must not take the others down
+                self.engine.abort_request(req.request_id)
+                self.outbox.send(RequestError(req.request_id, f"publishing its tokens failed: {e!r}", internal=True))
         self.generation_tokens_total += len(updated)
         self.publish_stats(elapsed)
+
+    def delta(self, req) -> TokenDelta:
+        faults = self.engine.config.faults
+        if faults is not None and faults.publish_token in req.prompt_token_ids:
+            raise RuntimeError("injected into publishing")
+        lp = None
+        if req.params.logprobs is not None:
+            last = req.output_logprobs[-1]
+            lp = [[last.token_id, last.logprob, [list(x) for x in last.top]]]
+        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp)
 
     def publish_stats(self, iteration_seconds: float) -> None:
         e = self.engine
