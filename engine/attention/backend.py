@@ -9,6 +9,7 @@ lives in slot `block_table[t // block_size] * block_size + t % block_size`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +30,11 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.query_lens_cpu)
+
+    @property
+    def query_starts_cpu(self) -> list[int]:
+        """query_start_loc on the host (B + 1 offsets), from the host lengths: reading the tensor would sync."""
+        return [0, *itertools.accumulate(self.query_lens_cpu)]
 
     def to(self, device) -> AttentionMetadata:
         return AttentionMetadata(

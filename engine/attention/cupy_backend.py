@@ -133,9 +133,7 @@ class CudaAttention:
         decode_lens = [c for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n == 1]
         out = self.attend(q, kv_cache, meta, max(decode_lens)) if decode_lens else torch.empty_like(q)
         if len(decode_lens) < meta.num_requests:  # after the kernel: it leaves prefill rows alone
-            qsl = [0]
-            for n in meta.query_lens_cpu:
-                qsl.append(qsl[-1] + n)
+            qsl = meta.query_starts_cpu
             # Not cuDNN's SDPA: it builds a plan for every new (query, context) shape, ~0.1-0.6 s each, and
             # prefill chunks come in ever new shapes (seen on an H100: mixed steps 60x slower until warm).
             with sdpa_kernel(PREFILL_SDPA):

@@ -17,10 +17,7 @@ class TorchAttention:
     def forward(self, q, k, v, kv_cache, meta):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        # Row offsets from the host lists: reading query_start_loc back would sync with the device.
-        qsl = [0]
-        for n in meta.query_lens_cpu:
-            qsl.append(qsl[-1] + n)
+        qsl = meta.query_starts_cpu
         decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         if len(decode_rows) == meta.num_requests:  # pure decode: row i is request i, no gathers needed
             block_size = kv_cache.shape[3]

@@ -137,18 +137,15 @@ class Scheduler:
         ):
             req = self.waiting[0]
             req.num_computed_tokens = self.kv.take_cached_prefix(req)
+            # A running request may be computing the next block of this prompt (a sibling choice of an n > 1
+            # request, a shared system prompt): then wait an iteration or two and take it from the cache.
             following = len(req.block_table)
-            if following < len(req.block_names) and req.block_names[following] in pending:
-                # A running request is computing the next block of this prompt (a sibling choice of an n > 1
-                # request, a shared system prompt): wait an iteration or two and take it from the cache.
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-                break  # FCFS, as for a request that does not fit
+            waits = following < len(req.block_names) and req.block_names[following] in pending
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate(req, num_new):
+            if waits or not self.kv.allocate(req, num_new):
                 self.kv.free(req)  # the prefix it took stays cached for its next try
                 req.num_computed_tokens = 0
-                break  # FCFS: nobody overtakes a request that does not fit
+                break  # FCFS: nobody overtakes a request that waits or does not fit
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += req.num_computed_tokens
             self.waiting.popleft()

@@ -71,7 +71,8 @@ class PipelineExecutor:
         self.pending = PendingSends()
         for stage in range(self.num_stages):
             send_frame(StageSetup(config, stage, self.num_stages, max_model_len), stage + 1, self.pending)
-        tensor_group(torch.device(config.device), self.num_stages)  # the stages create it too: group creation is collective
+        # The stages create it too: group creation is collective.
+        tensor_group(torch.device(config.device), self.num_stages)
         ready = [recv_frame(rank) for rank in range(1, world)]
         assert all(isinstance(r, StageReady) for r in ready)
         self.num_blocks = min(r.num_blocks for r in ready)
