@@ -30,7 +30,7 @@ _ENGINE_FLAGS = {
     "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),
     "prefix_caching": dict(action=argparse.BooleanOptionalAction,
                            help="reuse the cached K/V of prompt prefixes shared with earlier requests (default: on)"),
-    "attention_backend": dict(choices=["auto", "torch", "cuda"], help="attention backend: auto|torch|cuda"),
+    "attention_backend": dict(choices=["auto", "torch", "cpu", "cuda"], help="attention backend: auto|torch|cpu|cuda"),
     "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),
     "pipeline_stages": dict(type=int, help="split the layers over N stage processes, N batches in flight"),
     "external_stages": dict(action="store_true", help="stages are started elsewhere (MASTER_ADDR/MASTER_PORT)"),

@@ -42,7 +42,7 @@ def test_there_are_kernels():
 
 @pytest.mark.skipif(HAVE_GPU, reason="checks the CPU-only selection")
 def test_auto_is_torch_and_cuda_refuses_without_gpu():
-    assert isinstance(make_backend("auto"), TorchAttention)
+    assert type(make_backend("auto", "cuda")) is TorchAttention
     with pytest.raises(RuntimeError, match="needs CuPy and an NVIDIA GPU"):
         make_backend("cuda")
 
@@ -159,7 +159,7 @@ def test_forward_decode_matches_reference_with_the_fixed_split_plan(num_q_heads,
 
 @needs_gpu
 def test_auto_picks_cuda_and_cpu_tensors_fall_back():
-    backend = make_backend("auto")
+    backend = make_backend("auto", "cuda")
     assert type(backend).__name__ == "CudaAttention"
     q, k, v, cache, meta = ragged_batch([(3, 3), (1, 5)], 4, 2, 64, dtype=torch.float32, device="cpu")
     want, _ = reference(q, k, v, cache.clone(), meta)

@@ -1,4 +1,4 @@
-"""Picks an attention backend by name: the CuPy kernels on a GPU, else the PyTorch reference."""
+"""Picks an attention backend by name and device: the native kernels where they run, else the PyTorch reference."""
 
 from __future__ import annotations
 
@@ -12,17 +12,31 @@ def _cuda_backend():
     return CudaAttention()
 
 
-def _auto_backend():
-    from engine.attention.cupy_backend import cuda_backend_available
+def _cpu_backend():
+    from engine.attention.cpu_backend import CpuAttention  # lazy: builds a C++ op on first use
 
-    return _cuda_backend() if cuda_backend_available() else TorchAttention()
-
-
-# "auto": the CUDA kernels when torch sees a GPU and CuPy imports, else the PyTorch reference.
-BACKENDS = {"torch": TorchAttention, "cuda": _cuda_backend, "auto": _auto_backend}
+    return CpuAttention()
 
 
-def make_backend(name: str) -> AttentionBackend:
+def _auto_backend(device_type: str) -> AttentionBackend:
+    if device_type == "cuda":
+        from engine.attention.cupy_backend import cuda_backend_available
+
+        return _cuda_backend() if cuda_backend_available() else TorchAttention()
+    from engine.attention.cpu_backend import cpu_kernel_available
+
+    return _cpu_backend() if cpu_kernel_available() else TorchAttention()
+
+
+# "auto": the kernel for the engine's device (CuPy on a GPU, the C++ op on the CPU) when it builds and runs,
+# else the PyTorch reference.
+BACKENDS = {"torch": TorchAttention, "cuda": _cuda_backend, "cpu": _cpu_backend}
+
+
+def make_backend(name: str, device_type: str = "cpu") -> AttentionBackend:
+    """The backend `name` for an engine on `device_type` ("cpu" or "cuda")."""
+    if name == "auto":
+        return _auto_backend(device_type)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS) + ['auto']}")
     return BACKENDS[name]()

@@ -91,7 +91,7 @@ class EngineConfig:
     scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
     kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front
     prefix_caching: bool = True  # requests reuse the cached K/V of full blocks their prompts share
-    attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cuda
+    attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cpu|cuda
     pipeline_stages: int = 1  # processes the decoder layers are split over; up to this many batches in flight
     external_stages: bool = False  # stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT
     seed: int = 0  # seeds dummy weights and unseeded sampling

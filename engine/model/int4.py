@@ -8,7 +8,6 @@ once, and these are a quarter of bfloat16's bytes; torch's CPU int4 matmul compu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32  # weights per scale/minimum pair, as in Q4_1
@@ -46,12 +45,18 @@ class Int4Linear(nn.Module):
         zeros = (low + 8 * scale).t()
         self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zeros], dim=-1).to(dtype).contiguous(),
                              persistent=False)
-        self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        # What larger batches run: a plain linear layer, which engine/model/packed_linear.py may swap.
+        self.dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         self.max_rows = max_rows
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.dense.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
-            return F.linear(x, self.weight)
+            return self.dense(x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
 

@@ -13,6 +13,7 @@ from engine.core.scheduler import Batch
 from engine.model.llama import LlamaModel
 from engine.model.int4 import use_int4
 from engine.model.loader import Checkpoint
+from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.sampler import Sampler
 from engine.runner.device import int4_weights
 from engine.runner.model_runner import ModelRunner
@@ -39,6 +40,8 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     # Parameters only: the RoPE tables stay float32.
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    if can_pack(device, dtype):
+        pack_linears(model)
     return model.eval().requires_grad_(False)
 
 

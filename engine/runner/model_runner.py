@@ -76,7 +76,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         s = model.shape
-        self.attention = make_backend(config.attention_backend)
+        self.attention = make_backend(config.attention_backend, self.device.type)
         self.inputs = StepInputs(config, max_model_len, self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and model.is_whole
         self.graphs: CudaGraphRunner | None = None

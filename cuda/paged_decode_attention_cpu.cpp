@@ -1,0 +1,130 @@
+// Paged decode attention for the CPU: one query per request against its keys, read in place from the paged
+// cache (no gathered copy of every context in every layer, which is what the PyTorch reference does).
+//
+// Cache layout (engine/attention/backend.py): [2, num_kv_heads, num_blocks, block_size, head_dim], keys then
+// values. Query head j reads KV head j / G (G query heads per KV head). One task per (request, KV head),
+// spread over torch's intra-op threads: it scores the G query rows against each key as it reads it, keeps the
+// scores (a context is at most a few thousand keys), then sums the values once with the softmax weights.
+// Arithmetic is float32 whatever the cache's dtype, as SDPA's CPU kernel does.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {  // bfloat16 is float32's top half
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
+}
+
+template <typename T>  // float16 and float64: plain conversions
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// kHeadDim > 0 fixes the head size at compile time (64 and 128 are the common ones), so the per-key dot
+// products and value sums unroll into a few vector instructions; 0 takes it from head_dim.
+template <typename T, int kHeadDim>
+void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, const int32_t* tables,
+            int64_t table_stride, const int32_t* lens, T* out, int64_t num_requests, int64_t num_kv_heads,
+            int64_t group, int64_t num_blocks, int64_t block_size, int64_t runtime_head_dim, float scale) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  const int64_t head_stride = num_blocks * block_size * head_dim;  // one KV head's slice of keys (or values)
+  const int64_t values_offset = num_kv_heads * head_stride;
+  at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), row(head_dim), acc(group * head_dim), scores, best(group), total(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = lens[b];
+      const int32_t* table = tables + b * table_stride;
+      const T* keys = cache + h * head_stride;
+      const T* values = keys + values_offset;
+      for (int64_t g = 0; g < group; ++g) {
+        float* qg = query.data() + g * head_dim;
+        to_float(q + b * q_stride_b + (h * group + g) * q_stride_h, qg, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
+      }
+      scores.resize(group * len);
+      std::fill(best.begin(), best.end(), std::numeric_limits<float>::lowest());  // finite: built with -ffast-math
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        float* k = row.data();
+        to_float(keys + slot * head_dim, k, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query.data() + g * head_dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+          scores[g * len + t] = dot;
+          best[g] = std::max(best[g], dot);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float m = best[g];
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        float* v = row.data();
+        to_float(values + slot * head_dim, v, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + (b * num_kv_heads * group + h * group + g) * head_dim;
+        const float inv = len > 0 ? 1.f / total[g] : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, Hq, D] (rows may be strided, the last dim contiguous); kv_cache as above; block_tables [B, >= blocks
+// needed] int32 (rows may be strided); context_lens [B] int32. Returns [B, Hq, D] in q's dtype.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dimension");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 5-d tensor");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32 rows");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens: int32");
+  const int64_t num_requests = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  auto out = torch::empty({num_requests, num_heads, head_dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), kv_cache.data_ptr<scalar_t>(),
+             block_tables.data_ptr<int32_t>(), block_tables.stride(0), context_lens.data_ptr<int32_t>(),
+             out.data_ptr<scalar_t>(), num_requests, num_kv_heads, num_heads / num_kv_heads, num_blocks, block_size,
+             head_dim, static_cast<float>(scale));
+    };
+    if (head_dim == 64) run(attend<scalar_t, 64>);
+    else if (head_dim == 128) run(attend<scalar_t, 128>);
+    else run(attend<scalar_t, 0>);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}

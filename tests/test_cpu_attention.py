@@ -1,0 +1,77 @@
+"""The CPU attention op (cuda/paged_decode_attention_cpu.cpp): it builds here, matches the PyTorch reference on
+ragged decode and mixed batches in every dtype and head shape, and `auto` picks it on the CPU (or falls back)."""
+
+import pytest
+import torch
+from test_cuda_kernels import ragged_batch, rel_error
+
+import engine.attention.cpu_backend as cpu_backend
+from engine.attention.cpu_backend import CpuAttention
+from engine.attention.selector import make_backend
+from engine.attention.torch_backend import TorchAttention
+
+DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 33), (1, 700), (1, 2049)]
+MIXED = [(1, 300), (17, 17), (1, 16), (40, 97), (1, 1), (1, 33)]
+# (query heads, KV heads, head dim): SmolLM2's 9/3/64, plain multi-head, Llama-1B's 32/8/64 group of 4, the
+# 128-wide specialisation, and a width that takes the generic path.
+SHAPES = [(9, 3, 64), (4, 4, 64), (32, 8, 64), (8, 2, 128), (6, 2, 48)]
+# Float32 agrees with the reference to rounding; the others round the output once, as the reference does.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return CpuAttention()
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decode_matches_the_reference(cpu, shape, dtype):
+    q, k, v, cache, meta = ragged_batch(DECODE, *shape, dtype=dtype, device="cpu")
+    want_cache = cache.float()  # a copy
+    want = TorchAttention().forward(q.float(), k.float(), v.float(), want_cache, meta)
+    got = cpu.forward(q, k, v, cache, meta)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert torch.equal(cache.float(), want_cache), "the new keys and values went elsewhere"
+    assert rel_error(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mixed_batches_take_the_op_for_their_decoding_rows(cpu, dtype):
+    q, k, v, cache, meta = ragged_batch(MIXED, 9, 3, 64, dtype=dtype, device="cpu")
+    want = TorchAttention().forward(q.float(), k.float(), v.float(), cache.float(), meta)
+    assert rel_error(cpu.forward(q, k, v, cache, meta), want) < TOLERANCE[dtype]
+
+
+def test_strided_queries_and_table_slices_are_read_in_place(cpu):
+    """The model hands over q as a slice of the fused Q/K/V rows, and the tables cut to the longest context."""
+    q, _, _, cache, meta = ragged_batch(DECODE, 9, 3, 64, dtype=torch.float32, device="cpu")
+    wide = torch.randn(q.shape[0], 12, 64)
+    wide[:, :9] = q
+    tables = torch.cat([meta.block_tables, torch.full((len(DECODE), 5), 7, dtype=torch.int32)], dim=1)
+    got = cpu._decode(wide[:, :9], cache, tables, meta.context_lens)
+    want = TorchAttention._decode(q, cache, meta.block_tables, meta.context_lens)
+    assert rel_error(got, want) < 1e-5
+
+
+def test_bad_inputs_are_refused(cpu):
+    q, _, _, cache, meta = ragged_batch(DECODE, 9, 3, 64, dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu._decode(q.bfloat16(), cache, meta.block_tables, meta.context_lens)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu._decode(q, cache, meta.block_tables.long(), meta.context_lens)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        cpu._decode(q[:, :8], cache, meta.block_tables, meta.context_lens)
+
+
+def test_auto_picks_the_op_on_the_cpu_and_the_reference_without_it(monkeypatch):
+    assert isinstance(make_backend("auto", "cpu"), CpuAttention)
+    assert isinstance(make_backend("cpu"), CpuAttention)
+
+    def no_compiler():
+        raise RuntimeError("Error building extension 'orcinus_cpu_attention'")
+
+    monkeypatch.setattr(cpu_backend, "_kernels", no_compiler)
+    with pytest.warns(UserWarning, match="CPU attention kernel is unusable here"):
+        backend = make_backend("auto", "cpu")
+    assert type(backend) is TorchAttention
