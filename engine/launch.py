@@ -8,13 +8,14 @@ from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
 from engine.model.loader import Checkpoint, load_checkpoint
+from engine.model.sharding import check_splittable
 from engine.runner.device import resolve_device
 from engine.runner.local_executor import LocalExecutor
 
 
 def make_executor(config: EngineConfig, ckpt: Checkpoint, max_model_len: int) -> Executor:
-    """The whole model in this process, or its layers split over `pipeline_stages` processes."""
-    if config.pipeline_stages > 1:
+    """The whole model in this process, or split over a grid of `pipeline_stages` x `tensor_parallel_size` processes."""
+    if is_distributed(config):
         from engine.parallel.pipeline import (
             PipelineExecutor,  # torch.distributed only where it is used
         )
@@ -23,13 +24,18 @@ def make_executor(config: EngineConfig, ckpt: Checkpoint, max_model_len: int) ->
     return LocalExecutor(config, ckpt, max_model_len)
 
 
+def is_distributed(config: EngineConfig) -> bool:
+    return config.pipeline_stages > 1 or config.tensor_parallel_size > 1
+
+
 def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineCore:
     """`checkpoint` reuses weights already loaded (e.g. to try several configs on one model)."""
     config = resolve_device(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    # Pipeline stages load their own weights: the driver needs only the shape and the tokenizer.
-    ckpt = checkpoint or load_checkpoint(config.model, config.seed, weights=config.pipeline_stages == 1)
+    # Stage processes load their own weights: the driver needs only the shape and the tokenizer.
+    ckpt = checkpoint or load_checkpoint(config.model, config.seed, weights=not is_distributed(config))
+    check_splittable(ckpt.shape, config.tensor_parallel_size)  # here, before any process starts
     max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
     executor = make_executor(config, ckpt, max_model_len)
     return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len)

@@ -8,7 +8,9 @@ from engine.ipc.messages import EngineReady
 def startup_block(ready: EngineReady, model_name: str, url: str | None, api_key: bool) -> str:
     """Plain lines, no colours: it lands in log files as often as on a terminal."""
     s, limits = ready.summary, ready.limits
-    stages = f", {s.pipeline_stages} pipeline stages" if s.pipeline_stages > 1 else ""
+    grid = [f"{n} {what}" for n, what in [(s.pipeline_stages, "pipeline stages"),
+                                          (s.tensor_parallel_size, "tensor-parallel ranks")] if n > 1]
+    stages = ", " + " x ".join(grid) if grid else ""
     lines = [
         "Orcinus is ready",
         f"  model           {model_name} ({s.num_params / 1e6:,.1f}M parameters, max {limits.max_model_len} tokens)",

@@ -33,6 +33,7 @@ _ENGINE_FLAGS = {
     "attention_backend": dict(choices=["auto", "torch", "cpu", "cuda"], help="attention backend: auto|torch|cpu|cuda"),
     "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),
     "pipeline_stages": dict(type=int, help="split the layers over N stage processes, N batches in flight"),
+    "tensor_parallel_size": dict(type=int, help="split every layer over N processes (per pipeline stage)"),
     "external_stages": dict(action="store_true", help="stages are started elsewhere (MASTER_ADDR/MASTER_PORT)"),
     # Tests only, hidden from --help: failures to inject, as a FaultPlan in JSON.
     "faults": dict(type=lambda text: msgspec.json.decode(text, type=FaultPlan), help=argparse.SUPPRESS),

@@ -26,3 +26,12 @@ def test_pipeline_stages_and_no_caching_are_said():
     text = startup_block(ready, "x", None, api_key=False)
     assert "  engine          cuda, bfloat16, 2 pipeline stages" in text
     assert "  prefix caching  off" in text and "chat page" not in text
+
+
+def test_a_tensor_parallel_grid_is_said():
+    summary = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 2, 2)
+    text = startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), summary), "x", None, api_key=False)
+    assert "  engine          cpu, float32, 2 pipeline stages x 2 tensor-parallel ranks" in text
+    one_stage = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 1, 4)
+    text = startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), one_stage), "x", None, api_key=False)
+    assert "  engine          cpu, float32, 4 tensor-parallel ranks" in text

@@ -48,6 +48,9 @@ class ModelShape:
 # Named shapes for dummy weights: benchmarks need no checkpoint, only the right sizes.
 DUMMY_SHAPES: dict[str, ModelShape] = {
     "smollm2-135m": ModelShape(),
+    # Small enough for tests of every parallel layout (its heads split 2 and 4 ways), with SmolLM2's vocabulary.
+    "tiny": ModelShape(hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                       head_dim=32, max_position=2048),
     "llama-1b": ModelShape(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
         num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position=131072,
@@ -93,6 +96,7 @@ class EngineConfig:
     prefix_caching: bool = True  # requests reuse the cached K/V of full blocks their prompts share
     attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cpu|cuda
     pipeline_stages: int = 1  # processes the decoder layers are split over; up to this many batches in flight
+    tensor_parallel_size: int = 1  # processes each stage's layers are split over (heads, MLP width, vocabulary)
     external_stages: bool = False  # stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT
     seed: int = 0  # seeds dummy weights and unseeded sampling
     num_threads: int | None = None  # torch CPU threads; None = torch's default

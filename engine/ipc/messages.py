@@ -39,6 +39,7 @@ class EngineSummary(msgspec.Struct, frozen=True, array_like=True):
     max_num_batched_tokens: int
     prefix_caching: bool
     pipeline_stages: int
+    tensor_parallel_size: int = 1
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

@@ -66,7 +66,7 @@ class EngineWorker:
         e = self.engine
         c = e.config  # resolved: the device and dtype are what "auto" became
         summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
-                                c.prefix_caching, c.pipeline_stages)
+                                c.prefix_caching, c.pipeline_stages, c.tensor_parallel_size)
         self.outbox.send(EngineReady(e.model_name, e.limits, summary))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.core.config import ModelShape, RopeScaling
+from engine.model.sharding import TensorShard
 
 
 class RMSNorm(nn.Module):
@@ -65,9 +66,12 @@ def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape):
+    """One block of this rank's heads and MLP width (`shape` is the local shape; the shard sums the partial outputs)."""
+
+    def __init__(self, shape: ModelShape, shard: TensorShard):
         super().__init__()
         self.shape = shape
+        self.shard = shard
         h, d = shape.hidden_size, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * d, shape.num_kv_heads * d
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
@@ -96,9 +100,9 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, x, attn):
         """Output projection and MLP, each with its residual: ([T, hidden], [T, Hq, D]) -> [T, hidden]."""
-        x = x + self.o_proj(attn.view(-1, self.q_size))
+        x = x + self.shard.all_reduce(self.o_proj(attn.view(-1, self.q_size)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaModel(nn.Module):
@@ -106,20 +110,26 @@ class LlamaModel(nn.Module):
 
     A pipeline stage holds a contiguous span of the layers: the embedding comes with the first
     span, the final norm and LM head with the last. A whole model is the one span of all layers.
+    Under tensor parallelism a rank holds its shard of each (engine/model/sharding.py): `shape` is then
+    the local one (its heads, its MLP width), `full_shape` the whole model's.
     """
 
-    def __init__(self, shape: ModelShape, max_position: int, layer_span: range | None = None):
+    def __init__(self, shape: ModelShape, max_position: int, layer_span: range | None = None,
+                 shard: TensorShard = TensorShard()):
         super().__init__()
-        self.shape = shape
+        self.full_shape = shape
+        self.shard = shard
+        self.shape = shape = shard.local_shape(shape)
         self.layer_span = layer_span if layer_span is not None else range(shape.num_layers)
         self.is_first = self.layer_span.start == 0
         self.is_last = self.layer_span.stop == shape.num_layers
+        start, end = shard.vocab_range(shape.vocab_size)
         if self.is_first:
-            self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in self.layer_span)
+            self.embed_tokens = nn.Embedding(end - start, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, shard) for _ in self.layer_span)
         if self.is_last:
             self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+            self.lm_head = nn.Linear(shape.hidden_size, end - start, bias=False)
         self.max_position = max_position
         self.materialize_buffers()
 
@@ -147,10 +157,12 @@ class LlamaModel(nn.Module):
         hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage
     ) -> torch.Tensor:
         """Logits [num_sampled, vocab] from the last span; the hidden states [T, hidden] from any other."""
-        x = self.embed_tokens(input_ids) if self.is_first else hidden
+        x = self.shard.embed(self.embed_tokens.weight, input_ids) if self.is_first else hidden
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv_cache, meta, attention)
-        return self.lm_head(self.norm(x[logits_indices])).float() if self.is_last else x
+        if not self.is_last:
+            return x
+        return self.shard.gather_vocab(self.lm_head(self.norm(x[logits_indices])), self.shape.vocab_size).float()
 
     def _source_name(self, name: str) -> str:
         """This span's parameter name -> the whole model's (Hugging Face, without `model.`)."""
@@ -165,35 +177,43 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, ...) and fuse Q/K/V, gate/up."""
         w = {k.removeprefix("model."): v for k, v in weights.items()}
+        params = dict(self.named_parameters(remove_duplicate=False))  # a tied LM head is filled twice, harmlessly
+
+        def put(name: str, full: torch.Tensor) -> None:  # this rank's slice of the whole model's tensor
+            params[name].copy_(self.shard.take(name, full, self.full_shape))
+
         if self.is_first:
-            self.embed_tokens.weight.copy_(w["embed_tokens.weight"])
+            put("embed_tokens.weight", w["embed_tokens.weight"])
         if self.is_last:
-            self.norm.weight.copy_(w["norm.weight"])
-            self.lm_head.weight.copy_(w[self._source_name("lm_head.weight")])
-        for i, layer in zip(self.layer_span, self.layers):
-            p = f"layers.{i}."
+            put("norm.weight", w["norm.weight"])
+            put("lm_head.weight", w[self._source_name("lm_head.weight")])
+        for local, (i, layer) in enumerate(zip(self.layer_span, self.layers)):
+            p, mine = f"layers.{i}.", f"layers.{local}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            layer.input_layernorm.weight.copy_(w[p + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(w[p + "post_attention_layernorm.weight"])
-            layer.qkv_proj.weight.copy_(torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]))
+            put(mine + "input_layernorm.weight", w[p + "input_layernorm.weight"])
+            put(mine + "post_attention_layernorm.weight", w[p + "post_attention_layernorm.weight"])
+            put(mine + "qkv_proj.weight", torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]))
             if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias.copy_(torch.cat([w[attn + n + "_proj.bias"] for n in "qkv"]))
-            layer.o_proj.weight.copy_(w[attn + "o_proj.weight"])
-            layer.gate_up_proj.weight.copy_(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
-            layer.down_proj.weight.copy_(w[mlp + "down_proj.weight"])
+                put(mine + "qkv_proj.bias", torch.cat([w[attn + n + "_proj.bias"] for n in "qkv"]))
+            put(mine + "o_proj.weight", w[attn + "o_proj.weight"])
+            put(mine + "gate_up_proj.weight", torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+            put(mine + "down_proj.weight", w[mlp + "down_proj.weight"])
 
     @torch.no_grad()
     def init_random(self, seed: int) -> None:
         """Dummy weights for benchmarks: N(0, 0.02) matrices, unit norms.
 
         Each parameter draws from its own stream, seeded by its whole-model name, so every pipeline
-        split of a dummy model holds the same weights.
+        split of a dummy model holds the same weights; a tensor-parallel rank draws the whole tensor and keeps its slice.
         """
         device = next(self.parameters()).device
+        with torch.device("meta"):
+            whole = dict(LlamaModel(self.full_shape, 1, self.layer_span).named_parameters())
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                source = self._source_name(name)
-                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
-                p.normal_(0.0, 0.02, generator=gen)
+                continue
+            source = self._source_name(name)
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
+            full = torch.empty(whole[name].shape, device=device).normal_(0.0, 0.02, generator=gen)
+            p.copy_(self.shard.take(name, full, self.full_shape))

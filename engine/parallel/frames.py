@@ -19,12 +19,14 @@ ACTIVATION_TAG = 2
 
 
 class StageSetup(msgspec.Struct, tag=True):
-    """Driver -> stage, once: what to load and which layers are this stage's."""
+    """Driver -> each rank, once: what to load, which layers are its stage's and which shard of them is its own."""
 
     config: EngineConfig
-    stage: int  # 0-based; the stage's rank is stage + 1
+    stage: int  # 0-based
     num_stages: int
     max_model_len: int
+    tp_rank: int = 0  # 0-based within the stage; the process's rank is rank_of(stage, tp_rank, tp_size)
+    tp_size: int = 1
 
 
 class StageReady(msgspec.Struct, tag=True):

@@ -1,10 +1,10 @@
-"""The pipeline driver: sends each batch down N stage processes and keeps up to N batches in flight.
+"""The distributed driver: sends each batch to a grid of stage processes and keeps up to N batches in flight.
 
-Orca's distributed execution: the layers are split into stages (stage.py), the scheduler
-hands batches to the first stage while the later ones still work on earlier batches, and the last
-stage returns the sampled ids. The driver is rank 0 and holds no layers. By default it launches the
-stages here; with `external_stages` they are started elsewhere (other hosts) and all ranks meet
-through MASTER_ADDR / MASTER_PORT.
+Orca's distributed execution: the layers are split into N pipeline stages (inter-layer), and each stage's
+layers over T tensor-parallel ranks (intra-layer; stage.py). The scheduler hands batches to the first
+stage while the later ones still work on earlier batches, and the last stage returns the sampled ids.
+The driver is rank 0 and holds no layers. By default it launches the N x T ranks here; with
+`external_stages` they are started elsewhere (other hosts) and all ranks meet through MASTER_ADDR / MASTER_PORT.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from engine.parallel.frames import (
     recv_frame,
     send_frame,
 )
-from engine.parallel.stage import RENDEZVOUS_TIMEOUT, tensor_group
+from engine.parallel.stage import RENDEZVOUS_TIMEOUT, make_groups, rank_of
 
 
 class StageFailedError(RuntimeError):
@@ -50,12 +50,13 @@ def _free_port() -> int:
 
 
 class PipelineExecutor:
-    """Rank 0 of the stage group: submit batches in order, collect sampled ids in the same order."""
+    """Rank 0 of the stage grid: submit batches in order, collect sampled ids in the same order."""
 
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.num_stages = config.pipeline_stages
+        self.tp_size = config.tensor_parallel_size
         self.max_in_flight = self.num_stages
-        world = self.num_stages + 1
+        world = self.num_stages * self.tp_size + 1
         self.procs: list[subprocess.Popen] = []
         self.closing = False
         self.failed = False  # a stage died: the rest are killed, not asked to stop
@@ -67,13 +68,16 @@ class PipelineExecutor:
             config = config.with_(num_threads=config.num_threads or self._threads_per_stage(config))
             self.procs = [self._launch(rank, world, port) for rank in range(1, world)]
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=world, timeout=RENDEZVOUS_TIMEOUT)
-        self.last_rank = self.num_stages
+        self.ranks = range(1, world)
+        self.last_rank = rank_of(self.num_stages - 1, 0, self.tp_size)  # it samples
         self.pending = PendingSends()
         for stage in range(self.num_stages):
-            send_frame(StageSetup(config, stage, self.num_stages, max_model_len), stage + 1, self.pending)
-        # The stages create it too: group creation is collective.
-        tensor_group(torch.device(config.device), self.num_stages)
-        ready = [recv_frame(rank) for rank in range(1, world)]
+            for tp_rank in range(self.tp_size):
+                setup = StageSetup(config, stage, self.num_stages, max_model_len, tp_rank, self.tp_size)
+                send_frame(setup, rank_of(stage, tp_rank, self.tp_size), self.pending)
+        # The stages create them too: group creation is collective.
+        make_groups(torch.device(config.device), self.num_stages, self.tp_size)
+        ready = [recv_frame(rank) for rank in self.ranks]
         assert all(isinstance(r, StageReady) for r in ready)
         self.num_blocks = min(r.num_blocks for r in ready)
 
@@ -88,8 +92,9 @@ class PipelineExecutor:
 
     @staticmethod
     def _threads_per_stage(config: EngineConfig) -> int:
-        # Stages share this host's cores; more threads than cores makes every stage stall.
-        return max(1, (os.cpu_count() or 1) // config.pipeline_stages) if config.device == "cpu" else 1
+        # Ranks share this host's cores; more threads than cores makes every rank stall.
+        ranks = config.pipeline_stages * config.tensor_parallel_size
+        return max(1, (os.cpu_count() or 1) // ranks) if config.device == "cpu" else 1
 
     def _launch(self, rank: int, world: int, port: int) -> subprocess.Popen:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
@@ -108,10 +113,14 @@ class PipelineExecutor:
         while True:
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None:
-                    return f"pipeline stage {rank - 1} (pid {proc.pid}) exited with code {proc.returncode}"
+                    return f"{self._where(rank)} (pid {proc.pid}) exited with code {proc.returncode}"
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
+
+    def _where(self, rank: int) -> str:
+        stage, tp_rank = divmod(rank - 1, self.tp_size)
+        return f"pipeline stage {stage}" + (f" tensor-parallel rank {tp_rank}" if self.tp_size > 1 else "")
 
     def _receive_results(self) -> None:
         try:
@@ -135,11 +144,11 @@ class PipelineExecutor:
         frame = StageBatch(self.next_batch_id, batch, new, self.released)
         self.released = []
         try:
-            for rank in range(1, self.num_stages + 1):
+            for rank in self.ranks:
                 send_frame(frame, rank, self.pending)
         except RuntimeError as e:  # gloo: the peer's connection is gone
             self.failed = True
-            raise StageFailedError(f"cannot reach pipeline stage {rank - 1}: {e}") from e
+            raise StageFailedError(f"cannot reach {self._where(rank)}: {e}") from e
         self.in_flight.append((self.next_batch_id, batch, [r.request_id for r in sampling]))
         self.next_batch_id += 1
 
@@ -170,7 +179,7 @@ class PipelineExecutor:
             # Still leave no process group behind: this process may build another pipeline.
             dist.destroy_process_group()
             return
-        for rank in range(1, self.num_stages + 1):
+        for rank in self.ranks:
             send_frame(StageShutdown(), rank, self.pending)
         for proc in self.procs:
             try:

@@ -1,8 +1,11 @@
-"""A pipeline stage process: for each batch frame, run this stage's layers and pass the activations on.
+"""A stage process: for each batch frame, run this stage's layers (or this rank's shard of them) and pass the
+activations on.
 
-The first stage embeds the batch's tokens; the last applies the final norm and LM head, samples,
-and returns the sampled ids to the driver. Ranks rendezvous through the standard torch.distributed
-environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), so a stage can run on another host:
+The ranks form a grid, Orca's Figure 7: pipeline stages (inter-layer) by tensor-parallel ranks (intra-layer).
+Each rank of a stage holds a shard of every one of its layers and sums partial results with its peers; the
+first stage embeds the batch's tokens; the last applies the final norm and LM head, and its tensor-parallel
+rank 0 samples and returns the sampled ids to the driver. Ranks rendezvous through the standard
+torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), so a rank can run on another host:
 
     RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m engine.parallel.stage
 """
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from engine.core.request import Request
 from engine.model.loader import load_checkpoint
 from engine.model.sampler import Sampler
+from engine.model.sharding import TensorShard
 from engine.parallel.frames import (
     ACTIVATION_TAG,
     PendingSends,
@@ -55,36 +59,52 @@ def stage_span(num_layers: int, stage: int, num_stages: int) -> range:
 
 
 
-def tensor_group(device: torch.device, num_stages: int):
-    """The activations' process group: NCCL when each stage has a GPU of its own, else None: the (gloo) world group,
-    through host memory (NCCL refuses two ranks on one GPU). Collective: every rank calls it."""
-    if device.type == "cuda" and torch.cuda.device_count() >= num_stages:
-        return dist.new_group(backend="nccl")
-    return None
+def rank_of(stage: int, tp_rank: int, tp_size: int) -> int:
+    """The process rank of a grid position; the driver is rank 0."""
+    return 1 + stage * tp_size + tp_rank
+
+
+def make_groups(device: torch.device, num_stages: int, tp_size: int) -> tuple[object, list]:
+    """The activations' group, and each stage's tensor-parallel group. NCCL where every rank has a GPU of its own,
+    else gloo through host memory (NCCL refuses two ranks on one GPU); None means the (gloo) world group.
+    Collective: every rank, the driver included, calls it, in the same order."""
+    own_gpus = device.type == "cuda" and torch.cuda.device_count() >= num_stages * tp_size
+    activations = dist.new_group(backend="nccl") if own_gpus else None
+    tp_groups = []
+    if tp_size > 1:
+        backend = "nccl" if own_gpus else "gloo"
+        tp_groups = [dist.new_group([rank_of(s, r, tp_size) for r in range(tp_size)], backend=backend)
+                     for s in range(num_stages)]
+    return activations, tp_groups
 
 
 class Stage:
-    """One span of the decoder layers, with its own KV cache blocks; the last stage also samples."""
+    """One span of the decoder layers (one shard of each, under tensor parallelism), with its own KV cache blocks;
+    the last stage's first tensor-parallel rank also samples."""
 
     def __init__(self, setup: StageSetup):
         config = setup.config
+        device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if torch.device(config.device).type == "cuda":
-            torch.cuda.set_device(setup.stage % torch.cuda.device_count())  # one GPU per stage where there are enough
+        self.rank = rank_of(setup.stage, setup.tp_rank, setup.tp_size)
+        if device.type == "cuda":
+            torch.cuda.set_device((self.rank - 1) % torch.cuda.device_count())  # a GPU each where there are enough
+        self.tensors, tp_groups = make_groups(device, setup.num_stages, setup.tp_size)
+        # Ranks sharing a GPU send activations (and sum partial results) through gloo, which takes host tensors only.
+        self.via_host = device.type == "cuda" and self.tensors is None
+        shard = TensorShard(setup.tp_rank, setup.tp_size, tp_groups[setup.stage] if tp_groups else None, self.via_host)
         ckpt = load_checkpoint(config.model, config.seed)
         self.span = stage_span(ckpt.shape.num_layers, setup.stage, setup.num_stages)
-        self.model = build_model(ckpt, setup.max_model_len, config, self.span)
+        self.model = build_model(ckpt, setup.max_model_len, config, self.span, shard)
         tokenizer = ckpt.tokenizer  # the last stage's sampler needs it for grammars
         del ckpt
         self.num_blocks = num_kv_blocks(config, self.model.shape, len(self.span))
         self.runner = ModelRunner(config, self.model, self.num_blocks, setup.max_model_len)
-        self.sampler = Sampler(config.seed, self.runner.device, tokenizer) if self.model.is_last else None
-        self.rank = setup.stage + 1
-        self.next_rank = self.rank + 1
-        self.tensors = tensor_group(self.runner.device, setup.num_stages)
-        # Stages sharing a GPU send activations through gloo, which takes host tensors only.
-        self.via_host = self.runner.device.type == "cuda" and self.tensors is None
+        self.samples = self.model.is_last and setup.tp_rank == 0
+        self.sampler = Sampler(config.seed, self.runner.device, tokenizer) if self.samples else None
+        # Activations go to and come from the same tensor-parallel rank of the next and previous stage.
+        self.prev_rank, self.next_rank = self.rank - setup.tp_size, self.rank + setup.tp_size
         self.requests: dict[str, Request] = {}  # the last stage's copy of what sampling needs per request
         self.pending = PendingSends()
 
@@ -107,13 +127,15 @@ class Stage:
         if not self.model.is_first:
             hidden = torch.empty(batch.num_tokens, self.model.shape.hidden_size, dtype=self.runner.dtype,
                                  device="cpu" if self.via_host else self.runner.device)
-            dist.recv(hidden, self.rank - 1, group=self.tensors, tag=ACTIVATION_TAG)
+            dist.recv(hidden, self.prev_rank, group=self.tensors, tag=ACTIVATION_TAG)
             hidden = hidden.to(self.runner.device)
         out = self.runner.run(batch, hidden)
         if not self.model.is_last:
             out = out.cpu() if self.via_host else out
             self.pending.add(dist.isend(out, self.next_rank, group=self.tensors, tag=ACTIVATION_TAG), out)
             return
+        if not self.samples:
+            return  # its logits went into the gather; tensor-parallel rank 0 samples
         sampling = [self.requests[r.request_id] for r in batch.requests if r.sample]
         sampled = self.sampler(out, sampling)
         token_ids, logprobs = [], []
@@ -147,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method="env://", timeout=RENDEZVOUS_TIMEOUT)
     try:
         setup = recv_frame(DRIVER)
-        assert isinstance(setup, StageSetup) and setup.stage + 1 == dist.get_rank()
+        assert isinstance(setup, StageSetup) and rank_of(setup.stage, setup.tp_rank, setup.tp_size) == dist.get_rank()
         stage = Stage(setup)
         pending = PendingSends()
         send_frame(StageReady(stage.num_blocks), DRIVER, pending)

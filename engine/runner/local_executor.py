@@ -14,6 +14,7 @@ from engine.model.llama import LlamaModel
 from engine.model.int4 import use_int4
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
+from engine.model.sharding import TensorShard
 from engine.model.sampler import Sampler
 from engine.runner.device import int4_weights
 from engine.runner.model_runner import ModelRunner
@@ -23,11 +24,13 @@ class InjectedFault(RuntimeError):
     """Raised where EngineConfig.faults says, so tests can see what one failure takes down."""
 
 
-def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None) -> LlamaModel:
-    """The model (or one stage's span of it) on the configured device and dtype, with the checkpoint's weights."""
+def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None,
+                shard: TensorShard = TensorShard()) -> LlamaModel:
+    """The model (or one stage's span of it, or one rank's shard) on the configured device and dtype, with the
+    checkpoint's weights."""
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     with torch.device("meta"):
-        model = LlamaModel(ckpt.shape, max_position, span)
+        model = LlamaModel(ckpt.shape, max_position, span, shard)
     # Allocate without torch's random init: every parameter is overwritten next.
     model = model.to_empty(device=device)
     model.materialize_buffers()
