@@ -149,35 +149,39 @@ def _cmdline(pid: int) -> str:
 
 
 def test_killing_a_stage_under_the_server_gives_errors_then_503_then_recovers(server_factory):
+    with server_factory("--pipeline-stages", "2") as url:
+        kill_a_rank_mid_stream_then_recover(url, num_ranks=2)
+
+
+def kill_a_rank_mid_stream_then_recover(url: str, num_ranks: int) -> None:
+    """Kill the server's last stage process while a stream runs: the stream ends with an error event and [DONE],
+    the server answers 503 while the engine restarts, then 200 from new stage processes."""
     import httpx
 
-    with server_factory("--pipeline-stages", "2") as url:
-        def stage_pids() -> list[int]:
-            return [
-                p for gateway_child in _children(_server_pid(url)) for p in _children(gateway_child)
-                if "engine.parallel.stage" in _cmdline(p)
-            ]
+    def rank_pids() -> list[int]:
+        return [p for gateway_child in _children(_server_pid(url)) for p in _children(gateway_child)
+                if "engine.parallel.stage" in _cmdline(p)]
 
-        stages = stage_pids()
-        assert len(stages) == 2
-        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=url, timeout=30) as client:
-            with client.stream("POST", "/v1/completions", json=body) as stream:
-                lines = stream.iter_lines()
-                assert next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
-                os.kill(stages[1], signal.SIGKILL)
-                rest = [line for line in lines if line.startswith("data: ")]  # must end, not hang (30 s read timeout)
-            assert rest[-1] == "data: [DONE]"
-            assert any('"error"' in line for line in rest[-3:]), rest[-3:]
-            r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            assert r.status_code == 503, r.text
-            assert r.json()["error"]["type"] == "service_unavailable_error"
-            deadline = time.monotonic() + 120  # the engine and both stages are started again
-            while (r := client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code == 503:
-                assert time.monotonic() < deadline, "the engine did not come back"
-                time.sleep(0.5)
-            assert r.status_code == 200
-            assert len(stage_pids()) == 2 and not set(stage_pids()) & set(stages)
+    ranks = rank_pids()
+    assert len(ranks) == num_ranks
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
+            os.kill(ranks[-1], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]  # must end, not hang (30 s read timeout)
+        assert rest[-1] == "data: [DONE]"
+        assert any('"error"' in line for line in rest[-3:]), rest[-3:]
+        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+        deadline = time.monotonic() + 120  # the engine and every rank are started again
+        while (r := client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code == 503:
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.5)
+        assert r.status_code == 200
+        assert len(rank_pids()) == num_ranks and not set(rank_pids()) & set(ranks)
 
 
 def _server_pid(url: str) -> int:

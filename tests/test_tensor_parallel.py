@@ -3,15 +3,11 @@ weight; TP=2, TP=2 x PP=2 and (on the bundled model) TP=3 give greedy tokens ide
 staggered arrivals; a model that cannot split is refused up front; a killed rank under the server ends its
 streams with an error and the engine comes back."""
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 from conftest import PROMPTS
 from conftest import run_staggered as run_arrivals
-from test_pipeline import _children, _cmdline, _server_pid
+from test_pipeline import kill_a_rank_mid_stream_then_recover
 
 from engine import LLM, SamplingParams
 from engine.core.config import DUMMY_SHAPES, ModelShape
@@ -83,28 +79,5 @@ def test_the_bundled_model_split_three_ways_gives_the_same_tokens(checkpoint, to
 
 
 def test_killing_a_rank_under_the_server_gives_errors_then_503_then_recovers(server_factory):
-    import httpx
-
     with server_factory("--model", TINY, "--tensor-parallel-size", "2") as url:
-        def rank_pids() -> list[int]:
-            return [p for child in _children(_server_pid(url)) for p in _children(child)
-                    if "engine.parallel.stage" in _cmdline(p)]
-
-        ranks = rank_pids()
-        assert len(ranks) == 2
-        body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=url, timeout=30) as client:
-            with client.stream("POST", "/v1/completions", json=body) as stream:
-                lines = stream.iter_lines()
-                assert next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
-                os.kill(ranks[1], signal.SIGKILL)
-                rest = [line for line in lines if line.startswith("data: ")]  # must end, not hang
-            assert rest[-1] == "data: [DONE]"
-            assert any('"error"' in line for line in rest[-3:]), rest[-3:]
-            deadline = time.monotonic() + 120  # the engine and both ranks are started again
-            while (r := client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code == 503:
-                assert r.json()["error"]["type"] == "service_unavailable_error"
-                assert time.monotonic() < deadline, "the engine did not come back"
-                time.sleep(0.5)
-            assert r.status_code == 200, r.text
-            assert len(rank_pids()) == 2 and not set(rank_pids()) & set(ranks)
+        kill_a_rank_mid_stream_then_recover(url, num_ranks=2)
