@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from engine.ipc.memory import this_process
 from engine.ipc.messages import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _private_bytes() -> int:
+    memory = this_process()
+    return memory.private_bytes if memory else 0
 
 
 class Metrics:
@@ -30,6 +36,12 @@ class Metrics:
         self.iterations = Gauge("orcinus_iterations", "Engine iterations since start", registry=r)
         self.engine_rss = Gauge("orcinus_engine_resident_memory_bytes", "Resident memory of the engine process",
                                 registry=r)
+        # Resident memory less the channel rings' shared pages, which count in RSS once touched (engine/ipc/memory.py).
+        self.engine_private = Gauge("orcinus_engine_private_memory_bytes",
+                                    "Resident memory of the engine process, shared-memory pages excluded", registry=r)
+        self.gateway_private = Gauge("orcinus_gateway_private_memory_bytes",
+                                     "Resident memory of the gateway process, shared-memory pages excluded", registry=r)
+        self.gateway_private.set_function(_private_bytes)
         self.admitted = Gauge("orcinus_sequences_admitted", "Sequences sent to the engine and not finished",
                               registry=r)
         self.rejected = Counter("orcinus_requests_rejected", "Requests refused with 429 at capacity", registry=r)
@@ -63,6 +75,7 @@ class Metrics:
         self.iterations.set(s.num_iterations)
         if s.rss_bytes:
             self.engine_rss.set(s.rss_bytes)
+            self.engine_private.set(s.private_bytes)
         if s.last_iteration_seconds > 0:
             self.iteration_seconds.observe(s.last_iteration_seconds)
             self.batch_size.observe(s.last_batch_size)

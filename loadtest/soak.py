@@ -33,9 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCUST = Path(sys.executable).parent / "locust"
 MIB = 2**20
 # One sample: seconds since the start, then what /metrics says.
-COLUMNS = ["elapsed_s", "gateway_rss_mib", "engine_rss_mib", "sequences_admitted", "requests_running",
-           "requests_waiting", "kv_blocks_used", "generation_tokens", "requests_rejected", "engine_restarts"]
+COLUMNS = ["elapsed_s", "gateway_rss_mib", "engine_rss_mib", "gateway_private_mib", "engine_private_mib",
+           "requests_finished", "sequences_admitted",
+           "requests_running", "requests_waiting", "kv_blocks_used", "generation_tokens", "requests_rejected",
+           "engine_restarts"]
 METRICS = {"gateway_rss_mib": "process_resident_memory_bytes", "engine_rss_mib": "orcinus_engine_resident_memory_bytes",
+           "gateway_private_mib": "orcinus_gateway_private_memory_bytes",
+           "engine_private_mib": "orcinus_engine_private_memory_bytes",
            "sequences_admitted": "orcinus_sequences_admitted", "requests_running": "orcinus_requests_running",
            "requests_waiting": "orcinus_requests_waiting", "kv_blocks_used": "orcinus_kv_blocks_used",
            "generation_tokens": "orcinus_generation_tokens_total", "requests_rejected": "orcinus_requests_rejected_total",
@@ -62,7 +66,9 @@ def sample(url: str, headers: dict, started: float) -> dict:
     row = {"elapsed_s": round(time.monotonic() - started, 1)}
     for column, name in METRICS.items():
         value = values.get(name, float("nan"))
-        row[column] = round(value / MIB, 1) if column.endswith("_mib") else value
+        row[column] = round(value / MIB, 3) if column.endswith("_mib") else value
+    # One series per finish reason: their sum counts every finished sequence.
+    row["requests_finished"] = sum(v for k, v in values.items() if k.startswith("orcinus_requests_finished_total"))
     return row
 
 
@@ -89,9 +95,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     t = [r["elapsed_s"] / 60 for r in rows]
     fig, axes = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    for ax, column, label in ((axes[0], "gateway_rss_mib", "gateway"), (axes[1], "engine_rss_mib", "engine")):
-        values = [r[column] for r in rows]
-        ax.plot(t, values, "o-", ms=3, label=f"{label} RSS ({values[-1] - values[0]:+.1f} MiB)")
+    for ax, process in ((axes[0], "gateway"), (axes[1], "engine")):
+        for column, what in ((f"{process}_rss_mib", "RSS"), (f"{process}_private_mib", "RSS less shared memory")):
+            values = [r[column] for r in rows]
+            ax.plot(t, values, "o-", ms=3, label=f"{process} {what} ({values[-1] - values[0]:+.2f} MiB)")
         ax.set_ylabel("MiB")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
@@ -118,15 +125,29 @@ def locust_totals(out: Path) -> dict:
             "failures_by_error": failures}
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Start, end and peak of each process's RSS. Growth is counted from the first sample under load:
-    the warm-up (first batches, allocator pools) is not a leak; what keeps growing after it is."""
+# RSS, and RSS less the shared-memory pages of the channel rings: those count once a process has touched them, so
+# RSS climbs by up to the rings' 8 MiB before it flattens (engine/ipc/memory.py). A leak shows in the private part.
+MEMORY_COLUMNS = ("gateway_rss_mib", "engine_rss_mib", "gateway_private_mib", "engine_private_mib")
+
+
+def summarize(rows: list[dict], warmup_requests: int) -> dict:
+    """Start, end and peak of each process's RSS, and its growth per finished request after the warm-up (first
+    batches, allocator pools, the prefix cache filling up are not a leak; what keeps growing after them is):
+    the least-squares slope of RSS against requests finished, over the samples past `warmup_requests`."""
     out = {}
-    for column in ("gateway_rss_mib", "engine_rss_mib"):
+    after = [r for r in rows if r["requests_finished"] >= warmup_requests]
+    for column in MEMORY_COLUMNS:
         values = [r[column] for r in rows]
         loaded = values[1:] or values  # the first sample is taken before Locust's users arrive
         out[column] = {"before_load": values[0], "last": values[-1], "max": max(values),
-                       "growth_under_load": round(loaded[-1] - loaded[0], 1)}
+                       "growth_under_load": round(loaded[-1] - loaded[0], 3)}
+        if len(after) >= 3:
+            x = [r["requests_finished"] for r in after]
+            y = [r[column] * MIB / 1024 for r in after]  # KiB
+            mx, my = sum(x) / len(x), sum(y) / len(y)
+            slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / max(sum((a - mx) ** 2 for a in x), 1e-9)
+            out[column] |= {"requests_after_warmup": x[-1] - x[0], "growth_after_warmup_mib": round(after[-1][column]
+                            - after[0][column], 3), "kib_per_request_after_warmup": round(slope, 4)}
     return out
 
 
@@ -142,6 +163,7 @@ def main() -> int:
     # Locust shares the machine: an engine with more torch threads than free cores spins and slows 10x or more.
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads of a server this script starts")
     ap.add_argument("--api-key", default=os.environ.get("ORCINUS_API_KEY"), help="for /metrics if it needs one")
+    ap.add_argument("--warmup-requests", type=int, default=1000, help="finished requests before RSS growth counts")
     ap.add_argument("--out", default="benchmarks/soak", help="output directory")
     args = ap.parse_args()
     if not LOCUST.exists():
@@ -183,7 +205,7 @@ def main() -> int:
                                              "num_threads": args.num_threads,
                                              "model": args.model or "bundled SmolLM2-135M-Instruct"},
         "users": users, "duration_s": args.duration, "interval_s": args.interval,
-        "locust_exit_code": locust.returncode, "locust": locust_totals(out), "rss": summarize(rows),
+        "locust_exit_code": locust.returncode, "locust": locust_totals(out), "rss": summarize(rows, args.warmup_requests),
         "engine_restarts": rows[-1]["engine_restarts"] - rows[0]["engine_restarts"],
         "shm_segments_left": leaked,
     }

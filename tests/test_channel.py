@@ -303,3 +303,22 @@ def test_unrelated_attacher_process_neither_unlinks_nor_warns(channels):
         assert peer.recv_all() == [Abort("r10")]
     finally:
         peer.close()
+
+
+def test_shared_memory_pages_count_in_rss_but_not_in_private_memory():
+    """Why a soak's RSS climbs by up to the rings' size and then flattens: a ring page joins a process's RSS the
+    first time it is touched. engine/ipc/memory.py reports RSS without those pages."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    from engine.ipc.memory import this_process
+
+    before = this_process()
+    shm = SharedMemory(create=True, size=8 << 20)
+    try:
+        shm.buf[:] = b"\1" * len(shm.buf)  # touch every page, as a stream passing once through a ring does
+        after = this_process()
+        assert after.shared_bytes - before.shared_bytes >= 8 << 20
+        assert abs(after.private_bytes - before.private_bytes) < 4 << 20  # the bytes object above, at most
+    finally:
+        shm.close()
+        shm.unlink()

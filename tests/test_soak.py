@@ -22,6 +22,9 @@ def test_soak_smoke_run_writes_rss_samples_plot_and_locust_csvs(server, tmp_path
     rows = list(csv.DictReader(open(out / "rss.csv")))
     assert len(rows) >= 5, rows
     assert all(float(r["gateway_rss_mib"]) > 10 and float(r["engine_rss_mib"]) > 10 for r in rows), rows
+    for process in ("gateway", "engine"):  # the shared ring pages are in RSS, not in the private figure
+        assert all(10 < float(r[f"{process}_private_mib"]) < float(r[f"{process}_rss_mib"]) for r in rows), rows
+    assert float(rows[-1]["requests_finished"]) > 0
     assert [float(r["elapsed_s"]) for r in rows] == sorted(float(r["elapsed_s"]) for r in rows)
     assert max(float(r["sequences_admitted"]) for r in rows) > 0  # the samples saw the load
     assert (out / "rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -30,4 +33,4 @@ def test_soak_smoke_run_writes_rss_samples_plot_and_locust_csvs(server, tmp_path
     summary = json.loads((out / "summary.json").read_text())
     assert summary["locust"]["requests"] > 0 and summary["locust"]["failures"] == 0, summary["locust"]
     assert summary["locust_exit_code"] == 0 and summary["engine_restarts"] == 0
-    assert set(summary["rss"]) == {"gateway_rss_mib", "engine_rss_mib"}
+    assert set(summary["rss"]) == {"gateway_rss_mib", "engine_rss_mib", "gateway_private_mib", "engine_private_mib"}

@@ -82,6 +82,7 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     prefix_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache since start
     prefix_hit_tokens: int = 0  # of those, found there
     kv_blocks_cached: int = 0  # blocks whose contents the prefix cache can find
+    private_bytes: int = 0  # rss_bytes less the shared-memory pages (the channel rings) in it; 0 when unknown
 
 
 ToEngine = Union[AddRequest, Abort, Shutdown]

@@ -21,6 +21,7 @@ import msgspec
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.channel import Channel, ChannelHandle
+from engine.ipc.memory import Memory, this_process
 from engine.ipc.messages import (
     Abort,
     AddRequest,
@@ -70,7 +71,7 @@ class EngineWorker:
         self.outbox.send(EngineReady(e.model_name, e.limits, summary))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.rss_bytes, self.rss_sampled_at = 0, 0.0
+        self.memory, self.memory_sampled_at = Memory(0, 0), 0.0
 
     def run(self) -> None:
         while os.getppid() == self.parent:
@@ -122,23 +123,20 @@ class EngineWorker:
     def publish_stats(self, iteration_seconds: float) -> None:
         e = self.engine
         s = e.scheduler
+        memory = self._memory()
         self.outbox.send(EngineStats(
             s.num_running, s.num_waiting, s.kv.num_used_blocks, s.kv.num_free_blocks, e.num_iterations,
             e.last_batch_size, s.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
-            e.last_batch_tokens, iteration_seconds, self._rss(), s.prefix_queried_tokens, s.prefix_hit_tokens,
-            s.kv.num_cached_blocks,
+            e.last_batch_tokens, iteration_seconds, memory.resident_bytes, s.prefix_queried_tokens,
+            s.prefix_hit_tokens, s.kv.num_cached_blocks, memory.private_bytes,
         ))
 
-    def _rss(self) -> int:
+    def _memory(self) -> Memory:
         now = time.monotonic()
-        if now - self.rss_sampled_at >= RSS_INTERVAL:
-            self.rss_sampled_at = now
-            try:
-                with open("/proc/self/statm") as f:
-                    self.rss_bytes = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, ValueError, IndexError):
-                self.rss_bytes = 0  # not Linux: the metric stays absent
-        return self.rss_bytes
+        if now - self.memory_sampled_at >= RSS_INTERVAL:
+            self.memory_sampled_at = now
+            self.memory = this_process() or Memory(0, 0)  # not Linux: the metrics stay absent
+        return self.memory
 
     def close(self) -> None:
         self.engine.close()  # pipeline stages, if any, are stopped with it
