@@ -22,8 +22,10 @@ def test_soak_smoke_run_writes_rss_samples_plot_and_locust_csvs(server, tmp_path
     rows = list(csv.DictReader(open(out / "rss.csv")))
     assert len(rows) >= 5, rows
     assert all(float(r["gateway_rss_mib"]) > 10 and float(r["engine_rss_mib"]) > 10 for r in rows), rows
-    for process in ("gateway", "engine"):  # the shared ring pages are in RSS, not in the private figure
-        assert all(10 < float(r[f"{process}_private_mib"]) < float(r[f"{process}_rss_mib"]) for r in rows), rows
+    # The engine reports both figures from one reading: the shared ring pages are in RSS, not in the private one.
+    # The gateway's two come from separate reads of a growing process (prometheus' collector, then ours).
+    assert all(10 < float(r["engine_private_mib"]) < float(r["engine_rss_mib"]) for r in rows), rows
+    assert all(float(r["gateway_private_mib"]) > 10 for r in rows), rows
     assert float(rows[-1]["requests_finished"]) > 0
     assert [float(r["elapsed_s"]) for r in rows] == sorted(float(r["elapsed_s"]) for r in rows)
     assert max(float(r["sequences_admitted"]) for r in rows) > 0  # the samples saw the load
