@@ -18,6 +18,7 @@ import csv
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -136,18 +137,17 @@ def summarize(rows: list[dict], warmup_requests: int) -> dict:
     the least-squares slope of RSS against requests finished, over the samples past `warmup_requests`."""
     out = {}
     after = [r for r in rows if r["requests_finished"] >= warmup_requests]
+    x = [r["requests_finished"] for r in after]
     for column in MEMORY_COLUMNS:
         values = [r[column] for r in rows]
         loaded = values[1:] or values  # the first sample is taken before Locust's users arrive
         out[column] = {"before_load": values[0], "last": values[-1], "max": max(values),
                        "growth_under_load": round(loaded[-1] - loaded[0], 3)}
-        if len(after) >= 3:
-            x = [r["requests_finished"] for r in after]
-            y = [r[column] * MIB / 1024 for r in after]  # KiB
-            mx, my = sum(x) / len(x), sum(y) / len(y)
-            slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / max(sum((a - mx) ** 2 for a in x), 1e-9)
-            out[column] |= {"requests_after_warmup": x[-1] - x[0], "growth_after_warmup_mib": round(after[-1][column]
-                            - after[0][column], 3), "kib_per_request_after_warmup": round(slope, 4)}
+        if len(set(x)) >= 3:
+            fit = statistics.linear_regression(x, [r[column] * MIB / 1024 for r in after])  # KiB per request
+            out[column] |= {"requests_after_warmup": x[-1] - x[0],
+                            "growth_after_warmup_mib": round(after[-1][column] - after[0][column], 3),
+                            "kib_per_request_after_warmup": round(fit.slope, 4)}
     return out
 
 
@@ -205,7 +205,8 @@ def main() -> int:
                                              "num_threads": args.num_threads,
                                              "model": args.model or "bundled SmolLM2-135M-Instruct"},
         "users": users, "duration_s": args.duration, "interval_s": args.interval,
-        "locust_exit_code": locust.returncode, "locust": locust_totals(out), "rss": summarize(rows, args.warmup_requests),
+        "locust_exit_code": locust.returncode, "locust": locust_totals(out),
+        "rss": summarize(rows, args.warmup_requests),
         "engine_restarts": rows[-1]["engine_restarts"] - rows[0]["engine_restarts"],
         "shm_segments_left": leaked,
     }

@@ -72,7 +72,8 @@ def test_tensor_parallel_ranks_give_the_same_tokens(grid, tiny_reference):
 
 def test_the_bundled_model_split_three_ways_gives_the_same_tokens(checkpoint, tokenizer):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    want = [r.output_token_ids for r in run_arrivals(LLM(checkpoint=checkpoint, dtype="float32").engine, prompts, GREEDY)]
+    one_process = LLM(checkpoint=checkpoint, dtype="float32").engine
+    want = [r.output_token_ids for r in run_arrivals(one_process, prompts, GREEDY)]
     with LLM(tensor_parallel_size=3, dtype="float32") as llm:
         got = [r.output_token_ids for r in run_arrivals(llm.engine, prompts, GREEDY)]
     assert got == want

@@ -203,7 +203,8 @@ class LlamaModel(nn.Module):
         """Dummy weights for benchmarks: N(0, 0.02) matrices, unit norms.
 
         Each parameter draws from its own stream, seeded by its whole-model name, so every pipeline
-        split of a dummy model holds the same weights; a tensor-parallel rank draws the whole tensor and keeps its slice.
+        split of a dummy model holds the same weights; a tensor-parallel rank draws the whole tensor and
+        keeps its slice.
         """
         device = next(self.parameters()).device
         with torch.device("meta"):

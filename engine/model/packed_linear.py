@@ -28,8 +28,8 @@ class PackedLinear(nn.Linear):
         packed.in_features, packed.out_features = linear.in_features, linear.out_features
         assert linear.bias is None, "oneDNN's fused bias rounds differently from addmm: biased layers stay F.linear"
         packed.weight, packed.bias = linear.weight, None
-        packed.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT),
-                               persistent=False)
+        reordered = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT)
+        packed.register_buffer("packed_weight", reordered, persistent=False)
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,8 @@ def pack_linears(module: nn.Module) -> None:
     """Swap every bias-free nn.Linear under `module` (the int4 layers' dense fallbacks included) for a PackedLinear.
 
     Layers with a bias (Qwen2's Q/K/V) keep F.linear: oneDNN's fused bias add rounds differently from addmm's at
-    some sizes, and packing must not change a single bit. Call after the weights are cast to their final dtype: the packed copy does not follow later casts.
+    some sizes, and packing must not change a single bit. Call after the weights are cast to their final dtype:
+    the packed copy does not follow later casts.
     """
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and child.bias is None and not isinstance(child, PackedLinear):

@@ -80,7 +80,8 @@ class ModelRunner:
         self.inputs = StepInputs(config, max_model_len, self.device)
         # Graphs capture one whole model on one GPU: not a pipeline stage's span, nor a rank's shard, whose
         # collectives would have to be captured too.
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and model.is_whole and model.shard.size == 1
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and model.is_whole
+                      and model.shard.size == 1)
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             self.graphs = CudaGraphRunner(model, graph_max_tokens(config), self.device, self.dtype)
