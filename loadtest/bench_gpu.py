@@ -1,11 +1,13 @@
 """The engine on a GPU, with dummy weights of named shapes (the GPU machine has no checkpoint):
 
-(a) greedy tokens identical with CUDA graphs and eager, 32 steps of a mixed prefill/decode batch;
+(a) greedy tokens identical with CUDA graphs and eager, 32 steps of a mixed prefill/decode batch, in float32
+    (in bfloat16 a GEMM at a graph's padded row count rounds differently and flips near-ties of random weights);
 (b) decode step time per shape and batch size, eager vs graphs, against the memory-bandwidth floor
     (weight bytes + K/V bytes read per step, over the measured device copy bandwidth);
 (c) output tok/s of Orcinus vs transformers `generate` (static batches) on the same weights and the
     Orca workload (input U[32,512], output U[1,128]);
-(d) the same workload with request-level scheduling, to show the Orca effect.
+(d) the same workload with iteration- vs request-level scheduling at a batch cap below the request count
+    (with every request admitted at once both schedulers would run the same schedule), to show the Orca effect.
 Systems are interleaved across repeats and medians reported; the table comes last, JSON to --out.
 
     python loadtest/bench_gpu.py --out benchmarks/gpu/bench_gpu.json         # on the GPU machine
@@ -51,8 +53,8 @@ def free_memory() -> None:
 def make_engine(shape_name: str, args, **overrides) -> EngineCore:
     config = EngineConfig(
         model=f"dummy:{shape_name}", device=args.device, max_num_seqs=max(max(args.batches), args.requests),
-        max_num_batched_tokens=args.token_budget, kv_cache_memory=int(args.kv_gib * 2**30), **overrides,
-    )
+        max_num_batched_tokens=args.token_budget, kv_cache_memory=int(args.kv_gib * 2**30),
+    ).with_(**overrides)
     engine = build_engine(config, load_checkpoint(config.model))
     r = engine.runner
     if r.graphs is None and r.device.type == "cpu":
@@ -110,14 +112,14 @@ def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vo
 # ---------------------------------------------------------------- (a) graphs == eager
 
 def check_graphs_match_eager(args) -> dict:
-    engine = make_engine(args.shapes[0], args)
+    engine = make_engine(args.shapes[0], args, dtype=args.check_dtype)
     graphs = graph_runners(engine)
     work = workload(args.check_requests, tuple(args.check_input_len), (args.check_steps,) * 2, engine.shape.vocab_size, 1)
     outputs = {}
     for mode in MODES:
         set_graphs(engine, mode, graphs)
         outputs[mode], _ = run_to_completion(engine, work, stagger=True)
-    result = {"shape": args.shapes[0], "requests": len(work), "steps": args.check_steps,
+    result = {"shape": args.shapes[0], "dtype": args.check_dtype, "requests": len(work), "steps": args.check_steps,
               "capture": capture_cost(engine)}
     for mode in MODES[1:]:
         result[mode] = {
@@ -164,7 +166,8 @@ def decode_step_times(args, bandwidth: float) -> list[dict]:
         for batch in args.batches:
             prompt_len = args.decode_context
             # Enough tokens that nobody finishes: timed + warm-up + those decoded while others still prefill.
-            steps = args.steps * len(MODES) * args.repeats + len(MODES) + batch * prompt_len // args.token_budget + 8
+            budget = engine.config.max_num_batched_tokens
+            steps = args.steps * len(MODES) * args.repeats + len(MODES) + batch * prompt_len // budget + 8
             for i in range(batch):
                 ids = [(7 * i + j) % engine.shape.vocab_size for j in range(prompt_len)]
                 engine.add_request(ids, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
@@ -257,17 +260,18 @@ def throughput(args) -> dict:
     shape_name = args.throughput_shape
     # No prefix caching: repeats re-send the same prompts, which would then cost Orcinus (not transformers) nothing.
     orca = make_engine(shape_name, args, prefix_caching=False)
-    request_level = make_engine(shape_name, args, scheduling="request", prefix_caching=False)
+    capped = {"max_num_seqs": args.capped_seqs, "prefix_caching": False}
+    iteration_level = make_engine(shape_name, args, **capped)
+    request_level = make_engine(shape_name, args, scheduling="request", **capped)
     hf = hf_model_from(orca)
     work = workload(args.requests, tuple(args.input_len), tuple(args.output_len), orca.shape.vocab_size, seed=0)
     out_tokens = sum(n for _, n in work)
-    systems = {
-        "orcinus": lambda: run_to_completion(orca, work)[1],
-        "orcinus_request_level": lambda: run_to_completion(request_level, work)[1],
-        "transformers": lambda: run_transformers(hf, work, args.hf_batch, orca.runner.device),
-    }
+    engines = {"orcinus": orca, "orcinus_capped": iteration_level, "orcinus_request_level": request_level}
+    systems = {name: (lambda e=e: run_to_completion(e, work)[1]) for name, e in engines.items()}
+    systems["transformers"] = lambda: run_transformers(hf, work, args.hf_batch, orca.runner.device)
     small = work[: max(2, len(work) // 16)]
-    run_to_completion(orca, small), run_to_completion(request_level, small)  # warm-up
+    for e in engines.values():  # warm-up
+        run_to_completion(e, small)
     run_transformers(hf, small, args.hf_batch, orca.runner.device)
     samples = {name: [] for name in systems}
     for _ in range(args.repeats):
@@ -277,9 +281,10 @@ def throughput(args) -> dict:
     med = {name: statistics.median(v) for name, v in samples.items()}
     return {
         "shape": shape_name, "requests": len(work), "output_tokens": out_tokens, "hf_batch": args.hf_batch,
-        "samples_tok_s": samples, "median_tok_s": med,
+        "max_num_seqs": orca.config.max_num_seqs, "capped_seqs": args.capped_seqs,
+        "token_budget": orca.config.max_num_batched_tokens, "samples_tok_s": samples, "median_tok_s": med,
         "orcinus_over_transformers": med["orcinus"] / med["transformers"],
-        "iteration_over_request_level": med["orcinus"] / med["orcinus_request_level"],
+        "iteration_over_request_level": med["orcinus_capped"] / med["orcinus_request_level"],
     }
 
 
@@ -297,8 +302,8 @@ def print_table(report: dict) -> None:
     a = report["graphs_vs_eager"]
     print(f"\n== {report['device']['name']} ==")
     for mode in MODES[1:]:
-        print(f"(a) {mode} graphs vs eager, {a['shape']}: {a[mode]['identical']}/{a['requests']} requests "
-              f"token-identical over {a['steps']} steps")
+        print(f"(a) {mode} graphs vs eager, {a['shape']} {a['dtype']}: {a[mode]['identical']}/{a['requests']} "
+              f"requests token-identical over {a['steps']} steps")
     print(f"(a) capture: {a['capture']}")
     print(f"(b) copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s")
     print(f"{'shape':<14}{'batch':>6}{'eager ms':>10}{'piecew. ms':>11}{'graphs ms':>11}{'floor ms':>10}"
@@ -308,10 +313,11 @@ def print_table(report: dict) -> None:
               f"{r['floor_ms']:>10.2f}{r['graph_speedup']:>8.2f}x{r['graphs_over_floor']:>7.2f}x")
     t = report["throughput"]
     m = t["median_tok_s"]
-    print(f"(c) {t['shape']}, {t['requests']} requests: orcinus {m['orcinus']:.0f} tok/s, transformers "
-          f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}) = {t['orcinus_over_transformers']:.2f}x")
-    print(f"(d) iteration-level {m['orcinus']:.0f} vs request-level {m['orcinus_request_level']:.0f} tok/s "
-          f"= {t['iteration_over_request_level']:.2f}x")
+    print(f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}: "
+          f"orcinus {m['orcinus']:.0f} tok/s, transformers {m['transformers']:.0f} tok/s (batch {t['hf_batch']}) "
+          f"= {t['orcinus_over_transformers']:.2f}x")
+    print(f"(d) max {t['capped_seqs']} seqs: iteration-level {m['orcinus_capped']:.0f} vs request-level "
+          f"{m['orcinus_request_level']:.0f} tok/s = {t['iteration_over_request_level']:.2f}x")
 
 
 def main() -> int:
@@ -324,12 +330,14 @@ def main() -> int:
     ap.add_argument("--check-requests", type=int, default=12, help="(a): requests, arriving one per iteration")
     ap.add_argument("--check-steps", type=int, default=32, help="(a): greedy tokens per request")
     ap.add_argument("--check-input-len", type=int, nargs=2, default=[8, 300], help="(a): prompt tokens ~ U[lo, hi]")
+    ap.add_argument("--check-dtype", default="float32", help="(a): compute dtype of the identity check")
     ap.add_argument("--throughput-shape", default="llama-1b", choices=sorted(DUMMY_SHAPES))
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[1, 128])
     ap.add_argument("--hf-batch", type=int, default=64, help="transformers' static batch size")
-    ap.add_argument("--token-budget", type=int, default=256, help="max_num_batched_tokens")
+    ap.add_argument("--capped-seqs", type=int, default=64, help="(d): max_num_seqs of both schedulers")
+    ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens; default: the engine's")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache per engine (engines are co-resident)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script itself")
@@ -339,6 +347,7 @@ def main() -> int:
         args.shapes, args.batches, args.steps, args.repeats = args.shapes[:1], [1, 2], 2, 1
         args.throughput_shape, args.requests, args.input_len, args.output_len = args.shapes[0], 6, [8, 24], [1, 6]
         args.hf_batch, args.token_budget, args.kv_gib, args.decode_context = 4, 64, 0.05, 16
+        args.capped_seqs = 2
         args.check_requests, args.check_steps, args.check_input_len = 4, 6, [4, 40]
     device = torch.device(args.device)
     torch.manual_seed(0)

@@ -2,9 +2,11 @@
 # The GPU bring-up check, for a bare GPU machine with no network (one H100/H200), in under 9 minutes.
 #
 #   loadtest/gpu_check.sh OUT_DIR          kernels, graphs, quick benchmarks (fails fast: quick sizes first)
-#   loadtest/gpu_check.sh OUT_DIR --long   the measurements: bench_attention, bench_gpu at full size,
-#                                          a served dummy:llama-1b (SDK, bench_serving), 2 pipeline stages,
-#                                          iteration- vs request-level scheduling served (compare_scheduling)
+#   loadtest/gpu_check.sh OUT_DIR --long [STEP...]
+#                                          the measurements: bench_attention, bench_gpu at full size,
+#                                          serve (a served dummy:llama-1b: SDK, bench_serving; 2 pipeline stages
+#                                          and 2 tensor-parallel ranks on one GPU), scheduling (iteration- vs
+#                                          request-level, served); only the STEPs named, if any
 #
 # It uses the machine's python3 (with its torch and CuPy) and installs what it lacks from the wheels in
 # .whl/ (make them here with loadtest/gpu_wheels.sh, then carry .whl along). Every log and JSON goes
@@ -12,6 +14,8 @@
 set -uo pipefail
 OUT=${1:?usage: loadtest/gpu_check.sh OUT_DIR [--long]}
 MODE=${2:-quick}
+shift $(($# < 2 ? $# : 2))
+ONLY=" $* "  # the --long steps to run; blank = all
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,6 +31,7 @@ FAILED=0
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output to OUT/NAME.log
     local name=$1 limit=$2 start rc
     shift 2
+    if [ "$ONLY" != "  " ] && [[ "$ONLY" != *" $name "* ]]; then return; fi
     echo "== $name: $*"
     start=$(date +%s)
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -43,10 +48,10 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output t
 } 2>&1 | tee "$OUT/env.log"
 
 if [ "$MODE" = "--long" ]; then
-    # Together at most 580 s, so one 10-minute call of a lent machine runs them all.
-    step bench_attention 80 $PY loadtest/bench_attention.py --out "$OUT/bench_attention.json"
-    step bench_gpu 290 $PY loadtest/bench_gpu.py --out "$OUT/bench_gpu.json"
-    step serve 100 $PY loadtest/gpu_serve_check.py --out "$OUT/serve.json"
+    # Together at most 580 s, so one 10-minute call of a lent machine runs them all; name steps to split them.
+    step bench_attention 70 $PY loadtest/bench_attention.py --out "$OUT/bench_attention.json"
+    step bench_gpu 260 $PY loadtest/bench_gpu.py --out "$OUT/bench_gpu.json"
+    step serve 140 $PY loadtest/gpu_serve_check.py --out "$OUT/serve.json"
     step scheduling 110 $PY loadtest/compare_scheduling.py --model dummy:llama-1b --rates 20 40 80 \
         --num-prompts 120 --input-len 32 512 --max-num-seqs 64 --kv-cache-memory $((4 * 2**30)) \
         --out "$OUT/scheduling.json" --plot "$OUT/scheduling.png"

@@ -1,6 +1,9 @@
 """The served GPU path end to end: `orcinus serve --model dummy:llama-1b` answers the OpenAI SDK (streaming
-and not) and a short closed-loop `bench_serving.py`; then 2 pipeline stages on one GPU (NCCL) give the
-tokens of one stage. Part of `loadtest/gpu_check.sh OUT --long`.
+and not) and a short closed-loop `bench_serving.py`; then the grid on one GPU: 2 pipeline stages give the
+tokens of one stage (both eager: a partial stage never replays graphs, and graphs' padded bf16 GEMMs round
+apart), and 2 tensor-parallel ranks those of one process in float32 (their all-reduce sums in another
+order, so only near-ties of random weights may differ: reported, not required).
+Part of `loadtest/gpu_check.sh OUT --long`.
 
     python loadtest/gpu_serve_check.py --out serve.json
 """
@@ -36,16 +39,17 @@ def check_sdk(url: str) -> dict:
             "finish_reason": whole.choices[0].finish_reason}
 
 
-def check_pipeline() -> dict:
+def check_grid(layout: dict, **config) -> dict:
+    """Greedy tokens of one process vs the `layout` (pipeline_stages / tensor_parallel_size) on cuda:0."""
     from engine import LLM, SamplingParams
 
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(20 + 13 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    outputs = {}
-    for stages in (1, 2):
-        with LLM(MODEL, device="cuda", pipeline_stages=stages, kv_cache_memory=2**30) as llm:
-            outputs[stages] = [c.token_ids for c in llm.generate(prompts, params)]
-    return {"identical": sum(a == b for a, b in zip(outputs[1], outputs[2])), "prompts": len(prompts)}
+    outputs = []
+    for grid in ({}, layout):
+        with LLM(MODEL, device="cuda", kv_cache_memory=2**30, **grid, **config) as llm:
+            outputs.append([c.token_ids for c in llm.generate(prompts, params)])
+    return {"identical": sum(a == b for a, b in zip(*outputs)), "prompts": len(prompts), **layout, **config}
 
 
 def main() -> int:
@@ -67,8 +71,10 @@ def main() -> int:
         print(report["bench_serving"]["tail"], flush=True)
     finally:
         report["shm_left"] = stop_server(proc)
-    report["pipeline_2_stages"] = check_pipeline()
+    report["pipeline_2_stages"] = check_grid({"pipeline_stages": 2}, enforce_eager=True)
     print("pipeline", report["pipeline_2_stages"], flush=True)
+    report["tensor_parallel_2"] = check_grid({"tensor_parallel_size": 2}, dtype="float32")
+    print("tensor parallel", report["tensor_parallel_2"], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     ok = report["sdk"]["streamed_equals_whole"] and report["sdk"]["completion_tokens"] == 16 and \

@@ -23,5 +23,9 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
     assert all(r["eager_ms"] > 0 and r["piecewise_ms"] > 0 and r["graphs_ms"] > 0 and r["floor_ms"] > 0
                for r in report["decode_steps"])
     t = report["throughput"]
-    assert t["requests"] == 6 and set(t["median_tok_s"]) == {"orcinus", "orcinus_request_level", "transformers"}
-    assert "(d) iteration-level" in proc.stdout.splitlines()[-2]  # the table comes last
+    assert t["requests"] == 6 and set(t["median_tok_s"]) == {
+        "orcinus", "orcinus_capped", "orcinus_request_level", "transformers"}
+    # With every request admitted at once both schedulers would run one schedule: (d) caps the batch below it.
+    assert t["capped_seqs"] < t["requests"] <= t["max_num_seqs"]
+    assert a["dtype"] == "float32"
+    assert proc.stdout.splitlines()[-2].startswith("(d) max 2 seqs: iteration-level")  # the table comes last
