@@ -10,6 +10,8 @@ from conftest import run_staggered as run_arrivals
 from test_pipeline import kill_a_rank_mid_stream_then_recover
 
 from engine import LLM, SamplingParams
+from engine.parallel import pipeline
+from engine.parallel.frames import StageBatch
 from engine.core.config import DUMMY_SHAPES, ModelShape
 from engine.model.llama import LlamaModel
 from engine.model.sharding import TensorParallelError, TensorShard, check_splittable
@@ -62,12 +64,23 @@ def tiny_reference():
 
 @pytest.mark.parametrize("grid", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, pipeline_stages=2)],
                          ids=["tp2", "tp2xpp2"])
-def test_tensor_parallel_ranks_give_the_same_tokens(grid, tiny_reference):
+def test_tensor_parallel_ranks_give_the_same_tokens(grid, tiny_reference, monkeypatch):
+    sent = []  # (rank, frame) of every batch the driver sends
+    real_send = pipeline.send_frame
+    monkeypatch.setattr(pipeline, "send_frame", lambda frame, rank, pending: (
+        sent.append((rank, frame)) if isinstance(frame, StageBatch) else None, real_send(frame, rank, pending)))
     with LLM(model=TINY, dtype="float32", **grid) as llm:
         executor = llm.engine.executor
         assert len(executor.procs) == grid["tensor_parallel_size"] * grid.get("pipeline_stages", 1)
         got = [r.output_token_ids for r in run_arrivals(llm.engine, TINY_PROMPTS, GREEDY)]
     assert got == tiny_reference
+    # Per-request sampling state goes to the sampling rank alone, every request once.
+    sampler = [f for rank, f in sent if rank == executor.last_rank]
+    sampled = {r.request_id for f in sampler for r in f.batch.requests if r.sample}
+    assert sorted(s.request_id for f in sampler for s in f.new_requests) == sorted(sampled)
+    assert len(sampled) == len(TINY_PROMPTS)
+    assert all(not f.new_requests and not f.released for rank, f in sent if rank != executor.last_rank)
+    assert len(sent) == len(sampler) * len(executor.ranks)
 
 
 def test_the_bundled_model_split_three_ways_gives_the_same_tokens(checkpoint, tokenizer):

@@ -45,7 +45,7 @@ class SamplingState(msgspec.Struct, array_like=True):
 
 
 class StageBatch(msgspec.Struct, tag=True):
-    """Driver -> every stage, per iteration: the batch, plus requests to start or stop tracking."""
+    """Driver -> every stage, per iteration: the batch; to the sampling rank also requests to start or stop tracking."""
 
     batch_id: int
     batch: Batch

@@ -141,11 +141,13 @@ class PipelineExecutor:
             for r in sampling if r.request_id not in self.known
         ]
         self.known.update(s.request_id for s in new)
-        frame = StageBatch(self.next_batch_id, batch, new, self.released)
+        # Only the sampling rank keeps per-request state; the others get the batch alone.
+        sampler_frame = StageBatch(self.next_batch_id, batch, new, self.released)
+        frame = StageBatch(self.next_batch_id, batch, [], []) if new or self.released else sampler_frame
         self.released = []
         try:
             for rank in self.ranks:
-                send_frame(frame, rank, self.pending)
+                send_frame(sampler_frame if rank == self.last_rank else frame, rank, self.pending)
         except RuntimeError as e:  # gloo: the peer's connection is gone
             self.failed = True
             raise StageFailedError(f"cannot reach {self._where(rank)}: {e}") from e
