@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import llguidance
 import msgspec
 
@@ -14,12 +16,19 @@ ANY_OBJECT = {"type": "object"}
 
 def json_schema_grammar(schema: dict, param: str = "response_format") -> str:
     """The grammar of JSON documents matching `schema`; InvalidRequestError naming `param` if it cannot be one."""
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(msgspec.json.encode(schema).decode(),
-                                                                 defaults=JSON_OPTIONS)
-    except Exception as e:  # noqa: BLE001 - whatever a client's schema makes the compiler raise is a 400
-        raise InvalidRequestError(f"invalid JSON schema: {e}", param) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    grammar, error = _compile(msgspec.json.encode(schema).decode())
     if error:
-        raise InvalidRequestError(f"unsupported JSON schema: {error}", param)
+        raise InvalidRequestError(error, param)
     return grammar
+
+
+# Validation and the handler both need a request's grammars, and clients resend the same schemas: compile once.
+@functools.lru_cache(maxsize=256)
+def _compile(schema: str) -> tuple[str, str | None]:
+    """(grammar, None), or ("", why the schema cannot be one)."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except Exception as e:  # noqa: BLE001 - whatever a client's schema makes the compiler raise is a 400
+        return "", f"invalid JSON schema: {e}"
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    return (grammar, None) if not error else ("", f"unsupported JSON schema: {error}")

@@ -1,6 +1,6 @@
 """Tool calling through the OpenAI SDK: a named or required tool_choice always yields a valid call, streamed
 deltas assemble to the whole response, `auto` answers are well formed, history with calls is accepted, and
-unknown tools or bad schemas are 400s."""
+unknown tools or bad schemas are 400s, and a schema compiles once however often a request asks."""
 
 import json
 
@@ -119,3 +119,18 @@ def test_a_template_that_renders_tools_gets_them_and_its_wrappers_are_understood
     call = plan.parse('<tool_call>\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n</tool_call>')
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
     assert plan.parse('{"name": "nope", "arguments": {}}') is None and plan.parse("[1, 2]") is None
+
+
+def test_each_schema_of_a_request_compiles_once_however_often_it_is_asked_for():
+    from gateway import structured
+    from gateway.protocol import ChatCompletionRequest, decode_request
+
+    structured._compile.cache_clear()
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 5}
+    for _ in range(3):  # as the server does: decode + validate, then the handler's plan and params
+        req = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+        req.tool_plan()
+        params = req.to_sampling_params()
+    info = structured._compile.cache_info()
+    assert info.misses == 3  # the two functions' parameters and the call object of either
+    assert info.hits > 0 and params.grammar and params.grammar == req.tool_plan().grammar()
