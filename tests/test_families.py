@@ -47,7 +47,7 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
     hf = build(kind, tmp_path, **extra)
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
-    assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_scaling is not None) == ("rope_parameters" in extra)
+    assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_freq_factors is not None) == ("rope_parameters" in extra)
     if kind == "mistral":
         assert llm.engine.max_model_len == 256  # the window: every attended key is inside it
     assert_matches(llm, hf, case)
@@ -142,18 +142,15 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
 
 @pytest.mark.parametrize("case", ["qwen2 untied", "qwen2 tied", "llama 3.1 (scaled rope)"])
 def test_a_gguf_of_the_family_matches_transformers(case, tmp_path):
-    from engine.core.config import RopeScaling
-    from engine.model.llama import llama3_scaled
+    from engine.model.llama import RopeScaling
 
     kind, extra = CASES[case]
     hf = build(kind, tmp_path / "hf", **extra)
     factors = None
     if "rope_parameters" in extra:  # llama.cpp keeps Llama 3.1's scaling as each frequency's divisor
         r = extra["rope_parameters"]
-        base = 1.0 / (r["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
-        scaled = llama3_scaled(base, RopeScaling(r["factor"], r["low_freq_factor"], r["high_freq_factor"],
-                                                 r["original_max_position_embeddings"]))
-        factors = (base / scaled).tolist()
+        factors = RopeScaling(r["factor"], r["low_freq_factor"], r["high_freq_factor"],
+                              r["original_max_position_embeddings"]).freq_factors(16, r["rope_theta"])
     path = tmp_path / "model.gguf"
     write_gguf(hf, kind, path, factors)
     llm = LLM(str(path), dtype="float32", max_num_seqs=4)

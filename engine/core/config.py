@@ -7,16 +7,6 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1's RoPE frequency scaling: long wavelengths slowed by `factor`, short ones kept, a ramp between."""
-
-    factor: float = 8.0  # how much the long wavelengths are stretched
-    low_freq_factor: float = 1.0  # wavelengths above original_max_position / this are scaled fully
-    high_freq_factor: float = 4.0  # wavelengths below original_max_position / this are not scaled
-    original_max_position: int = 8192  # the context the base frequencies were trained for
-
-
-@dataclass(frozen=True)
 class ModelShape:
     """Dimensions of a Llama-architecture decoder, and the small ways its families differ."""
 
@@ -32,8 +22,8 @@ class ModelShape:
     max_position: int = 8192  # context window the model was trained for
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
     qkv_bias: bool = False  # Qwen2: biases on the Q, K and V projections
-    rope_scaling: RopeScaling | None = None  # Llama 3.1 and later: scaled RoPE frequencies
-    rope_freq_factors: tuple[float, ...] | None = None  # the same from a GGUF: each frequency's divisor
+    # Llama 3.1 and later: each RoPE frequency's divisor (a GGUF's rope_freqs, or from config.json's rope_scaling)
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @property
     def num_params(self) -> int:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.core.config import ModelShape, RopeScaling
+from engine.core.config import ModelShape
 from engine.model.sharding import TensorShard
 
 
@@ -32,12 +33,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
 
-    def __init__(self, head_dim: int, theta: float, max_position: int, scaling: RopeScaling | None = None,
-                 freq_factors: tuple[float, ...] | None = None):
+    def __init__(self, head_dim: int, theta: float, max_position: int, freq_factors: tuple[float, ...] | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
-            inv_freq = llama3_scaled(inv_freq, scaling)
+        inv_freq = base_frequencies(head_dim, theta)
         if freq_factors is not None:
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
@@ -51,17 +49,31 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    """Llama 3.1's frequencies (as transformers' `llama3` rope type): wavelengths longer than the original context
-    over low_freq_factor are stretched by `factor`, shorter than it over high_freq_factor kept, a ramp between."""
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen = s.original_max_position / s.low_freq_factor
-    high_wavelen = s.original_max_position / s.high_freq_factor
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling: long wavelengths slowed by `factor`, short ones kept, a ramp between."""
+
+    factor: float = 8.0  # how much the long wavelengths are stretched
+    low_freq_factor: float = 1.0  # wavelengths above original_max_position / this are scaled fully
+    high_freq_factor: float = 4.0  # wavelengths below original_max_position / this are not scaled
+    original_max_position: int = 8192  # the context the base frequencies were trained for
+
+    def freq_factors(self, head_dim: int, theta: float) -> tuple[float, ...]:
+        """Each frequency's divisor, as llama.cpp stores the scaling (transformers' `llama3` rope type)."""
+        inv_freq = base_frequencies(head_dim, theta)
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = self.original_max_position / self.low_freq_factor
+        high_wavelen = self.original_max_position / self.high_freq_factor
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return tuple((inv_freq / torch.where(medium, smoothed, scaled)).tolist())
 
 
 class DecoderLayer(nn.Module):
@@ -140,8 +152,7 @@ class LlamaModel(nn.Module):
         """(Re)build what is computed rather than loaded, on the parameters' device; re-tie the LM head."""
         shape = self.shape
         with next(self.parameters()).device:
-            self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position, shape.rope_scaling,
-                                 shape.rope_freq_factors)
+            self.rotary = Rotary(shape.head_dim, shape.rope_theta, self.max_position, shape.rope_freq_factors)
         if shape.tie_word_embeddings and self.is_whole:
             self.lm_head.weight = self.embed_tokens.weight
 

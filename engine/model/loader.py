@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from engine.core.config import DUMMY_SHAPES, ModelShape, RopeScaling
+from engine.core.config import DUMMY_SHAPES, ModelShape
+from engine.model.llama import RopeScaling
 from engine.model.model_files import ModelNotFoundError, default_model_path
 
 
@@ -154,6 +155,8 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     elif kind != "default":
         raise ValueError(f"unsupported RoPE scaling {kind!r}: supported are default and llama3")
     num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
     max_position = cfg.get("max_position_embeddings", 2048)
     window = cfg.get("sliding_window")
     if window and cfg.get("use_sliding_window", family == "mistral") and window < max_position:
@@ -166,12 +169,12 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        head_dim=head_dim,
+        rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position=max_position,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_scaling=scaling,
+        rope_freq_factors=scaling.freq_factors(head_dim, theta) if scaling else None,
         **HF_FAMILIES[family],
     )
 
