@@ -53,6 +53,10 @@ DUMMY_SHAPES: dict[str, ModelShape] = {
 }
 
 
+class InjectedFault(RuntimeError):
+    """Raised where a FaultPlan says, so tests can see what one failure takes down."""
+
+
 @dataclass(frozen=True)
 class FaultPlan:
     """Failures a test injects into a running engine, to check that each fails only what it should."""
@@ -60,6 +64,19 @@ class FaultPlan:
     sampler_token: int | None = None  # sampling raises for any request whose prompt holds this token id
     runner_iterations: tuple[int, ...] = ()  # the forward pass raises on these iterations (1 = the first)
     publish_token: int | None = None  # the engine process raises publishing any request whose prompt holds this id
+
+    # One check per injection point, called there; with no plan (FaultPlan()) each is a no-op.
+    def at_forward(self, iteration: int) -> None:
+        if iteration in self.runner_iterations:
+            raise InjectedFault(f"injected into the forward pass of iteration {iteration}")
+
+    def at_sampling(self, prompts: list[list[int]]) -> None:
+        if self.sampler_token is not None and any(self.sampler_token in p for p in prompts):
+            raise InjectedFault("injected into sampling")
+
+    def at_publish(self, prompt: list[int]) -> None:
+        if self.publish_token is not None and self.publish_token in prompt:
+            raise InjectedFault("injected into publishing")
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,7 @@ class EngineConfig:
     external_stages: bool = False  # stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT
     seed: int = 0  # seeds dummy weights and unseeded sampling
     num_threads: int | None = None  # torch CPU threads; None = torch's default
-    faults: FaultPlan | None = None  # tests only: failures to inject (engine/runner/local_executor.py)
+    faults: FaultPlan | None = None  # tests only: failures to inject (FaultPlan.at_* where they happen)
 
     def with_(self, **changes) -> EngineConfig:
         return replace(self, **changes)

@@ -18,7 +18,7 @@ import time
 
 import msgspec
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, FaultPlan
 from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.channel import Channel, ChannelHandle
 from engine.ipc.memory import Memory, this_process
@@ -72,6 +72,7 @@ class EngineWorker:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.memory, self.memory_sampled_at = Memory(0, 0), 0.0
+        self.faults = c.faults or FaultPlan()
 
     def run(self) -> None:
         while os.getppid() == self.parent:
@@ -111,9 +112,7 @@ class EngineWorker:
         self.publish_stats(elapsed)
 
     def delta(self, req) -> TokenDelta:
-        faults = self.engine.config.faults
-        if faults is not None and faults.publish_token in req.prompt_token_ids:
-            raise RuntimeError("injected into publishing")
+        self.faults.at_publish(req.prompt_token_ids)
         lp = None
         if req.params.logprobs is not None:
             last = req.output_logprobs[-1]

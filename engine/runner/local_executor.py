@@ -20,10 +20,6 @@ from engine.runner.device import int4_weights
 from engine.runner.model_runner import ModelRunner
 
 
-class InjectedFault(RuntimeError):
-    """Raised where EngineConfig.faults says, so tests can see what one failure takes down."""
-
-
 def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None,
                 shard: TensorShard = TensorShard()) -> LlamaModel:
     """The model (or one stage's span of it, or one rank's shard) on the configured device and dtype, with the
@@ -71,8 +67,7 @@ class LocalExecutor:
         """Run and sample; what raises fails only the requests it can be traced to, and the engine goes on."""
         self.num_submitted += 1
         try:
-            if self.num_submitted in self.faults.runner_iterations:
-                raise InjectedFault(f"injected into the forward pass of iteration {self.num_submitted}")
+            self.faults.at_forward(self.num_submitted)
             logits = self.runner.run(batch)
         except Exception as e:
             if self.runner.device.type == "cuda":
@@ -95,9 +90,7 @@ class LocalExecutor:
             return out
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> Sampled:
-        token = self.faults.sampler_token
-        if token is not None and any(token in r.prompt_token_ids for r in sampling):
-            raise InjectedFault("injected into sampling")
+        self.faults.at_sampling([r.prompt_token_ids for r in sampling])
         return self.sampler(logits, sampling)
 
     def collect(self) -> tuple[Batch, Sampled]:
