@@ -56,7 +56,7 @@ if [ "$MODE" = "--long" ]; then
         --num-prompts 120 --input-len 32 512 --max-num-seqs 64 --kv-cache-memory $((4 * 2**30)) \
         --out "$OUT/scheduling.json" --plot "$OUT/scheduling.png"
 else
-    step kernels 120 $PY -m pytest -q -x --gpu tests/test_cuda_kernels.py
+    step kernels 120 $PY -m pytest -q -x --gpu tests/test_cuda_kernels.py tests/test_varlen_prefill.py
     step graphs 150 $PY -m pytest -q -x --gpu tests/test_cuda_graphs.py
     step bench_gpu_quick 120 $PY loadtest/bench_gpu.py --quick --device cuda --out "$OUT/bench_gpu_quick.json"
     step bench_attention_quick 90 $PY loadtest/bench_attention.py --iters 5 --out "$OUT/bench_attention_quick.json"

@@ -1,4 +1,5 @@
-"""Ragged paged attention: the backend interface, the PyTorch reference, and the CuPy kernel backend.
+"""Ragged paged attention: the backend interface, the PyTorch reference, the CuPy kernel backend (with
+variable-length flash attention for prefills) and the CPU C++ op.
 
 Depends on nothing else in the engine; the model calls a backend once per layer.
 """

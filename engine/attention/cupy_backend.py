@@ -2,8 +2,9 @@
 
 One kernel writes this iteration's K/V into the paged cache; one kernel attends every decoding
 request to its paged context (grid: request x KV head x KV split), and a small reduction combines the
-splits when there is more than one. Multi-token queries (prefill chunks) go to PyTorch's fused SDPA,
-whose flash kernels use tensor cores; a per-token kernel re-reading each token's prefix cannot.
+splits when there is more than one. Multi-token queries (prefill chunks) go, all in one call, to PyTorch's
+variable-length flash attention (engine/attention/varlen_prefill.py), which uses tensor cores; a per-token
+kernel re-reading each token's prefix cannot.
 Everything runs on PyTorch's current stream on the tensors' own memory (raw `data_ptr()`s), so there
 are no copies and no synchronisation; the split count comes from host-side lengths.
 
@@ -25,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttention, attend_prefill
+from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
 
 KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "paged_decode_attention.cu"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -78,6 +80,8 @@ class CudaAttention:
         self._sm_count: dict[int, int] = {}
         self._kernels: dict = {}  # (name, device) -> function; compiled on first use, so the CPU fallback never pays
         self._streams: dict = {}  # (device, torch stream pointer) -> CuPy's handle on that same stream
+        self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here
+        self._plan_meta, self._plan = None, None  # the step whose PrefillPlan is cached
 
     @classmethod
     def _load_module(cls, cp):
@@ -133,14 +137,27 @@ class CudaAttention:
         decode_lens = [c for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n == 1]
         out = self.attend(q, kv_cache, meta, max(decode_lens)) if decode_lens else torch.empty_like(q)
         if len(decode_lens) < meta.num_requests:  # after the kernel: it leaves prefill rows alone
-            qsl = meta.query_starts_cpu
-            # Not cuDNN's SDPA: it builds a plan for every new (query, context) shape, ~0.1-0.6 s each, and
-            # prefill chunks come in ever new shapes (seen on an H100: mixed steps 60x slower until warm).
-            with sdpa_kernel(PREFILL_SDPA):
-                for i, n in enumerate(meta.query_lens_cpu):
-                    if n > 1:
-                        attend_prefill(q, kv_cache, meta, i, qsl, out)
+            self._attend_prefills(q, kv_cache, meta, out)
         return out
+
+    def _attend_prefills(self, q, kv_cache, meta: AttentionMetadata, out) -> None:
+        """All prefill chunks in one flash-attention call where it runs (bf16/f16), else one SDPA each."""
+        if self.prefill_kernel == "flash" and q.dtype != torch.float32 and q.shape[2] % 8 == 0 and q.shape[2] <= 256:
+            if self._plan_meta is not meta:  # once per step: every layer shares the gather plan
+                self._plan_meta, self._plan = meta, PrefillPlan.build(meta, kv_cache.shape[3])
+            try:
+                attend_prefills(q, kv_cache, self._plan, out, flash_varlen)
+                return
+            except RuntimeError as e:  # a PyTorch built without flash attention, an older GPU
+                warnings.warn(f"flash varlen attention is unusable here, prefills go one SDPA each: {e}", stacklevel=2)
+                self.prefill_kernel = "sdpa"
+        qsl = meta.query_starts_cpu
+        # Not cuDNN's SDPA: it builds a plan for every new (query, context) shape, ~0.1-0.6 s each, and
+        # prefill chunks come in ever new shapes (seen on an H100: mixed steps 60x slower until warm).
+        with sdpa_kernel(PREFILL_SDPA):
+            for i, n in enumerate(meta.query_lens_cpu):
+                if n > 1:
+                    attend_prefill(q, kv_cache, meta, i, qsl, out)
 
     def forward_decode(self, q, k, v, kv_cache, meta: AttentionMetadata):
         if not self._fits(q):
