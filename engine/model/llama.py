@@ -39,14 +39,18 @@ class Rotary(nn.Module):
         if freq_factors is not None:
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
-        # cos and sin side by side: one gather and one cast per call instead of two of each.
-        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # [positions, 2, D]: cos for both halves, then -sin and sin, so a call is one gather and
+        # x * cos + swap_halves(x) * sin (5 kernels; 9 with the halves apart). build_model casts it to the
+        # compute dtype once: the same values a cast per call gave.
+        table = torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)), dim=1)
+        self.register_buffer("table", table, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (queries and keys together) rotated by each row's position."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).to(x.dtype).chunk(2, dim=-1)  # [T, 1, D/2] each
+        cos, sin = self.table[positions].to(x.dtype).unsqueeze(2).unbind(1)  # [T, 1, D] each
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:

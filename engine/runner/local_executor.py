@@ -36,9 +36,9 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         model.init_random(config.seed)
     if int4_weights(config, ckpt.quantization):
         use_int4(model, dtype, config.int4_max_rows)  # from the float32 weights, before the cast below
-    # Parameters only: the RoPE tables stay float32.
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    model.rotary.to(dtype)  # its table is computed in float32, read in the compute dtype
     if can_pack(device, dtype):
         pack_linears(model)
     return model.eval().requires_grad_(False)
