@@ -3,7 +3,8 @@
 Both systems run the same prompts at each batch size, interleaved and repeated; decode time is
 (time for N tokens) - (time for 1 token), so prefill is excluded for both. Reports medians. In bfloat16,
 Orcinus runs twice: with its defaults (4-bit copies of the Q4_1 projections for small batches) and with
-`weights="dense"` (bfloat16 weights, as transformers reads them).
+`weights="dense"` (bfloat16 weights, as transformers reads them). `--compare-unfused` adds Orcinus's defaults
+with PyTorch's RMSNorm and SiLU-and-multiply in place of the fused C++ token ops, for an A/B in one run.
 
     .venv/bin/python loadtest/bench_offline.py --dtype bfloat16 --out benchmarks/offline_cpu.json
 """
@@ -65,6 +66,18 @@ def time_transformers(model, prompts: list[list[int]], num_tokens: int, pad_id: 
     return time.perf_counter() - t
 
 
+def unfused_llm(**kw) -> LLM:
+    """An engine whose model keeps PyTorch's token-wise ops (the fused C++ ones are a build-time choice)."""
+    from engine.runner import local_executor
+
+    fuse = local_executor.can_fuse
+    local_executor.can_fuse = lambda device, dtype: False
+    try:
+        return LLM(**kw)
+    finally:
+        local_executor.can_fuse = fuse
+
+
 def machine() -> dict:
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     return {
@@ -79,6 +92,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both systems' dtype")
+    ap.add_argument("--compare-unfused", action="store_true", help="also run without the fused CPU token ops")
     ap.add_argument("--out", default="benchmarks/offline_cpu.json")
     args = ap.parse_args()
 
@@ -95,6 +109,9 @@ def main() -> None:
     if args.dtype == "bfloat16":
         dense = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype, weights="dense")
         runners["orcinus-dense"] = lambda p, n: time_orcinus(dense, p, n)
+    if args.compare_unfused:
+        unfused = unfused_llm(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
+        runners["orcinus-unfused"] = lambda p, n: time_orcinus(unfused, p, n)
     runners["transformers"] = lambda p, n: time_transformers(hf, p, n, pad_id)
     results = {}
     for batch in args.batches:

@@ -10,24 +10,12 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.core.config import ModelShape
 from engine.model.sharding import TensorShard
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel: bit-identical to transformers' formula in float32; in bfloat16 it keeps the
-        # statistics in float32 and rounds once (the formula rounds twice), so it is closer to float32 too.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+from engine.model.token_ops import RMSNorm, SiluAndMul
 
 
 class Rotary(nn.Module):
@@ -95,6 +83,7 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.gate_up_proj = nn.Linear(h, 2 * shape.intermediate_size, bias=False)
+        self.act = SiluAndMul()
         self.down_proj = nn.Linear(shape.intermediate_size, h, bias=False)
 
     def forward(self, x, positions, rotary, kv_cache, meta, attention: AttentionBackend):
@@ -115,9 +104,8 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, x, attn):
         """Output projection and MLP, each with its residual: ([T, hidden], [T, Hq, D]) -> [T, hidden]."""
-        x = x + self.shard.all_reduce(self.o_proj(attn.view(-1, self.q_size)))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
+        x, h = self.post_attention_layernorm(self.shard.all_reduce(self.o_proj(attn.view(-1, self.q_size))), x)
+        return x + self.shard.all_reduce(self.down_proj(self.act(self.gate_up_proj(h))))
 
 
 class LlamaModel(nn.Module):

@@ -16,6 +16,7 @@ from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.sharding import TensorShard
 from engine.model.sampler import Sampler
+from engine.model.token_ops import can_fuse, fuse_token_ops
 from engine.runner.device import int4_weights
 from engine.runner.model_runner import ModelRunner
 
@@ -41,6 +42,8 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     model.rotary.to(dtype)  # its table is computed in float32, read in the compute dtype
     if can_pack(device, dtype):
         pack_linears(model)
+    if can_fuse(device, dtype):
+        fuse_token_ops(model)
     return model.eval().requires_grad_(False)
 
 

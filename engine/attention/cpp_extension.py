@@ -1,0 +1,38 @@
+"""Builds and loads the C++ ops under cuda/*.cpp for the CPU with torch's extension builder.
+
+Each is compiled on first use (~20 s, then cached under ~/.cache/torch_extensions, keyed by the source) on the
+machine that runs it, so it may use that machine's vector instructions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+SOURCES = Path(__file__).resolve().parents[2] / "cuda"
+# -march=native: built where it runs. -ffast-math lets the exp and reduction loops vectorize; the ops keep
+# every value finite, so nothing it assumes away occurs.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+@functools.cache
+def load_cpu_extension(name: str, source: str):
+    """The extension module `name` built from cuda/`source` (once per process); raises if it cannot build."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    return load(name=name, sources=[str(SOURCES / source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                verbose=False)
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the PyPI wheel's binary is not there unless the venv is active."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -1,0 +1,90 @@
+"""The fused CPU token ops (cuda/token_ops_cpu.cpp): RMSNorm, residual add + RMSNorm and SiLU-and-multiply give
+PyTorch's results (float32 to rounding, bfloat16 to the bit but for rare last-place differences); they replace
+the modules in bfloat16 CPU models only, sharing their weights; a machine that cannot build them keeps
+PyTorch's ops with a warning."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM
+from engine.model import token_ops
+from engine.model.token_ops import CpuRMSNorm, CpuSiluAndMul, RMSNorm, SiluAndMul, can_fuse, fuse_token_ops
+
+SHAPES = [(1, 576), (3, 7), (32, 576), (600, 64), (5, 2048)]  # odd widths exercise the vector loops' tails
+BF16_ULP = 2.0**-7  # relative spacing of bfloat16
+
+
+def close(got, want, dtype, ulps=1):
+    """float32: to rounding. bfloat16: a differing element is rare and off by at most `ulps` in the last place."""
+    if dtype == torch.float32:
+        return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    differ = got != want
+    return differ.float().mean() < 1e-2 and bool(((got - want).abs() <= want.abs() * ulps * BF16_ULP)[differ].all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", SHAPES)
+def test_the_fused_norms_give_pytorchs(dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x, residual = (torch.randn(rows, hidden, generator=gen).mul(3).to(dtype) for _ in range(2))
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    ref, fused = RMSNorm(hidden, 1e-5), CpuRMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(weight)
+        fused.weight.copy_(weight)
+    ref, fused = ref.to(dtype), fused.to(dtype)
+    assert close(fused(x), F.rms_norm(x, (hidden,), weight, 1e-5), dtype)
+    (got_sum, got), (want_sum, want) = fused(x, residual), ref(x, residual)
+    assert torch.equal(got_sum, residual + x)  # the residual add rounds exactly as PyTorch's add does
+    assert torch.equal(want_sum, residual + x) and close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_the_fused_activation_gives_pytorchs(dtype, rows, width):
+    gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)).mul(4).to(dtype)
+    # silu's exp differs from PyTorch's in the last bit now and then; rounded to bfloat16, then multiplied by up,
+    # that is at most two units in the last place of the product.
+    assert close(CpuSiluAndMul()(gate_up), SiluAndMul()(gate_up), dtype, ulps=2)
+
+
+def test_what_the_ops_cannot_take_goes_to_pytorch_or_is_refused():
+    x = torch.randn(4, 8, 16)  # 3-d: the module hands it to PyTorch
+    norm = CpuRMSNorm(16, 1e-6)
+    assert torch.equal(norm(x), F.rms_norm(x, (16,), norm.weight, 1e-6))
+    strided = torch.randn(16, 6)[:, :3]
+    assert torch.equal(CpuSiluAndMul()(strided.t()), SiluAndMul()(strided.t()))
+    ops = token_ops._ops()
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="x and residual must match"):
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="side by side"):
+        ops.silu_mul(torch.randn(2, 7))
+
+
+def test_bfloat16_cpu_models_get_the_fused_ops_and_float32_keeps_pytorchs(checkpoint):
+    bf16 = LLM(checkpoint=checkpoint, dtype="bfloat16").engine.model
+    layer = bf16.layers[0]
+    assert type(layer.input_layernorm) is type(layer.post_attention_layernorm) is type(bf16.norm) is CpuRMSNorm
+    assert type(layer.act) is CpuSiluAndMul
+    assert layer.input_layernorm.weight.dtype == torch.bfloat16
+    assert layer.input_layernorm.weight is dict(bf16.named_parameters())["layers.0.input_layernorm.weight"]
+    fp32 = LLM(checkpoint=checkpoint, dtype="float32").engine.model
+    assert type(fp32.norm) is RMSNorm and type(fp32.layers[0].act) is SiluAndMul
+    assert not can_fuse(torch.device("cuda"), torch.bfloat16) and not can_fuse(torch.device("cpu"), torch.float32)
+
+
+def test_a_machine_that_cannot_build_them_keeps_pytorchs_ops(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'orcinus_cpu_token_ops'")
+
+    monkeypatch.setattr(token_ops, "_ops", no_compiler)
+    with pytest.warns(UserWarning, match="fused CPU token ops are unusable here"):
+        assert not can_fuse(torch.device("cpu"), torch.bfloat16)
+    model = torch.nn.Sequential(RMSNorm(8, 1e-6), SiluAndMul())
+    fuse_token_ops(model)  # swapping needs no build; can_fuse is what build_model asks first
+    assert [type(m) for m in model] == [CpuRMSNorm, CpuSiluAndMul]
