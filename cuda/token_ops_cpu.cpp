@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,7 +41,9 @@ inline float rounded(float x, uint16_t) {  // x as bfloat16 would hold it
   return load(b);
 }
 
-int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1)); }
+int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
+}
 
 // residual == nullptr: out = norm(x). Otherwise sum = x + residual (rounded), out = norm(sum).
 template <typename T>
