@@ -4,7 +4,8 @@ Both systems run the same prompts at each batch size, interleaved and repeated; 
 (time for N tokens) - (time for 1 token), so prefill is excluded for both. Reports medians. In bfloat16,
 Orcinus runs twice: with its defaults (4-bit copies of the Q4_1 projections for small batches) and with
 `weights="dense"` (bfloat16 weights, as transformers reads them). `--compare-unfused` adds Orcinus's defaults
-with PyTorch's RMSNorm and SiLU-and-multiply in place of the fused C++ token ops, for an A/B in one run.
+with PyTorch's RMSNorm and SiLU-and-multiply in place of the fused C++ token ops, `--compare-bf16-head` its defaults
+with the bfloat16 LM head at every batch size (no 8-bit copy), each for an A/B in one run.
 
     .venv/bin/python loadtest/bench_offline.py --dtype bfloat16 --out benchmarks/offline_cpu.json
 """
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both systems' dtype")
     ap.add_argument("--compare-unfused", action="store_true", help="also run without the fused CPU token ops")
+    ap.add_argument("--compare-bf16-head", action="store_true", help="also run without the 8-bit LM head")
     ap.add_argument("--out", default="benchmarks/offline_cpu.json")
     args = ap.parse_args()
 
@@ -112,6 +114,10 @@ def main() -> None:
     if args.compare_unfused:
         unfused = unfused_llm(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
         runners["orcinus-unfused"] = lambda p, n: time_orcinus(unfused, p, n)
+    if args.compare_bf16_head:
+        bf16_head = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
+        bf16_head.engine.model.lm_head.max_rows = 0  # every batch through the dense bfloat16 head
+        runners["orcinus-bf16-head"] = lambda p, n: time_orcinus(bf16_head, p, n)
     runners["transformers"] = lambda p, n: time_transformers(hf, p, n, pad_id)
     results = {}
     for batch in args.batches:

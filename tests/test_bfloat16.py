@@ -1,13 +1,13 @@
-"""The CPU default, bfloat16 (with 4-bit copies of the Q4_1 projections for small batches), against float32 on
-the bundled model: teacher-forced logits stay within a stated bound, and the greedy choice is the same wherever
-float32's top-1/top-2 margin is clear."""
+"""The CPU default, bfloat16 (with 4-bit copies of the Q4_1 projections and an 8-bit LM head for small batches),
+against float32 on the bundled model: teacher-forced logits stay within a stated bound, and the greedy choice is
+the same wherever float32's top-1/top-2 margin is clear."""
 
 import pytest
 import torch
 from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
-from engine.model.int4 import Int4Linear
+from engine.model.quantized import Int4Linear, Int8Linear
 
 # Measured on the bundled SmolLM2 over 12 prompts x 24 greedy tokens: mean |diff| 0.18 per sequence (max
 # 2.8 in the tails of the vocabulary), float32's top token's log-probability moved by at most 0.28,
@@ -29,8 +29,8 @@ def default(checkpoint):
     return LLM(checkpoint=checkpoint)
 
 
-# "dense": bfloat16 weights throughout; "int4": the 4-bit copies for every row count, so that the whole
-# teacher-forced prefill below runs through them (by default only batches of <= 16 rows do).
+# "dense": bfloat16 weights throughout; "int4": the 4-bit copies (and the 8-bit LM head) for every row count, so
+# that the whole teacher-forced prefill below runs through them (by default only batches of <= 16 rows do).
 VARIANTS = {"dense": dict(weights="dense"), "int4": dict(int4_max_rows=1 << 20)}
 
 
@@ -53,12 +53,16 @@ def test_the_cpu_default_is_bfloat16_with_int4_projections(default):
     layer = default.engine.model.layers[0]
     assert layer.qkv_proj.weight.dtype == torch.bfloat16
     assert all(isinstance(getattr(layer, n), Int4Linear) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-    assert isinstance(default.engine.model.lm_head, torch.nn.Linear)  # the Q8_0 embedding stays dense
+    head = default.engine.model.lm_head  # the Q8_0 embedding, tied: an 8-bit copy for small batches
+    assert isinstance(head, Int8Linear) and head.max_rows == 4
+    assert head.weight is default.engine.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_bfloat16_logits_stay_close_to_float32_and_keep_every_clear_greedy_choice(checkpoint, fp32, variant):
     bf16 = LLM(checkpoint=checkpoint, **VARIANTS[variant], **NO_CACHE)
+    if variant == "int4":
+        bf16.engine.model.lm_head.max_rows = 1 << 20
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     clear = agreed = 0
     for out in fp32.generate(PROMPTS, greedy):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import LLM
-from engine.model.int4 import Int4Linear
+from engine.model.quantized import Int4Linear
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 
 

@@ -87,7 +87,8 @@ class EngineConfig:
     device: str = "auto"  # torch device the model runs on; "auto" = cuda when torch sees a GPU, else cpu
     dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 (GPU and CPU)
     block_size: int = 16  # tokens per KV cache block
-    # "int4": 4-bit copies of the projections for small batches (CPU, bfloat16); auto = int4 for a Q4_1 model there
+    # "int4": 4-bit copies of the projections (and 8-bit of the LM head) for small batches (CPU, bfloat16);
+    # auto = int4 for a Q4_1 model there
     weights: Literal["auto", "dense", "int4"] = "auto"
     int4_max_rows: int = 16  # batches of up to this many rows read the int4 weights, larger ones the dense copy
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU

@@ -11,7 +11,7 @@ from engine.core.executor import Sampled
 from engine.core.request import Failure, Request
 from engine.core.scheduler import Batch
 from engine.model.llama import LlamaModel
-from engine.model.int4 import use_int4
+from engine.model.quantized import use_low_bit
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.sharding import TensorShard
@@ -36,7 +36,7 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     else:
         model.init_random(config.seed)
     if int4_weights(config, ckpt.quantization):
-        use_int4(model, dtype, config.int4_max_rows)  # from the float32 weights, before the cast below
+        use_low_bit(model, dtype, config.int4_max_rows)  # from the float32 weights, before the cast below
     for p in model.parameters():
         p.data = p.data.to(dtype)
     model.rotary.to(dtype)  # its table is computed in float32, read in the compute dtype

@@ -1,12 +1,13 @@
-"""4-bit weights (engine/model/int4.py): Q4_1 codes come back exactly, the matmul equals the dense one within
-bfloat16's error, and only a Q4_1 model in bfloat16 on the CPU gets them by default."""
+"""Low-bit weights (engine/model/quantized.py): Q4_1 codes come back exactly, the 4-bit matmul equals the dense one
+within bfloat16's error, the 8-bit LM head is within its rounding of the dense one and shares its weight, and only a
+Q4_1 model in bfloat16 on the CPU gets them by default."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.core.config import EngineConfig
-from engine.model.int4 import GROUP, Int4Linear, quantize_groups
+from engine.model.quantized import GROUP, Int4Linear, Int8Linear, quantize_groups
 from engine.runner.device import DeviceError, int4_weights
 
 
@@ -44,6 +45,29 @@ def test_small_batches_read_the_4_bit_copy_and_large_ones_the_dense_weight():
     assert (got - want).abs().max() < 1e-2 * want.abs().max()
     big = torch.cat([x, x[:1]])  # 9 rows > max_rows
     assert torch.equal(layer(big), F.linear(big, w.to(torch.bfloat16)))
+
+
+def test_the_8_bit_head_serves_small_batches_and_keeps_the_dense_weight_for_large_ones():
+    g = torch.Generator().manual_seed(3)
+    dense = torch.nn.Linear(64, 300, bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(300, 64, generator=g) * torch.rand(300, 1, generator=g))  # rows of all sizes
+    dense = dense.to(torch.bfloat16)
+    head = Int8Linear(dense, torch.bfloat16, max_rows=4)
+    assert head.weight is dense.weight and head.codes.dtype == torch.int8 and head.codes.abs().max() == 127
+    # Each row's codes times its (stored) scale give the row back within half a scale; a row's largest weight,
+    # whose code may be clamped to 127 when the stored scale rounded down, within one.
+    scale = head.scales.float()[:, None]
+    back = head.codes.float() * scale
+    err = (back - dense.weight.float()).abs()
+    clamped = head.codes.abs() == 127
+    assert (err[~clamped] <= (0.5 * scale).expand_as(err)[~clamped] * (1 + 1e-6)).all()
+    assert (err[clamped] <= scale.expand_as(err)[clamped]).all()
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    exact = x.float() @ back.t()
+    assert torch.allclose(head(x).float(), exact, rtol=2e-2, atol=2e-2)  # bfloat16 accumulation and output
+    big = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(head(big), dense(big))
 
 
 def test_an_input_width_off_the_group_grid_is_refused():
