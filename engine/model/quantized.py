@@ -33,63 +33,61 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes.view(n, k), scale.squeeze(-1), low.squeeze(-1)
 
 
-class Int4Linear(nn.Module):
-    """A bias-free linear layer that keeps its dense weight and a packed 4-bit copy of it.
+class SmallBatchLinear(nn.Module):
+    """A bias-free linear layer with a low-bit copy of its weight: batches of up to `max_rows` rows (small decode
+    steps) read the copy; larger ones (big batches, prefill chunks: arithmetic rather than reading weights
+    bounds them) the dense layer, which engine/model/packed_linear.py may swap."""
 
-    Batches of up to `max_rows` rows (small decode steps) read the 4-bit copy; larger ones (big batches and
-    prefill chunks, where arithmetic rather than reading weights bounds the matmul) the dense one.
-    """
+    def __init__(self, dense: nn.Linear, max_rows: int):
+        super().__init__()
+        self.dense = dense
+        self.max_rows = max_rows
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.dense.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(x) if x.shape[0] > self.max_rows else self.low_bit(x)
+
+    def low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Linear(SmallBatchLinear):
+    """The 4-bit copy: Q4_1's groups, packed for torch's CPU int4 matmul."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, max_rows: int):
-        super().__init__()
         if weight.shape[1] % GROUP:
             raise ValueError(f"int4 weights need an input width divisible by {GROUP}, not {weight.shape[1]}")
+        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        super().__init__(dense, max_rows)
         codes, scale, low = quantize_groups(weight)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), persistent=False)
         # The kernel dequantizes (code - 8) * scale + zero, so zero is the group's value at code 8.
         zeros = (low + 8 * scale).t()
         self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zeros], dim=-1).to(dtype).contiguous(),
                              persistent=False)
-        # What larger batches run: a plain linear layer, which engine/model/packed_linear.py may swap.
-        self.dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        self.dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-        self.max_rows = max_rows
 
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.dense.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return self.dense(x)
+    def low_bit(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
 
-class Int8Linear(nn.Module):
-    """A bias-free linear layer (the LM head) wrapped with an 8-bit copy of its weight, a scale per output row.
-
-    Batches of up to `max_rows` rows read the copy (half of bfloat16's bytes); larger ones the wrapped layer,
-    whose weight stays shared (a tied head stays tied to the embedding).
-    """
+class Int8Linear(SmallBatchLinear):
+    """The 8-bit copy (for the LM head): a scale per output row. It wraps the layer it was made from, whose weight
+    stays shared, so a tied head stays tied to the embedding."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, max_rows: int):
-        super().__init__()
+        super().__init__(linear, max_rows)
         w = linear.weight.detach().float()
         # The codes are for the scale as stored (in `dtype`), which is what the matmul multiplies them by.
         scales = (w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127).to(dtype)
         codes = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
-        self.dense = linear  # what larger batches run; engine/model/packed_linear.py may swap it
-        self.max_rows = max_rows
 
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.dense.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return self.dense(x)
+    def low_bit(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
 
