@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 SOURCES = Path(__file__).resolve().parents[2] / "cuda"
@@ -25,6 +27,16 @@ def load_cpu_extension(name: str, source: str):
     _put_ninja_on_path()
     return load(name=name, sources=[str(SOURCES / source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                 verbose=False)
+
+
+def builds(load: Callable[[], object], unusable: str) -> bool:
+    """Whether `load()` builds and loads its op here; where not, a warning (`unusable`, then why) and False."""
+    try:
+        load()
+    except Exception as e:  # no compiler, no ninja, a failed build: any reason is a reason to fall back
+        warnings.warn(f"{unusable}: {e}", stacklevel=3)
+        return False
+    return True
 
 
 def _put_ninja_on_path() -> None:

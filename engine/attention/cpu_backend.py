@@ -8,9 +8,7 @@ the reference where it cannot (no C++ compiler, no ninja).
 
 from __future__ import annotations
 
-import warnings
-
-from engine.attention.cpp_extension import load_cpu_extension
+from engine.attention.cpp_extension import builds, load_cpu_extension
 from engine.attention.torch_backend import TorchAttention
 
 
@@ -20,12 +18,7 @@ def _kernels():
 
 def cpu_kernel_available() -> bool:
     """Whether the C++ op builds and loads here; `auto` uses the reference (with a warning) where it does not."""
-    try:
-        _kernels()
-    except Exception as e:  # no compiler, no ninja, a failed build: any reason is a reason to fall back
-        warnings.warn(f"the CPU attention kernel is unusable here, using the PyTorch reference: {e}", stacklevel=2)
-        return False
-    return True
+    return builds(_kernels, "the CPU attention kernel is unusable here, using the PyTorch reference")
 
 
 class CpuAttention(TorchAttention):

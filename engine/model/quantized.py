@@ -96,7 +96,7 @@ def use_low_bit(model: nn.Module, dtype: torch.dtype, max_rows: int) -> None:
 
     Call with the weights still in float32, before any cast, so the codes come from the exact values.
     """
-    if getattr(model, "is_last", False):
+    if model.is_last:
         model.lm_head = Int8Linear(model.lm_head, dtype, min(max_rows, INT8_HEAD_MAX_ROWS))
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):

@@ -10,13 +10,11 @@ machine (benchmarks/offline_cpu_token_ops.json): decode 1.15x / 1.08x / 1.05x at
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.cpp_extension import load_cpu_extension
+from engine.attention.cpp_extension import builds, load_cpu_extension
 
 
 class RMSNorm(nn.Module):
@@ -67,14 +65,8 @@ class CpuSiluAndMul(SiluAndMul):
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     """Fused token ops here: bfloat16 on the CPU, where the op builds (a warning says why not, if it cannot)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return False
-    try:
-        _ops()
-    except Exception as e:  # no compiler, no ninja, a failed build: fall back to PyTorch's ops
-        warnings.warn(f"the fused CPU token ops are unusable here, using PyTorch's: {e}", stacklevel=2)
-        return False
-    return True
+    return device.type == "cpu" and dtype == torch.bfloat16 and builds(
+        _ops, "the fused CPU token ops are unusable here, using PyTorch's")
 
 
 def fuse_token_ops(module: nn.Module) -> None:
