@@ -28,9 +28,21 @@ def is_distributed(config: EngineConfig) -> bool:
     return config.pipeline_stages > 1 or config.tensor_parallel_size > 1
 
 
+def resolve_async(config: EngineConfig) -> EngineConfig:
+    """"auto" async scheduling becomes "on" for one process on a GPU, where host work can hide behind the device's;
+    a CPU step runs in the calling thread, and pipeline stages already keep several batches in flight."""
+    mode = config.async_scheduling
+    if mode == "auto":
+        mode = "on" if torch.device(config.device).type == "cuda" and not is_distributed(config) else "off"
+    elif mode == "on" and is_distributed(config):
+        raise ValueError("async scheduling runs one engine process: not with --pipeline-stages or "
+                         "--tensor-parallel-size above 1")
+    return config.with_(async_scheduling=mode)
+
+
 def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineCore:
     """`checkpoint` reuses weights already loaded (e.g. to try several configs on one model)."""
-    config = resolve_device(config)
+    config = resolve_async(resolve_device(config))
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # Stage processes load their own weights: the driver needs only the shape and the tokenizer.

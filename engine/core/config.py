@@ -100,6 +100,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # context cap; None = the model's own window
     scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
+    # schedule step N+1 while the device runs step N, its sampled ids feeding N+1 on the device;
+    # auto = on for one GPU process, off on the CPU (where nothing would overlap) and with stages or ranks
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
     kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front
     prefix_caching: bool = True  # requests reuse the cached K/V of full blocks their prompts share
     attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cpu|cuda

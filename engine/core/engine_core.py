@@ -52,7 +52,8 @@ class EngineCore:
         """Validate and queue a request; raises InvalidRequestError for one that can never run."""
         self.limits.check(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.scheduler.requests:
+        # An id whose batch is still in flight is taken too: that batch's tokens must not reach a newcomer.
+        if request_id in self.scheduler.requests or request_id in self.scheduler.in_flight:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id)
         self.scheduler.add(req)
@@ -68,7 +69,8 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self.executor.num_in_flight > 0
 
     def step(self) -> list[Request]:
-        """One iteration: fill the pipeline with batches, then finish the oldest; returns requests that got a token."""
+        """One iteration: fill the pipeline with batches (stages, or a batch scheduled ahead of the device), then
+        finish the oldest; returns requests that got a token."""
         while (free := self.executor.max_in_flight - self.executor.num_in_flight) > 0:
             batch = self.scheduler.schedule(num_batches=free)
             if not batch.requests:

@@ -86,8 +86,8 @@ class KVCacheManager:
         return len(req.block_table) * self.block_size
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Grow `req.block_table` so its next `num_new_tokens` tokens have slots; False if blocks run out."""
-        target = self.slots_needed(req, req.num_computed_tokens + num_new_tokens)
+        """Grow `req.block_table` so the `num_new_tokens` after those scheduled have slots; False if blocks run out."""
+        target = self.slots_needed(req, req.num_scheduled_tokens + num_new_tokens)
         missing = self.blocks_for(target) - len(req.block_table)
         if missing <= 0:
             return True

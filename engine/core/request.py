@@ -55,6 +55,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_in_flight_tokens: int = 0  # tokens in batches submitted but not yet updated (computed, or being)
+    num_pending_outputs: int = 0  # tokens being sampled in those batches: the host learns them at update
     block_table: list[int] = field(default_factory=list)  # KV block ids, in order
     block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks (from its tokens)
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows
@@ -74,6 +76,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Where the next chunk starts: tokens computed plus those already in a batch in flight."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def reads_own_outputs(self) -> bool:
+        """Whether sampling its next token needs every earlier output on the host (penalties, a grammar, min_tokens
+        still masking eos): such a request is never scheduled ahead of a token it has yet to see."""
+        p = self.params
+        return p.has_penalties or p.grammar is not None or self.num_output_tokens < p.min_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole history."""

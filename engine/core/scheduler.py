@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import msgspec
 
@@ -11,12 +11,17 @@ from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Failure, Request, RequestStatus, TokenLogprobs
 
 
+# In a chunk scheduled ahead (async scheduling): the token the batch before samples for this request, which only
+# the device knows yet; the executor puts it in place.
+PLACEHOLDER = -1
+
+
 class ScheduledRequest(msgspec.Struct, array_like=True):
     """One request's share of an iteration: compute `token_ids` starting at `num_computed_tokens`."""
 
     request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
+    token_ids: list[int]  # the last may be PLACEHOLDER
+    num_computed_tokens: int  # the chunk's first position (tokens computed, or in a batch ahead of it)
     block_table: list[int]
     sample: bool  # these tokens reach the end of what is known: sample the next one
 
@@ -62,7 +67,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: oldest first
         self.requests: dict[str, Request] = {}
-        self.in_flight: set[str] = set()  # ids in a batch submitted but not yet updated (Orca: at most one batch each)
+        # Batches submitted but not yet updated, per request id: at most one (Orca), or two when a request is
+        # scheduled ahead of its own sampled token (async scheduling: the host schedules step N+1 while the
+        # device runs step N).
+        self.in_flight: Counter[str] = Counter()
+        self.run_ahead = config.async_scheduling == "on"
         self.num_preemptions = 0
         # Tokens of admitted requests (prompt, plus outputs after a preemption) looked up in the prefix cache.
         self.prefix_queried_tokens = 0
@@ -107,13 +116,14 @@ class Scheduler:
         num_running_at_start = len(self.running)
         scheduled: list[tuple[Request, int]] = []
         num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
-        max_seqs = -(-num_ready // num_batches)
+        # Running ahead, consecutive batches share their requests rather than split them.
+        max_seqs = self.config.max_num_seqs if self.run_ahead else -(-num_ready // num_batches)
 
         i = 0
         while i < len(self.running) and len(scheduled) < max_seqs:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new == 0 or req.request_id in self.in_flight:
+            num_new = min(self._num_schedulable(req), budget)
+            if num_new == 0:
                 i += 1
                 continue
             while not self.kv.allocate(req, num_new):
@@ -156,18 +166,42 @@ class Scheduler:
                 scheduled.append((req, num_new))
                 budget -= num_new
 
-        self.in_flight.update(req.request_id for req, _ in scheduled)
-        return Batch([self._to_scheduled(req, n) for req, n in scheduled])
+        batch = Batch([self._to_scheduled(req, n) for req, n in scheduled])
+        for req, n in scheduled:
+            self.in_flight[req.request_id] += 1
+            req.num_in_flight_tokens += n
+        for req, sr in zip((req for req, _ in scheduled), batch.requests):
+            req.num_pending_outputs += sr.sample
+        return batch
+
+    def _num_schedulable(self, req: Request) -> int:
+        """Tokens a running request could compute next: what it has, or (running ahead) the one token the batch
+        in flight samples for it, unless that token may end it or its sampling must see that token first."""
+        if req.request_id not in self.in_flight:
+            return req.num_tokens - req.num_computed_tokens
+        if not self.run_ahead or self.in_flight[req.request_id] > 1:
+            return 0
+        if req.num_pending_outputs and (req.reads_own_outputs or self._may_end(req)):
+            return 0
+        return req.num_tokens + req.num_pending_outputs - req.num_scheduled_tokens
+
+    def _may_end(self, req: Request) -> bool:
+        """Whether the tokens in flight can reach max_tokens or the context window (a stop id can end it anyway:
+        that costs one wasted row, which update drops)."""
+        total = req.num_tokens + req.num_pending_outputs
+        return req.num_output_tokens + req.num_pending_outputs >= req.params.max_tokens or total >= self.max_model_len
 
     def _blocks_being_computed(self) -> set[bytes]:
         """Prefix-cache names of the full blocks that running requests have yet to compute."""
         return {name for r in self.running for name in r.block_names[r.num_registered_blocks:]}
 
     def _to_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
+        start = req.num_scheduled_tokens
         end = start + num_new
+        known = req.num_tokens
+        token_ids = req.token_ids(start, min(end, known)) + [PLACEHOLDER] * (end - max(start, known))
         return ScheduledRequest(
-            req.request_id, req.token_ids(start, end), start, list(req.block_table), end == req.num_tokens
+            req.request_id, token_ids, start, list(req.block_table), end == known + req.num_pending_outputs
         )
 
     def _preempt_newest(self) -> Request | None:
@@ -191,10 +225,14 @@ class Scheduler:
         """Account computed tokens, append sampled ones, retire finished requests; returns those that got a token."""
         updated = []
         for sr in batch.requests:
-            self.in_flight.discard(sr.request_id)
+            self.in_flight[sr.request_id] -= 1
+            if not self.in_flight[sr.request_id]:
+                del self.in_flight[sr.request_id]
             req = self.requests.get(sr.request_id)
-            if req is None:  # aborted while its batch was in flight
+            if req is None:  # aborted, or finished by the batch before (a row scheduled ahead): its token is dropped
                 continue
+            req.num_in_flight_tokens -= len(sr.token_ids)
+            req.num_pending_outputs -= sr.sample
             result = sampled.get(sr.request_id)
             if isinstance(result, Failure):  # only this request (or only this batch) goes; its blocks are freed
                 req.error = result.message

@@ -1,15 +1,30 @@
 """Turns logits into next tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds, logprobs.
 
-Sampling stays on the logits' device, and the host reads its results once per iteration: the
-sampled ids, with the logprobs packed next to them when any request asked for them.
+Sampling stays on the logits' device. `sample` returns the ids there (where the next step's input can read
+them) and starts one asynchronous copy to the host: the sampled ids, with the logprobs packed next to them
+when any request asked for them. `finish` waits for that copy, so the host syncs with the device only there.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from engine.core.request import Request, TokenLogprobs
 from engine.model.grammar import GrammarMasks
+
+
+@dataclass
+class DeviceSample:
+    """One batch's sampled ids on the device, and their copy on its way to the host."""
+
+    requests: list[Request]
+    tokens: torch.Tensor  # [B] int64 on the sampling device
+    host: torch.Tensor  # [B, 1] ids, or [B, 2 + 2k] ids, chosen logprob, top-k ids and logprobs (float64)
+    num_top: list[int | None]  # each request's logprobs setting
+    ready: torch.cuda.Event | None  # recorded after the copy; None on the CPU (already there)
 
 
 class Sampler:
@@ -28,6 +43,11 @@ class Sampler:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Sample and wait for the result."""
+        return self.finish(self.sample(logits, requests))
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
+        """Each request's next token, left on the device; its host copy is started, not awaited."""
         logits = logits.float()
         # Logprobs report the model's own distribution, before any sampling transform.
         num_top = [r.params.logprobs for r in requests]
@@ -43,31 +63,58 @@ class Sampler:
             tokens[random_rows] = self._draw(probs, [requests[i] for i in random_rows])
 
         if raw_logprobs is None:
-            out = {req.request_id: (token, None) for req, token in zip(requests, tokens.tolist())}
+            packed = tokens[:, None]
         else:
-            out = self._with_logprobs(tokens, raw_logprobs, requests, num_top)
-        if self.grammar is not None:
-            self.grammar.advance(requests, [out[r.request_id][0] for r in requests])
-        return out
+            k = max(n or 0 for n in num_top)
+            # One transfer for everything: ids are exact in float64.
+            parts = [tokens[:, None].double(), raw_logprobs.gather(1, tokens[:, None]).double()]
+            if k:
+                top = raw_logprobs.topk(k, dim=-1)
+                parts += [top.indices.double(), top.values.double()]
+            packed = torch.cat(parts, dim=1)
+        if self.device.type == "cpu":
+            return DeviceSample(requests, tokens, packed, num_top, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return DeviceSample(requests, tokens, host, num_top, ready)
 
-    def _with_logprobs(self, tokens, raw_logprobs, requests, num_top) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        k = max(n or 0 for n in num_top)
-        chosen = raw_logprobs.gather(1, tokens[:, None])
-        top = raw_logprobs.topk(k, dim=-1) if k else None
-        # One transfer for everything: ids are exact in float64.
-        parts = [tokens[:, None].double(), chosen.double()]
-        if top is not None:
-            parts += [top.indices.double(), top.values.double()]
-        rows = torch.cat(parts, dim=1).tolist()
+    def finish(self, sample: DeviceSample) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Wait for a sample's host copy; advance the grammars by its tokens. {request_id: (token, logprobs)}."""
+        if sample.ready is not None:
+            sample.ready.synchronize()
+        rows = sample.host.tolist()
+        k = (len(rows[0]) - 2) // 2 if rows else 0
         out = {}
-        for req, row, n in zip(requests, rows, num_top):
+        for req, row, n in zip(sample.requests, rows, sample.num_top):
             token = int(row[0])
             lp = None
             if n is not None:
                 pairs = [(int(i), v) for i, v in zip(row[2 : 2 + n], row[2 + k : 2 + k + n])]
                 lp = TokenLogprobs(token, row[1], pairs)
             out[req.request_id] = (token, lp)
+        if self.grammar is not None:
+            self.grammar.advance(sample.requests, [out[r.request_id][0] for r in sample.requests])
         return out
+
+    def save_rng(self, requests: list[Request]) -> Callable[[], None]:
+        """A function that puts every generator these requests sample with back where it is now, so a batch that
+        failed part-way can be sampled again request by request without drawing twice."""
+        if all(r.params.greedy for r in requests):
+            return lambda: None
+        shared = self.generator.get_state()
+        own = [(r, None if r.generator is None else r.generator.get_state()) for r in requests]
+
+        def restore() -> None:
+            self.generator.set_state(shared)
+            for req, state in own:
+                if state is None:
+                    req.generator = None
+                else:
+                    req.generator.set_state(state)
+
+        return restore
 
     def _adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Logit bias, penalties and min_tokens, in place."""

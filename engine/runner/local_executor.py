@@ -15,7 +15,7 @@ from engine.model.quantized import use_low_bit
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.sharding import TensorShard
-from engine.model.sampler import Sampler
+from engine.model.sampler import DeviceSample, Sampler
 from engine.model.token_ops import can_fuse, fuse_token_ops
 from engine.runner.device import int4_weights
 from engine.runner.model_runner import ModelRunner
@@ -48,17 +48,23 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
 
 
 class LocalExecutor:
-    """The whole model in this process: each batch runs and samples as it is submitted."""
+    """The whole model in this process: each batch runs and samples as it is submitted.
 
-    max_in_flight = 1
+    With async scheduling two batches may be in flight: the next is submitted before this one's sampled ids
+    reach the host, and its rows scheduled ahead read those ids on the device.
+    """
 
     def __init__(self, config: EngineConfig, ckpt: Checkpoint, max_model_len: int):
         self.model = build_model(ckpt, max_model_len, config)
         # The runner sizes the KV cache after the weights and the piecewise graphs: it takes what they leave.
         self.runner = ModelRunner(config, self.model, None, max_model_len)
         self.num_blocks = self.runner.num_blocks
+        self.max_in_flight = 2 if config.async_scheduling == "on" else 1
         self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
-        self.done: deque[tuple[Batch, Sampled]] = deque()
+        self.done: deque[tuple[Batch, DeviceSample | Sampled]] = deque()
+        # The newest batch's sampled ids on the device, and each request's row in them: what rows scheduled ahead
+        # of their token read.
+        self.previous: tuple[torch.Tensor, dict[str, int]] | None = None
         self.faults = config.faults or FaultPlan()
         self.num_submitted = 0
 
@@ -69,35 +75,47 @@ class LocalExecutor:
     def submit(self, batch: Batch, sampling: list[Request]) -> None:
         """Run and sample; what raises fails only the requests it can be traced to, and the engine goes on."""
         self.num_submitted += 1
+        previous, self.previous = self.previous, None
         try:
             self.faults.at_forward(self.num_submitted)
-            logits = self.runner.run(batch)
+            logits = self.runner.run(batch, previous=previous)
         except Exception as e:
             if self.runner.device.type == "cuda":
                 raise  # a failed kernel may leave the device or the KV cache in doubt: the engine restarts
             self.done.append((batch, {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}))
             return
-        self.done.append((batch, self._sample_isolated(logits, sampling)))
+        result = self._sample_isolated(logits, sampling)
+        if isinstance(result, DeviceSample):
+            tokens = result.tokens
+        else:  # sampled request by request: the survivors' ids go back to the device
+            ids = [result[r.request_id] for r in sampling]
+            tokens = torch.tensor([t[0] if isinstance(t, tuple) else 0 for t in ids], device=self.runner.device)
+        self.previous = tokens, {r.request_id: i for i, r in enumerate(sampling)}
+        self.done.append((batch, result))
 
-    def _sample_isolated(self, logits: torch.Tensor, sampling: list[Request]) -> Sampled:
+    def _sample_isolated(self, logits: torch.Tensor, sampling: list[Request]) -> DeviceSample | Sampled:
+        restore = self.sampler.save_rng(sampling)
         try:
             return self._sample(logits, sampling)
         except Exception:
-            # Who raised? Each request samples alone; the others get their tokens as usual.
+            # Who raised? Each request samples alone, its generator back where it was; the others get their tokens.
+            restore()
             out: Sampled = {}
             for i, req in enumerate(sampling):
                 try:
-                    out.update(self._sample(logits[i : i + 1], [req]))
+                    out.update(self.sampler.finish(self._sample(logits[i : i + 1], [req])))
                 except Exception as e:
                     out[req.request_id] = Failure(f"sampling failed: {e!r}")
             return out
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> Sampled:
-        self.faults.at_sampling([r.prompt_token_ids for r in sampling])
-        return self.sampler(logits, sampling)
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> DeviceSample:
+        sample = self.sampler.sample(logits, sampling)
+        self.faults.at_sampling([r.prompt_token_ids for r in sampling])  # after the generators moved
+        return sample
 
     def collect(self) -> tuple[Batch, Sampled]:
-        return self.done.popleft()
+        batch, result = self.done.popleft()
+        return batch, self.sampler.finish(result) if isinstance(result, DeviceSample) else result
 
     def release(self, request_ids: list[str]) -> None:
         pass  # the sampler keeps nothing per request here: it reads the scheduler's own Request objects

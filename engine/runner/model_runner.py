@@ -8,7 +8,7 @@ import torch
 from engine.attention.backend import AttentionMetadata
 from engine.attention.selector import make_backend
 from engine.core.config import EngineConfig
-from engine.core.scheduler import Batch
+from engine.core.scheduler import PLACEHOLDER, Batch
 from engine.model.llama import LlamaModel
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.decode_graphs import DecodeGraphRunner
@@ -20,8 +20,8 @@ DEFAULT_GRAPH_TOKENS = 512  # 67 token buckets: with L + 1 graphs each, llama-1b
 class StepInputs:
     """Host buffers for one iteration's inputs, pinned on a GPU so their copies are asynchronous.
 
-    They are reused every iteration: safe because the sampler's read of the sampled ids ends each
-    iteration with a sync, so no copy from the previous one is still in flight.
+    The runner keeps two and alternates: with async scheduling a step is prepared while the one before runs,
+    but the one before that has been collected (its sampled ids read back), so its copies are done.
     """
 
     def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device):
@@ -41,6 +41,8 @@ class StepInputs:
             "context_lens": buf(max_seqs, torch.int32),
             "block_tables": buf(max_seqs * max_blocks, torch.int32),
             "logits_indices": buf(max_seqs, torch.int64),
+            "ahead_rows": buf(max_seqs, torch.int64),
+            "ahead_sources": buf(max_seqs, torch.int64),
         }
         self.arrays = {name: t.numpy() for name, t in self.bufs.items()}
 
@@ -77,7 +79,8 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         s = model.shape
         self.attention = make_backend(config.attention_backend, self.device.type)
-        self.inputs = StepInputs(config, max_model_len, self.device)
+        self.inputs = [StepInputs(config, max_model_len, self.device) for _ in range(2)]
+        self.num_steps = 0
         # Graphs capture one whole model on one GPU: not a pipeline stage's span, nor a rank's shard, whose
         # collectives would have to be captured too.
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager and model.is_whole
@@ -98,13 +101,15 @@ class ModelRunner:
                                                    self.scratch_block, self.device, self.graphs.capture)
 
     @torch.inference_mode()
-    def run(self, batch: Batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch: Batch, hidden: torch.Tensor | None = None,
+            previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor:
         """Logits [num_sampled, vocab] (float32), in batch order of the requests that sample.
 
         A pipeline stage takes the previous stage's `hidden` states and, unless it is the last,
-        returns its own for the next.
+        returns its own for the next. `previous` is the batch before's sampled ids on the device and each
+        request's row in them: a PLACEHOLDER input reads its request's id there.
         """
-        input_ids, positions, meta, logits_indices = self.prepare(batch)
+        input_ids, positions, meta, logits_indices = self.prepare(batch, previous)
         logits = None
         if self.decode_graphs is not None and batch.num_tokens == len(batch.requests) and all(
                 r.sample for r in batch.requests):
@@ -115,16 +120,22 @@ class ModelRunner:
             return logits
         return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
 
-    def prepare(self, batch: Batch):
+    def prepare(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None = None):
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, logits_indices = [], [], []
         query_start = [0]
+        ahead_rows, ahead_sources = [], []  # placeholder rows, and where in `previous` their ids are
         for r in batch.requests:
             n, start = len(r.token_ids), r.num_computed_tokens
             input_ids += r.token_ids
+            if r.token_ids[-1] == PLACEHOLDER:
+                input_ids[-1] = 0  # any valid id until the device's own arrives (a failed batch before sends none)
+                if previous is not None and r.request_id in previous[1]:
+                    ahead_rows.append(len(input_ids) - 1)
+                    ahead_sources.append(previous[1][r.request_id])
             pos = range(start, start + n)
             positions += pos
             slots += [r.block_table[p // bs] * bs + p % bs for p in pos]
@@ -136,7 +147,9 @@ class ModelRunner:
         max_blocks = max(len(r.block_table) for r in batch.requests)
         tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
 
-        put = self.inputs.put
+        inputs = self.inputs[self.num_steps % 2]
+        self.num_steps += 1
+        put = inputs.put
         meta = AttentionMetadata(
             query_start_loc=put("query_start_loc", query_start),
             context_lens=put("context_lens", context_lens),
@@ -145,4 +158,8 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
-        return put("input_ids", input_ids), put("positions", positions), meta, put("logits_indices", logits_indices)
+        ids = put("input_ids", input_ids)
+        if ahead_rows:
+            rows, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
+            ids.index_copy_(0, rows, previous[0].index_select(0, sources))
+        return ids, put("positions", positions), meta, put("logits_indices", logits_indices)
