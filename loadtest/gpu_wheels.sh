@@ -5,9 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 mkdir -p .whl
+# The machine's glibc is 2.39 (benchmarks/gpu/bench_gpu.json); pip matches each manylinux tag exactly, and
+# newer wheels (llguidance >= 1.7) are built for glibc 2.31 or later, so name the tags up to it.
+PLATFORMS=()
+for tag in manylinux2014 manylinux_2_17 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35 manylinux_2_39; do
+    PLATFORMS+=(--platform "${tag}_x86_64")
+done
 fetch() {  # no dependencies: the machine's own numpy, anyio... must not be shadowed by other versions
-    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
         -d .whl "$@"
 }
 mapfile -t wheels < <(sed 's/#.*//; s/[[:space:]]//g; /^$/d' loadtest/gpu_wheels.txt)
