@@ -59,8 +59,10 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
-            probs = self._probs(logits[random_rows], [requests[i] for i in random_rows])
-            tokens[random_rows] = self._draw(probs, [requests[i] for i in random_rows])
+            # Rows by a pinned index tensor: indexing with a Python list copies it to the device synchronously.
+            rows = self._tensor(random_rows, torch.int64)
+            probs = self._probs(logits.index_select(0, rows), [requests[i] for i in random_rows])
+            tokens.index_copy_(0, rows, self._draw(probs, [requests[i] for i in random_rows]))
 
         if raw_logprobs is None:
             packed = tokens[:, None]
@@ -173,7 +175,8 @@ class Sampler:
         out = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
         shared = [i for i, r in enumerate(requests) if r.params.seed is None]
         if shared:
-            out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator).squeeze(1)
+            rows = self._tensor(shared, torch.int64)
+            out.index_copy_(0, rows, torch.multinomial(probs.index_select(0, rows), 1, generator=self.generator)[:, 0])
         for i, r in enumerate(requests):
             if r.params.seed is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=self._generator_for(r)).squeeze(0)
