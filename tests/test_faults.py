@@ -37,6 +37,35 @@ def test_a_request_whose_sampling_raises_fails_alone(checkpoint, prompts, refere
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference  # and it goes on
 
 
+def test_a_constrained_survivor_of_a_sampling_fault_advances_its_grammar_once(checkpoint, prompts):
+    """The fault is raised after the batch sampled: resampling request by request must not feed the grammar
+    matcher (nor a seeded generator) a second token, so the survivor's output equals a fault-free run's."""
+    import json
+
+    from gateway.structured import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, grammar=json_schema_grammar(schema))
+    [clean] = LLM(checkpoint=checkpoint, dtype="float32").generate([prompts[0]], params)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", faults=FaultPlan(sampler_token=MARK))
+    bad = prompts[1][:5] + [MARK] + prompts[1][5:]
+    survivor, failed = llm.generate([prompts[0], bad], [params, GREEDY])
+    assert failed.finish_reason == "error"
+    assert survivor.token_ids == clean.token_ids
+    if survivor.finish_reason == "stop":
+        assert "n" in json.loads(survivor.text)
+
+
+def test_a_request_whose_grammar_fails_ends_with_an_error_not_unconstrained(checkpoint, prompts, reference):
+    llm = LLM(checkpoint=checkpoint, dtype="float32")
+    broken = SamplingParams(max_tokens=12, temperature=0.0, grammar="this is not a grammar")
+    outs = llm.generate(prompts[:2], [broken, GREEDY])
+    assert outs[0].finish_reason == "error" and outs[0].token_ids == []
+    assert outs[1].token_ids == reference[1]
+    s = llm.engine.scheduler
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
 def test_a_forward_pass_that_raises_fails_only_its_batch(checkpoint, prompts, reference):
     llm = LLM(checkpoint=checkpoint, dtype="float32", faults=FaultPlan(runner_iterations=(3,)))
     first = llm.generate(prompts[:2], GREEDY)  # iterations 1-2 fine, 3 raises: both requests were in it

@@ -120,3 +120,68 @@ def test_extreme_settings_sample_the_most_likely_token_instead_of_crashing(llm, 
     assert len(c.token_ids) == 3
     if params.repetition_penalty == 1.0:
         assert c.token_ids[0] == greedy.token_ids[0]
+
+
+# ---------------------------------------------------------------- the distributions top-k, top-p and min-p leave
+
+def distribution(probs: list[float], **params) -> list[float]:
+    """The probabilities the sampler draws from, for one request whose model gives `probs`."""
+    import torch
+
+    from engine.core.request import Request
+    from engine.model.sampler import Sampler
+
+    req = Request("r", [1], SamplingParams(temperature=1.0, **params))
+    return Sampler()._probs(torch.tensor([probs]).log(), [req])[0].tolist()
+
+
+P = [0.4, 0.3, 0.2, 0.1]
+
+
+@pytest.mark.parametrize("params,expected", [
+    ({}, P),
+    ({"top_k": 2}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
+    ({"top_k": 1}, [1, 0, 0, 0]),
+    ({"top_k": 4}, P),
+    ({"top_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),  # 0.4 < 0.6: the 0.3 joins; then 0.7 >= 0.6
+    ({"top_p": 0.35}, [1, 0, 0, 0]),  # the first token's mass already reaches it
+    ({"top_p": 0.75}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
+    ({"top_k": 3, "top_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
+    ({"min_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),  # below 0.6 * 0.4 = 0.24 goes
+    ({"min_p": 0.2, "top_k": 3}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
+])
+def test_top_k_top_p_and_min_p_leave_the_expected_distribution(params, expected):
+    got = distribution(P, **params)
+    # min_p leaves the kept probabilities unnormalized (multinomial normalizes): compare the shapes.
+    total = sum(got)
+    assert [g / total for g in got] == pytest.approx(expected, abs=1e-6)
+
+
+def test_temperature_sharpens_and_flattens():
+    import torch
+
+    from engine.core.request import Request
+    from engine.model.sampler import Sampler
+
+    logits = torch.tensor([P]).log()
+    for t in (0.5, 2.0):
+        [row] = Sampler()._probs(logits, [Request("r", [1], SamplingParams(temperature=t))]).tolist()
+        expected = [p ** (1 / t) for p in P]
+        assert row == pytest.approx([e / sum(expected) for e in expected], abs=1e-6)
+
+
+def test_draws_follow_the_distribution():
+    """20k seeded draws from top_p=0.75 over P: each kept token's frequency within 1.5% of its probability."""
+    import torch
+
+    from engine.core.request import Request
+    from engine.model.sampler import Sampler
+
+    sampler = Sampler(seed=3)
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, top_p=0.75)) for i in range(20000)]
+    tokens = sampler(torch.tensor([P] * len(reqs)).log(), reqs)
+    counts = [0] * 4
+    for token, _ in tokens.values():
+        counts[token] += 1
+    assert counts[3] == 0
+    assert [c / len(reqs) for c in counts[:3]] == pytest.approx([0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9], abs=0.015)

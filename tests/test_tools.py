@@ -78,6 +78,26 @@ def test_auto_answers_in_text_or_with_a_valid_call_and_none_never_calls(client, 
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def test_auto_turns_a_call_shaped_answer_into_a_tool_call_whole_and_streamed(client, model):
+    """Deterministic: a response_format holding the call's shape makes the answer one, and `auto` must read it as
+    a call (finish_reason tool_calls, no content), streamed deltas assembling to the same call."""
+    call_schema = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                   "properties": {"name": {"const": "get_weather"}, "arguments": SCHEMAS["get_weather"]}}
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=80, temperature=0,
+              response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": call_schema}})
+    whole = check_call(client.chat.completions.create(**kw).choices[0], "get_weather")
+    name, args, finish, content = None, "", None, ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                name = tc.function.name or name
+                args += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (name, json.loads(args), finish, content) == (
+        "get_weather", json.loads(whole.function.arguments), "tool_calls", "")
+
+
 def test_a_history_with_a_call_and_its_result_is_accepted(client, model):
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {

@@ -3,15 +3,12 @@ keeping its output inside the grammar (a JSON schema, Lark or a regex, compiled 
 
 from __future__ import annotations
 
-import logging
-
 import llguidance
 import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine.core.request import Request
 
-log = logging.getLogger(__name__)
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -27,6 +24,11 @@ class _TokenTable:
 
     def __call__(self, text: str) -> list[int]:
         return self._encode(text)
+
+
+class GrammarError(RuntimeError):
+    """A request's matcher is in error (a grammar the gateway did not check, or a token it refused): the request
+    fails rather than sampling unconstrained."""
 
 
 class GrammarMasks:
@@ -53,10 +55,9 @@ class GrammarMasks:
         bitmask = allocate_token_bitmask(len(rows), self._tokenizer.vocab_size)
         for j, i in enumerate(rows):
             matcher = self._matcher(requests[i])
-            if matcher.is_error():  # cannot happen for a grammar the gateway validated; never stall the batch
-                log.warning("request %s: grammar error %s; sampling it unconstrained", requests[i].request_id,
-                            matcher.get_error())
-                continue
+            if matcher.is_error():  # the executor samples the others alone, and this one fails with the reason
+                raise GrammarError(f"request {requests[i].request_id}'s grammar failed: "
+                                   f"{matcher.get_error().strip()[:500]}")
             fill_next_token_bitmask(matcher, bitmask, j)
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[1]].bool()
         if allowed.shape[1] < logits.shape[1]:  # ids past the tokenizer's vocabulary are never allowed
