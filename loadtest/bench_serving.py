@@ -34,11 +34,15 @@ class Workload:
     seed: int = 0
 
     def requests(self) -> list[tuple[list[int], int]]:
+        stream = self.stream()
+        return [next(stream) for _ in range(self.num_prompts)]
+
+    def stream(self):
+        """The same requests, without end: a timed run takes as many as it has time for (the same ones, in the same
+        order, whichever server it drives)."""
         rng = random.Random(self.seed)
-        return [
-            ([rng.randint(*self.vocab) for _ in range(rng.randint(*self.input_len))], rng.randint(*self.output_len))
-            for _ in range(self.num_prompts)
-        ]
+        while True:
+            yield [rng.randint(*self.vocab) for _ in range(rng.randint(*self.input_len))], rng.randint(*self.output_len)
 
 
 @dataclass
@@ -103,6 +107,27 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     res.e2e = time.perf_counter() - t0
     res.output_tokens = res.output_tokens or chunks  # servers without include_usage: one chunk per token
     return res
+
+
+async def run_timed(base_url: str, model: str, workload: Workload, concurrency: int, seconds: float
+                    ) -> tuple[list[Result], float]:
+    """Closed loop for `seconds`: each of `concurrency` clients sends the workload's next request as soon as its
+    last one ends, until the time is up; requests started before then run to their end and count."""
+    stream = workload.stream()
+    url = base_url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    results: list[Result] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def loop():
+            while time.perf_counter() - t0 < seconds:
+                prompt, max_tokens = next(stream)
+                results.append(await one_request(client, url, model, prompt, max_tokens))
+
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        duration = time.perf_counter() - t0
+    return results, duration
 
 
 async def run(base_url: str, model: str, workload: Workload, request_rate: float, max_concurrency: int | None,
@@ -185,11 +210,20 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("LO", "HI"))
     ap.add_argument("--output-len", type=int, nargs=2, default=[1, 128], metavar=("LO", "HI"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--duration", type=float, default=None,
+                    help="closed loop for this many seconds (with --max-concurrency) instead of --num-prompts")
     ap.add_argument("--out", default=None, help="write the summary and per-request results as JSON")
     args = ap.parse_args()
 
     workload = Workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed=args.seed)
-    results, duration = asyncio.run(run(args.base_url, args.model, workload, args.request_rate, args.max_concurrency))
+    if args.duration is not None:
+        if not args.max_concurrency:
+            ap.error("--duration needs --max-concurrency")
+        results, duration = asyncio.run(run_timed(args.base_url, args.model, workload, args.max_concurrency,
+                                                  args.duration))
+    else:
+        results, duration = asyncio.run(run(args.base_url, args.model, workload, args.request_rate,
+                                            args.max_concurrency))
     summary = summarize(results, duration)
     print_table(summary)
     if args.out:

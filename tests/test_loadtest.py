@@ -45,3 +45,24 @@ def test_bench_serving_tiny_workload(server, tmp_path):
     assert s["total_output_tokens"] == sum(r["max_tokens"] for r in report["requests"])  # ignore_eos honoured
     assert all(r["ttft"] > 0 and r["output_tokens"] == r["max_tokens"] for r in report["requests"])
     assert "normalized_latency_s" in proc.stdout
+
+
+def test_bench_serving_timed_closed_loop_sends_the_same_requests_to_any_server(server, tmp_path):
+    """A timed run (how compare_llama_server.py drives both servers) takes the seeded requests in order."""
+    sys.path.insert(0, str(ROOT / "loadtest"))
+    from bench_serving import Workload
+
+    out = tmp_path / "timed.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "bench_serving.py"), "--base-url", server, "--duration", "2",
+         "--max-concurrency", "2", "--input-len", "8", "24", "--output-len", "2", "6", "--seed", "5",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["summary"]["completed"] >= 2 and report["summary"]["failed"] == 0
+    stream = Workload(input_len=(8, 24), output_len=(2, 6), seed=5).stream()
+    expected = [next(stream) for _ in report["requests"]]
+    assert sorted((r["prompt_len"], r["max_tokens"]) for r in report["requests"]) == sorted(
+        (len(p), m) for p, m in expected)
