@@ -46,9 +46,9 @@ class WorkerSpec(msgspec.Struct):
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
-    """Every core by default, with a bounded OpenMP spin (gateway/engine_process.py): two threads that
-    once collapsed under load (benchmarks/pipeline.json) now serve 1.04-2.56x llama-server's tokens/s
-    (benchmarks/vs_llama_server.json)."""
+    """Every core by default, with a bounded OpenMP spin (gateway/engine_process.py): two threads once
+    collapsed under load with the sleeping default (benchmarks/pipeline.json); benchmarks/README.md has
+    today's figures beside llama-server."""
     if config.num_threads is not None:
         return config
     return config.with_(num_threads=os.cpu_count() or 1)
