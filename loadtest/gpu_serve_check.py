@@ -3,7 +3,8 @@ and not) and a short closed-loop `bench_serving.py`; then the grid on one GPU: 2
 tokens of one stage (both eager: a partial stage never replays graphs, and graphs' padded bf16 GEMMs round
 apart), and 2 tensor-parallel ranks those of one process in float32 (their all-reduce sums in another
 order, so only near-ties of random weights may differ: reported, not required).
-Part of `loadtest/gpu_check.sh OUT --long`.
+Part of `loadtest/gpu_check.sh OUT --long`. The JSON is rewritten after every section, so a run cut off keeps
+what it checked.
 
     python loadtest/gpu_serve_check.py --out serve.json
 """
@@ -11,7 +12,6 @@ Part of `loadtest/gpu_check.sh OUT --long`.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "loadtest")]
 
+from json_report import write_json  # noqa: E402
 from local_server import launch_server, stop_server  # noqa: E402
 
 MODEL = "dummy:llama-1b"
@@ -56,27 +57,35 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/gpu/serve.json")
     args = ap.parse_args()
-    report = {}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    report = {"command": "python " + " ".join(sys.argv), "complete": False}
+
+    def save() -> None:
+        write_json(args.out, report)
+
+    save()
     server_log = Path(args.out).with_suffix(".server.log").open("w")
     proc, url = launch_server(["--model", MODEL, "--served-model-name", MODEL, "--max-num-seqs", "64"], log=server_log)
     try:
         report["sdk"] = check_sdk(url)
+        save()
         print("sdk", report["sdk"], flush=True)
         bench = subprocess.run(
             [sys.executable, "loadtest/bench_serving.py", "--base-url", url, "--model", MODEL, "--num-prompts", "64",
              "--max-concurrency", "32", "--out", str(Path(args.out).with_suffix(".bench.json"))],
             cwd=ROOT, capture_output=True, text=True, timeout=120)
         report["bench_serving"] = {"exit": bench.returncode, "tail": bench.stdout[-1500:] + bench.stderr[-500:]}
+        save()
         print(report["bench_serving"]["tail"], flush=True)
     finally:
         report["shm_left"] = stop_server(proc)
+    save()
     report["pipeline_2_stages"] = check_grid({"pipeline_stages": 2}, enforce_eager=True)
+    save()
     print("pipeline", report["pipeline_2_stages"], flush=True)
     report["tensor_parallel_2"] = check_grid({"tensor_parallel_size": 2}, dtype="float32")
     print("tensor parallel", report["tensor_parallel_2"], flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    report["complete"] = True
+    save()
     ok = report["sdk"]["streamed_equals_whole"] and report["sdk"]["completion_tokens"] == 16 and \
         report["bench_serving"]["exit"] == 0
     return 0 if ok and report["pipeline_2_stages"]["identical"] == report["pipeline_2_stages"]["prompts"] else 1
