@@ -33,9 +33,12 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
-# On a GPU machine: the GPU tests only (kernels vs the PyTorch reference, graphs vs eager).
+# On a GPU machine: the GPU tests only (kernels vs the PyTorch reference, graphs vs eager...), from every
+# test file that has one: marked `gpu`, or test_cuda_kernels' alias `needs_gpu`.
+GPU_TESTS = $(shell grep -lE 'mark\.gpu|needs_gpu' tests/test_*.py)
+
 test-gpu: install
-	$(PY) -m pytest -q --gpu tests/test_cuda_kernels.py tests/test_cuda_graphs.py
+	$(PY) -m pytest -q --gpu $(GPU_TESTS)
 
 bench: install
 	$(PY) loadtest/bench_offline.py

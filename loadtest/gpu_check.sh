@@ -1,64 +1,109 @@
 #!/usr/bin/env bash
-# The GPU bring-up check, for a bare GPU machine with no network (one H100/H200), in under 9 minutes.
+# The GPU bring-up check, for a bare GPU machine with no network (one H100/H200).
 #
-#   loadtest/gpu_check.sh OUT_DIR          kernels, graphs, quick benchmarks (fails fast: quick sizes first)
+#   loadtest/gpu_check.sh OUT_DIR          registers and spills of the decode kernel (nvcc --resource-usage),
+#                                          every GPU test file, quick benchmarks; fails fast: quick sizes first
 #   loadtest/gpu_check.sh OUT_DIR --long [STEP...]
 #                                          the measurements: bench_attention, bench_gpu at full size,
 #                                          serve (a served dummy:llama-1b: SDK, bench_serving; 2 pipeline stages
 #                                          and 2 tensor-parallel ranks on one GPU), scheduling (iteration- vs
-#                                          request-level, served); only the STEPs named, if any
+#                                          request-level, served, at a fixed 8 ms/token); only the STEPs named
+#
+# A lent machine runs one command for at most 600 s, the wheels' install (~15 s) included, and every step
+# below has the time limit it needs at full size, so the work takes four calls:
+#   loadtest/gpu_check.sh $OUT                                   <= 510 s
+#   loadtest/gpu_check.sh $OUT --long bench_attention serve      <= 330 s
+#   loadtest/gpu_check.sh $OUT --long bench_gpu                  <= 540 s
+#   loadtest/gpu_check.sh $OUT --long scheduling                 <= 300 s
+# (`--long` alone runs all four of its steps, up to 1170 s: for a machine without that limit.)
 #
 # It uses the machine's python3 (with its torch and CuPy) and installs what it lacks from the wheels in
-# .whl/ (make them here with loadtest/gpu_wheels.sh, then carry .whl along). Every log and JSON goes
-# to OUT_DIR; each step's exit code and its last lines are printed as it ends.
+# .whl/ (make them here with loadtest/gpu_wheels.sh, then carry .whl along). Logs and JSON files are
+# written in a scratch folder and packed, after every step and on exit, into one archive:
+# OUT_DIR/gpu_check-<mode>.tar.gz. One file, because a lent machine returns at most 8 files from $OUT;
+# and the scripts rewrite their JSON after every measured row, so a step stopped by its limit still
+# leaves what it measured in the archive. Each step's exit code and last lines are printed as it ends.
 set -uo pipefail
-OUT=${1:?usage: loadtest/gpu_check.sh OUT_DIR [--long]}
+OUT=${1:?usage: loadtest/gpu_check.sh OUT_DIR [--long [STEP...]]}
 MODE=${2:-quick}
 shift $(($# < 2 ? $# : 2))
 ONLY=" $* "  # the --long steps to run; blank = all
 cd "$(dirname "$0")/.."
+LABEL=$([ "$MODE" = "--long" ] && echo "long${*:+-}$(echo "$*" | tr ' ' '-')" || echo quick)
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+RUN=$SCRATCH/gpu_check-$LABEL  # the archive's one top folder
+mkdir -p "$RUN"
+ARCHIVE="$OUT/gpu_check-$LABEL.tar.gz"
+
+pack() {  # the archive is replaced whole, never left half-written
+    tar czf "$ARCHIVE.part" -C "$(dirname "$RUN")" "$(basename "$RUN")" 2>/dev/null
+    mv -f "$ARCHIVE.part" "$ARCHIVE"
+}
+trap 'pack; rm -rf "$SCRATCH"' EXIT
+trap 'exit 143' TERM INT HUP  # so the EXIT trap packs what there is
+
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 SITE=/tmp/orcinus-site
 if compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-        || { echo "installing the carried wheels failed"; exit 1; }
+        || { echo "installing the carried wheels failed" | tee "$RUN/summary.log"; exit 1; }
 fi
 export PYTHONPATH="$SITE:$PWD"
 FAILED=0
 
-step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output to OUT/NAME.log
+step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output to RUN/NAME.log
     local name=$1 limit=$2 start rc
     shift 2
     if [ "$ONLY" != "  " ] && [[ "$ONLY" != *" $name "* ]]; then return; fi
-    echo "== $name: $*"
+    echo "== $name (limit $limit s): $*" | tee -a "$RUN/summary.log"
     start=$(date +%s)
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$RUN/$name.log" 2>&1
     rc=$?
-    echo "   exit $rc after $(($(date +%s) - start)) s"
-    tail -n 6 "$OUT/$name.log" | sed 's/^/   | /'
+    {
+        echo "   exit $rc after $(($(date +%s) - start)) s$([ "$rc" -eq 124 ] && echo ": stopped at its time limit")"
+        tail -n 6 "$RUN/$name.log" | sed 's/^/   | /'
+    } | tee -a "$RUN/summary.log"
     [ "$rc" -eq 0 ] || FAILED=1
+    pack
 }
 
 {
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
     $PY -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cupy', cupy.__version__)"
-    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), mode $MODE"
-} 2>&1 | tee "$OUT/env.log"
+    $PY -c "import triton; print('triton', triton.__version__)"
+    nvcc --version | tail -n 2
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), mode $MODE $*"
+} 2>&1 | tee "$RUN/env.log"
+pack
 
 if [ "$MODE" = "--long" ]; then
-    # Together at most 580 s, so one 10-minute call of a lent machine runs them all; name steps to split them.
-    step bench_attention 70 $PY loadtest/bench_attention.py --out "$OUT/bench_attention.json"
-    step bench_gpu 260 $PY loadtest/bench_gpu.py --out "$OUT/bench_gpu.json"
-    step serve 140 $PY loadtest/gpu_serve_check.py --out "$OUT/serve.json"
-    step scheduling 110 $PY loadtest/compare_scheduling.py --model dummy:llama-1b --rates 20 40 80 \
-        --num-prompts 120 --input-len 32 512 --max-num-seqs 64 --kv-cache-memory $((4 * 2**30)) \
-        --out "$OUT/scheduling.json" --plot "$OUT/scheduling.png"
+    step bench_attention 150 $PY loadtest/bench_attention.py --out "$RUN/bench_attention.json"
+    step serve 180 $PY loadtest/gpu_serve_check.py --out "$RUN/serve.json"
+    step bench_gpu 540 $PY loadtest/bench_gpu.py --out "$RUN/bench_gpu.json"
+    # Both modes at each rate back to back, compared at a fixed p50 of 8 ms per output token.
+    step scheduling 300 $PY loadtest/compare_scheduling.py --model dummy:llama-1b \
+        --rates 20 40 80 120 160 200 240 --num-prompts 240 --input-len 32 512 --max-num-seqs 64 \
+        --kv-cache-memory $((4 * 2**30)) --latency-target 0.008 \
+        --out "$RUN/scheduling.json" --plot "$RUN/scheduling.png"
 else
-    step kernels 120 $PY -m pytest -q -x --gpu tests/test_cuda_kernels.py tests/test_varlen_prefill.py
-    step graphs 150 $PY -m pytest -q -x --gpu tests/test_cuda_graphs.py
-    step bench_gpu_quick 120 $PY loadtest/bench_gpu.py --quick --device cuda --out "$OUT/bench_gpu_quick.json"
-    step bench_attention_quick 90 $PY loadtest/bench_attention.py --iters 5 --out "$OUT/bench_attention_quick.json"
+    # Registers and spills of the decode kernel, as NVRTC builds it (cupy_backend.py: -std=c++17, one
+    # extern "C" entry point per dtype, no other defines), for this GPU's architecture.
+    CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
+    ARCH=sm_${CAP:-90}
+    step resource_usage 30 nvcc -std=c++17 -arch="$ARCH" --resource-usage -cubin \
+        -o "$RUN/paged_decode_attention.$ARCH.cubin" cuda/paged_decode_attention.cu
+    # Every test file with GPU tests (marked `gpu`, or `needs_gpu` from test_cuda_kernels), kernels first.
+    KERNEL_TESTS="tests/test_cuda_kernels.py tests/test_varlen_prefill.py"
+    OTHER_TESTS=$(grep -lE 'mark\.gpu|needs_gpu' tests/test_*.py | grep -vxF -e tests/test_cuda_kernels.py \
+        -e tests/test_varlen_prefill.py | tr '\n' ' ')
+    step kernels 90 $PY -m pytest -q -x --gpu $KERNEL_TESTS
+    step gpu_tests 150 $PY -m pytest -q -x --gpu $OTHER_TESTS
+    step bench_gpu_quick 120 $PY loadtest/bench_gpu.py --quick --device cuda --out "$RUN/bench_gpu_quick.json"
+    step bench_attention_quick 120 $PY loadtest/bench_attention.py --iters 5 --graph-iters 10 \
+        --out "$RUN/bench_attention_quick.json"
 fi
+echo "packed into $ARCHIVE" | tee -a "$RUN/summary.log"
 exit $FAILED
