@@ -3,12 +3,14 @@
 (a) greedy tokens identical with CUDA graphs and eager, 32 steps of a mixed prefill/decode batch, in float32
     (in bfloat16 a GEMM at a graph's padded row count rounds differently and flips near-ties of random weights);
 (b) decode step time per shape and batch size, eager vs graphs, against the memory-bandwidth floor
-    (weight bytes + K/V bytes read per step, over the measured device copy bandwidth);
+    (weight bytes + K/V bytes read per step, over the device copy bandwidth timed with CUDA events);
 (c) output tok/s of Orcinus vs transformers `generate` (static batches) on the same weights and the
-    Orca workload (input U[32,512], output U[1,128]);
+    Orca workload (input U[32,512], output U[1,128]): a first full run of each system (warm-up, reported
+    apart), then --repeats warm runs, medians of those;
 (d) the same workload with iteration- vs request-level scheduling at a batch cap below the request count
     (with every request admitted at once both schedulers would run the same schedule), to show the Orca effect.
-Systems are interleaved across repeats and medians reported; the table comes last, JSON to --out.
+Systems are interleaved across repeats and medians reported; the table comes last. The JSON at --out is
+rewritten after every measured row, so a run stopped by a time limit keeps what it measured.
 
     python loadtest/bench_gpu.py --out benchmarks/gpu/bench_gpu.json         # on the GPU machine
     python loadtest/bench_gpu.py --device cpu --quick --out /tmp/bench.json   # smoke test anywhere
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import random
 import statistics
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "loadtest")]
 
 from engine import SamplingParams  # noqa: E402
 from engine.core.config import DUMMY_SHAPES, EngineConfig, ModelShape  # noqa: E402
@@ -37,6 +39,7 @@ from engine.launch import build_engine  # noqa: E402
 from engine.model.loader import load_checkpoint  # noqa: E402
 from engine.runner.cuda_graphs import CudaGraphRunner  # noqa: E402
 from engine.runner.decode_graphs import DecodeGraphRunner  # noqa: E402
+from json_report import write_json  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -135,17 +138,28 @@ def check_graphs_match_eager(args) -> dict:
 # ---------------------------------------------------------------- (b) decode step time vs floor
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s moved by a device-to-device copy (read + write), median of 10."""
-    n = 2**28 if device.type == "cuda" else 2**25
+    """Bytes/s moved by a device-to-device copy (read + write), median of 10 after a warm-up.
+
+    On a GPU each copy is timed by CUDA events around it: host timing adds the launch and the sync
+    (seen on an H100: 2371 GB/s by perf_counter for a copy the events put near 2967 GB/s)."""
+    n = 2**30 if device.type == "cuda" else 2**25
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(11):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+    del src, dst
+    free_memory()
     return 2 * n / statistics.median(times[1:])
 
 
@@ -156,8 +170,8 @@ def floor_seconds(shape: ModelShape, dtype: torch.dtype, batch: int, context: in
     return (weights + kv) * elem / bandwidth
 
 
-def decode_step_times(args, bandwidth: float) -> list[dict]:
-    rows = []
+def decode_step_times(args, bandwidth: float, rows: list[dict], save) -> None:
+    """Append a row per (shape, batch) to `rows`, calling save() after each."""
     for shape_name in args.shapes:
         engine = make_engine(shape_name, args)
         graphs = graph_runners(engine)
@@ -194,6 +208,7 @@ def decode_step_times(args, bandwidth: float) -> list[dict]:
                 "floor_ms": floor * 1e3, "graph_speedup": med["eager"] / med["whole"],
                 "graphs_over_floor": med["whole"] / floor,
             })
+            save()
             print(f"(b) {shape_name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, piecewise "
                   f"{rows[-1]['piecewise_ms']:.2f} ms, whole-decode graphs {rows[-1]['graphs_ms']:.2f} ms, "
                   f"floor {rows[-1]['floor_ms']:.2f} ms", flush=True)
@@ -202,7 +217,6 @@ def decode_step_times(args, bandwidth: float) -> list[dict]:
         set_graphs(engine, "whole", graphs)
         del engine, graphs
         free_memory()
-    return rows
 
 
 # ---------------------------------------------------------------- (c), (d) throughput
@@ -256,7 +270,8 @@ def run_transformers(hf, work, batch_size: int, device: torch.device) -> float:
     return time.perf_counter() - t
 
 
-def throughput(args) -> dict:
+def throughput(args, result: dict, save) -> None:
+    """Fill `result` with (c) and (d), calling save() after every run."""
     shape_name = args.throughput_shape
     # No prefix caching: repeats re-send the same prompts, which would then cost Orcinus (not transformers) nothing.
     orca = make_engine(shape_name, args, prefix_caching=False)
@@ -269,23 +284,28 @@ def throughput(args) -> dict:
     engines = {"orcinus": orca, "orcinus_capped": iteration_level, "orcinus_request_level": request_level}
     systems = {name: (lambda e=e: run_to_completion(e, work)[1]) for name, e in engines.items()}
     systems["transformers"] = lambda: run_transformers(hf, work, args.hf_batch, orca.runner.device)
-    small = work[: max(2, len(work) // 16)]
-    for e in engines.values():  # warm-up
-        run_to_completion(e, small)
-    run_transformers(hf, small, args.hf_batch, orca.runner.device)
-    samples = {name: [] for name in systems}
-    for _ in range(args.repeats):
-        for name, run in systems.items():
-            samples[name].append(out_tokens / run())
-            print(f"(c/d) {name}: {samples[name][-1]:.0f} output tok/s", flush=True)
-    med = {name: statistics.median(v) for name, v in samples.items()}
-    return {
+    result.update({
         "shape": shape_name, "requests": len(work), "output_tokens": out_tokens, "hf_batch": args.hf_batch,
         "max_num_seqs": orca.config.max_num_seqs, "capped_seqs": args.capped_seqs,
-        "token_budget": orca.config.max_num_batched_tokens, "samples_tok_s": samples, "median_tok_s": med,
-        "orcinus_over_transformers": med["orcinus"] / med["transformers"],
-        "iteration_over_request_level": med["orcinus_capped"] / med["orcinus_request_level"],
-    }
+        "token_budget": orca.config.max_num_batched_tokens, "warm_runs": args.repeats,
+        "first_run_tok_s": {}, "samples_tok_s": {name: [] for name in systems}, "median_tok_s": {},
+    })
+    # The first full run of each system is its warm-up (kernel choices, allocator growth, lazy compiles):
+    # seen at 640 tok/s for transformers where its next run made 1442. Reported, never in a median.
+    for name, run in systems.items():
+        result["first_run_tok_s"][name] = out_tokens / run()
+        save()
+        print(f"(c/d) {name}: first run {result['first_run_tok_s'][name]:.0f} output tok/s", flush=True)
+    samples = result["samples_tok_s"]
+    for _ in range(args.repeats):
+        for name, run in systems.items():  # interleaved, so drift hits all alike
+            samples[name].append(out_tokens / run())
+            med = result["median_tok_s"] = {n: statistics.median(v) for n, v in samples.items() if v}
+            if len(med) == len(systems):
+                result["orcinus_over_transformers"] = med["orcinus"] / med["transformers"]
+                result["iteration_over_request_level"] = med["orcinus_capped"] / med["orcinus_request_level"]
+            save()
+            print(f"(c/d) {name}: {samples[name][-1]:.0f} output tok/s", flush=True)
 
 
 def device_info(device: torch.device) -> dict:
@@ -313,8 +333,9 @@ def print_table(report: dict) -> None:
               f"{r['floor_ms']:>10.2f}{r['graph_speedup']:>8.2f}x{r['graphs_over_floor']:>7.2f}x")
     t = report["throughput"]
     m = t["median_tok_s"]
-    print(f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}: "
-          f"orcinus {m['orcinus']:.0f} tok/s, transformers {m['transformers']:.0f} tok/s (batch {t['hf_batch']}) "
+    print(f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}, "
+          f"median of {t['warm_runs']} warm runs: orcinus {m['orcinus']:.0f} tok/s, transformers "
+          f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}; first run {t['first_run_tok_s']['transformers']:.0f}) "
           f"= {t['orcinus_over_transformers']:.2f}x")
     print(f"(d) max {t['capped_seqs']} seqs: iteration-level {m['orcinus_capped']:.0f} vs request-level "
           f"{m['orcinus_request_level']:.0f} tok/s = {t['iteration_over_request_level']:.2f}x")
@@ -339,7 +360,7 @@ def main() -> int:
     ap.add_argument("--capped-seqs", type=int, default=64, help="(d): max_num_seqs of both schedulers")
     ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens; default: the engine's")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache per engine (engines are co-resident)")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds of (b), and warm runs of (c)/(d) per system")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script itself")
     ap.add_argument("--out", default="benchmarks/gpu/bench_gpu.json")
     args = ap.parse_args()
@@ -352,15 +373,24 @@ def main() -> int:
     device = torch.device(args.device)
     torch.manual_seed(0)
 
-    report = {"command": "python " + " ".join(sys.argv), "device": device_info(device)}
+    report = {"command": "python " + " ".join(sys.argv), "device": device_info(device), "complete": False}
+
+    def save() -> None:
+        write_json(args.out, report)
+
+    save()
     report["graphs_vs_eager"] = check_graphs_match_eager(args)
+    save()
     print(f"(a) {report['graphs_vs_eager']}", flush=True)
     bandwidth = copy_bandwidth(device)
     report["copy_bandwidth_gb_s"] = bandwidth / 1e9
-    report["decode_steps"] = decode_step_times(args, bandwidth)
-    report["throughput"] = throughput(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    report["bandwidth_timer"] = "cuda events" if device.type == "cuda" else "perf_counter"
+    report["decode_steps"] = []
+    decode_step_times(args, bandwidth, report["decode_steps"], save)
+    report["throughput"] = {}
+    throughput(args, report["throughput"], save)
+    report["complete"] = True
+    save()
     print_table(report)
     print(f"wrote {args.out}")
     return 0
