@@ -335,8 +335,8 @@ def print_table(report: dict) -> None:
     m = t["median_tok_s"]
     print(f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}, "
           f"median of {t['warm_runs']} warm runs: orcinus {m['orcinus']:.0f} tok/s, transformers "
-          f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}; first run {t['first_run_tok_s']['transformers']:.0f}) "
-          f"= {t['orcinus_over_transformers']:.2f}x")
+          f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}; "
+          f"first run {t['first_run_tok_s']['transformers']:.0f}) = {t['orcinus_over_transformers']:.2f}x")
     print(f"(d) max {t['capped_seqs']} seqs: iteration-level {m['orcinus_capped']:.0f} vs request-level "
           f"{m['orcinus_request_level']:.0f} tok/s = {t['iteration_over_request_level']:.2f}x")
 
