@@ -6,7 +6,7 @@ from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.kv_cache import KVCacheManager
+from engine.core.kv_cache import KVCacheManager, chain_hash, salt_root
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 
@@ -124,6 +124,25 @@ def test_choices_of_one_prompt_share_its_blocks():
     assert s.prefix_hit_tokens == 2 * 16
     run_all(s)
     assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_only_requests_with_the_same_cache_salt_share_blocks():
+    """The salt is the first block's parent: another salt (or none) finds nothing of a salted prompt, the same salt
+    finds all of it, and a salted first block never takes an unsalted block's name."""
+    s = make()
+    prompt = list(range(300, 320))  # 5 full blocks; 4 can be found (the last token is always computed)
+
+    def hit(rid, salt):
+        before = s.prefix_hit_tokens
+        s.add(Request(rid, list(prompt), SamplingParams(max_tokens=2), eos_token_id=0, cache_salt=salt))
+        run_all(s)
+        return s.prefix_hit_tokens - before
+
+    assert hit("a", b"tenant-a") == 0
+    assert hit("b", b"tenant-b") == 0 and hit("none", b"") == 0
+    assert hit("a2", b"tenant-a") == 16 and hit("b2", b"tenant-b") == 16 and hit("none2", b"") == 16
+    assert len(s.kv.cached) == 3 * 5
+    assert salt_root(b"") == b"" and len(salt_root(b"x")) == 33 != len(chain_hash(b"", [1]))
 
 
 def test_a_request_waits_only_for_blocks_a_running_request_is_computing():

@@ -1,7 +1,9 @@
 """Owns the KV cache blocks: who holds which, how many a request may take, and which full blocks are cached.
 
 Automatic prefix caching (as in vLLM v1): a full block is named by a hash chained from its parent block's
-hash and its own token ids, so two requests whose prompts share a prefix share its blocks (ref-counted).
+hash and its own token ids, so two requests whose prompts share a prefix share its blocks (ref-counted). A
+request's `cache_salt` is the first block's parent: requests with different salts never share a block (vLLM's
+`cache_salt`; the gateway derives one per API key, so one tenant cannot time another's prompts).
 A block nobody holds keeps its contents and name in the free queue until it is taken for other tokens.
 """
 
@@ -31,6 +33,12 @@ KV_POLICIES: dict[str, Callable[[Request, int], int]] = {"paged": _paged, "orca-
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     """A block's name: SHA-256 of its parent's name and its tokens (a client cannot forge a collision)."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def salt_root(cache_salt: bytes) -> bytes:
+    """The first block's parent: nothing without a salt; with one, 33 bytes, a length no other parent has (names are
+    32), so a salted first block can never take the name of an unsalted block."""
+    return b"\0" + hashlib.sha256(cache_salt).digest() if cache_salt else b""
 
 
 class KVCacheManager:
@@ -132,8 +140,8 @@ class KVCacheManager:
         self.ref_counts[block] += 1
 
     def _name_blocks(self, req: Request, num_full: int) -> None:
-        """Extend `req.block_names` to its first `num_full` full blocks (names depend only on the tokens)."""
+        """Extend `req.block_names` to its first `num_full` full blocks (names depend only on the salt and the tokens)."""
         bs = self.block_size
         for i in range(len(req.block_names), num_full):
-            parent = req.block_names[i - 1] if i else b""
+            parent = req.block_names[i - 1] if i else salt_root(req.cache_salt)
             req.block_names.append(chain_hash(parent, req.token_ids(i * bs, (i + 1) * bs)))

@@ -62,7 +62,8 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
-    matcher: object | None = None  # a constrained request's llguidance matcher, made by the sampler
+    matcher: object | None = None  # a constrained request's llguidance matcher (made by the engine process or the sampler)
+    cache_salt: bytes = b""  # opaque; mixed into its first block's name, so only requests with the same salt share blocks
     error: str | None = None  # why it failed (status FINISHED_ERROR)
 
     @property

@@ -16,6 +16,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: bytes = b""  # opaque to the engine (the gateway derives it from the API key and `cache_salt`)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -90,7 +90,7 @@ class EngineWorker:
             self.engine.abort_request(msg.request_id)
             return
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id)
+            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.cache_salt)
             self.prompt_tokens_total += len(msg.prompt_token_ids)
         except InvalidRequestError as e:
             self.outbox.send(RequestError(msg.request_id, str(e), e.param))
