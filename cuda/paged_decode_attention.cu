@@ -3,9 +3,10 @@
 // Loaded at run time by engine/attention/cupy_backend.py through cupy.RawModule (NVRTC), and compiled
 // offline by tests/test_cuda_kernels.py with nvcc -Werror so warnings are caught without a GPU.
 // The entry points are extern "C" so RawModule finds them by plain name; each is a thin wrapper
-// over a template instantiated for __nv_bfloat16, __half and float. All arithmetic on scores, the
-// softmax and the output accumulator is float32. Multi-token queries (prefill chunks) are not
-// attended here: the backend hands them to a fused SDPA kernel, which uses tensor cores.
+// over a template instantiated for __nv_bfloat16, __half and float (and, for the decode kernel, for
+// 8, 16 or 32 lanes per key: the backend picks by head dim). All arithmetic on scores, the softmax
+// and the output accumulator is float32. Multi-token queries (prefill chunks) are not attended here:
+// the backend hands them to a fused SDPA kernel, which uses tensor cores.
 //
 // Layouts (see engine/attention/backend.py):
 //   q            [T, Hq, D]        contiguous
@@ -16,14 +17,19 @@
 //   query_start_loc [B + 1] int32, context_lens [B] int32, slot_mapping [T] int64
 //
 // Decode is bound by reading K/V, so the kernel is built around the loads. Grid: (request, KV head x
-// head block, KV split). A key row of D elements is read by lpk lanes with one 16-byte load each
-// (lpk = D / 8 for 16-bit types, rounded up to a power of two), so a warp reads 32 / lpk keys at
-// once and a 4-warp block 8 to 16; the query heads that share the KV head (up to kMaxHeads) are
-// scored against each key while it is in registers, so K/V is read from memory once per group.
-// Every lane group keeps its own online softmax (running max m, sum l, unnormalised acc over its
-// lanes' dims); the groups are merged through shared memory at the end, and, when the KV range is
-// cut into splits (flash-decoding, to fill the GPU when the batch is small), the splits' (m, l, acc)
-// go to a float32 workspace that paged_decode_attention_reduce combines.
+// head block, KV split). A key row of D elements is read by LPK lanes with one 16-byte load each
+// (LPK = D / 8 for 16-bit types, rounded up to a power of two, at least 8), so a 4-warp block reads
+// 128 / LPK keys per load round; the query heads that share the KV head (up to kMaxHeads) are scored
+// against each key while it is in registers, so K/V is read from memory once per group.
+//
+// The split's cache slots are computed once into shared memory (kSlotChunk keys at a time), so no
+// K/V load waits on a block-table load. Each lane group loads kUnroll keys per tile into one of two
+// register buffers and issues the next tile's loads before the math on this one (software
+// pipelining: 2 x kUnroll 16-byte K/V pairs in flight per lane). Every lane group keeps its own online
+// softmax (running max m, sum l, unnormalised acc over its lanes' dims), rescaled once per tile; the
+// groups are merged through shared memory at the end, and, when the KV range is cut into splits
+// (flash-decoding, to fill the GPU), the splits' (m, l, acc) go to a float32 workspace that
+// paged_decode_attention_reduce combines.
 //
 // The split count is a launch parameter (fixed when a decode step is captured as a CUDA graph);
 // each request cuts its own context into that many equal ranges, so short and long contexts alike
@@ -35,10 +41,13 @@
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kWarps = 4;         // warps per block
-constexpr int kMaxHeads = 4;      // query heads per block; wider GQA groups are cut into head blocks
-constexpr int kUnroll = 2;        // keys each lane group loads before using any: more loads in flight
-constexpr int kMinPartition = 32; // a split covers at least this many keys
+constexpr int kWarps = 4;          // warps per block
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kMinBlocksPerSM = 2; // __launch_bounds__: registers for 2 resident blocks (<= 255 a thread)
+constexpr int kMaxHeads = 4;       // query heads per block; wider GQA groups are cut into head blocks
+constexpr int kUnroll = 4;         // keys per lane group per tile; two tiles' loads are in flight at once
+constexpr int kSplitTile = 32;     // a split covers a multiple of this many keys (SPLIT_TILE in the backend)
+constexpr int kSlotChunk = 2048;   // keys whose cache slots are staged in shared memory at once (8 KB)
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -105,13 +114,93 @@ __device__ void reshape_and_cache_impl(T* __restrict__ kv_cache, const T* __rest
     }
 }
 
-template <typename T>
-__device__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
-                            const T* __restrict__ q, const T* __restrict__ kv_cache,
-                            const int* __restrict__ query_start_loc, const int* __restrict__ context_lens,
-                            const int* __restrict__ block_tables, int max_blocks, int num_q_heads, int num_kv_heads,
-                            int heads_per_block, int head_dim, int block_size, long long num_slots, float scale_log2) {
+// This lane's 16 bytes of the rows of one tile's keys base + u * kGroups + grp (K or V: `cache` picks).
+// Keys at or past `end` (and lanes past the row) load nothing and hold zeros, so the math needs no branch.
+template <typename T, int kGroups>
+__device__ __forceinline__ void load_tile(uint4 (&raw)[kUnroll], const T* cache, const int* s_slot, int chunk,
+                                          int end, int base, int grp, bool owns, int head_dim) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int pos = base + u * kGroups + grp;
+        raw[u] = make_uint4(0, 0, 0, 0);
+        if (owns && pos < end) raw[u] = load16(cache + static_cast<long long>(s_slot[pos - chunk]) * head_dim);
+    }
+}
+
+// Scores of one tile's keys against every head, then one online-softmax step per head for the whole tile:
+// m and l move on, acc is rescaled, and p holds the keys' weights for accumulate_tile.
+template <typename T, int LPK, int kGroups>
+__device__ __forceinline__ void score_tile(const uint4 (&k)[kUnroll], const float (&qf)[kMaxHeads][Pack<T>::kSize],
+                                           float (&p)[kUnroll][kMaxHeads], float (&acc)[kMaxHeads][Pack<T>::kSize],
+                                           float (&m)[kMaxHeads], float (&l)[kMaxHeads], int base,
+                                           int end, int grp) {
     constexpr int P = Pack<T>::kSize;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        float kf[P];
+        unpack<T>(k[u], kf);
+        const bool valid = base + u * kGroups + grp < end;  // uniform over the lane group
+#pragma unroll
+        for (int h = 0; h < kMaxHeads; ++h) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < P; ++i) s += qf[h][i] * kf[i];
+#pragma unroll
+            for (int offset = LPK / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(kFullMask, s, offset);
+            p[u][h] = valid ? s : neg_inf();
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < kMaxHeads; ++h) {
+        float m_new = m[h];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, p[u][h]);
+        // No key yet for this group (m_new is -inf): every weight is 0 and acc stays 0, not NaN.
+        const float m_ref = m_new == neg_inf() ? 0.0f : m_new;
+        const float alpha = exp2f(m[h] - m_ref);  // 0 while m is -inf
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            p[u][h] = exp2f(p[u][h] - m_ref);
+            sum += p[u][h];
+        }
+        l[h] = l[h] * alpha + sum;
+        m[h] = m_new;
+#pragma unroll
+        for (int i = 0; i < Pack<T>::kSize; ++i) acc[h][i] *= alpha;
+    }
+}
+
+// acc += the tile's weighted values (invalid keys have weight 0 and zero values).
+template <typename T>
+__device__ __forceinline__ void accumulate_tile(const uint4 (&v)[kUnroll], const float (&p)[kUnroll][kMaxHeads],
+                                                float (&acc)[kMaxHeads][Pack<T>::kSize]) {
+    constexpr int P = Pack<T>::kSize;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        float vf[P];
+        unpack<T>(v[u], vf);
+#pragma unroll
+        for (int h = 0; h < kMaxHeads; ++h) {
+#pragma unroll
+            for (int i = 0; i < P; ++i) acc[h][i] += p[u][h] * vf[i];
+        }
+    }
+}
+
+template <typename T, int LPK>
+__device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc,
+                                            float* __restrict__ ws_ml, const T* __restrict__ q,
+                                            const T* __restrict__ kv_cache, const int* __restrict__ query_start_loc,
+                                            const int* __restrict__ context_lens, const int* __restrict__ block_tables,
+                                            int max_blocks, int num_q_heads, int num_kv_heads, int heads_per_block,
+                                            int head_dim, int block_size, long long num_slots, float scale_log2) {
+    constexpr int P = Pack<T>::kSize;
+    constexpr int kGroups = kThreads / LPK;  // lane groups: keys per load round
+    constexpr int kStep = kGroups * kUnroll; // keys per tile
+    static_assert(kSlotChunk % (2 * kStep) == 0, "a slot chunk holds whole pairs of tiles");
+    __shared__ int s_slot[kSlotChunk];
+
     const int req = blockIdx.x;
     const int row = query_start_loc[req];
     if (query_start_loc[req + 1] - row != 1) return;  // a prefill chunk (or no query): attended elsewhere
@@ -125,14 +214,18 @@ __device__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc, flo
     const int split = blockIdx.z;
     const int num_splits = gridDim.z;
 
-    // This request's context cut into num_splits equal ranges of whole 32-key tiles.
+    // This request's context cut into num_splits equal ranges of whole kSplitTile-key tiles.
     const int kv_len = context_lens[req];
     int partition = (kv_len + num_splits - 1) / num_splits;
-    partition = max(kMinPartition, (partition + kMinPartition - 1) / kMinPartition * kMinPartition);
+    partition = max(kSplitTile, (partition + kSplitTile - 1) / kSplitTile * kSplitTile);
     const int kv_begin = split * partition;
     const int kv_end = min(kv_begin + partition, kv_len);
     if (kv_begin >= kv_end) {  // a short context leaves the last splits empty: the reduction skips them
-        if (threadIdx.x < num_heads) {
+        if (num_splits == 1) {  // no context at all: the workspace is `out` itself, so write the row (0)
+            for (int e = threadIdx.x; e < num_heads * head_dim; e += kThreads) {
+                out[(static_cast<long long>(row) * num_q_heads + first_q_head) * head_dim + e] = from_float<T>(0.0f);
+            }
+        } else if (threadIdx.x < num_heads) {
             const long long ws_row = (static_cast<long long>(req) * num_q_heads + first_q_head + threadIdx.x) *
                                      num_splits + split;
             ws_ml[2 * ws_row] = neg_inf();
@@ -141,15 +234,11 @@ __device__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc, flo
         return;  // uniform over the block
     }
 
-    // Lane layout: lpk lanes per key, each owning P consecutive dims of the row.
+    // Lane layout: LPK lanes per key, each owning P consecutive dims of the row.
     const int num_packs = head_dim / P;
-    int lpk = 1;
-    while (lpk < num_packs) lpk *= 2;
-    const int lane = threadIdx.x % kWarp;
-    const int pack = lane % lpk;
+    const int pack = threadIdx.x % LPK;
     const bool owns = pack < num_packs;  // e.g. D = 80: 10 packs, 16 lanes per key, 6 idle
-    const int num_groups = kWarps * (kWarp / lpk);
-    const int grp = threadIdx.x / lpk;   // this lane's key group within the block
+    const int grp = threadIdx.x / LPK;   // this lane's key group within the block
     const int dim0 = pack * P;
 
     // Queries pre-scaled into base 2 (scale * log2 e), so exp2f replaces expf.
@@ -173,53 +262,38 @@ __device__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc, flo
     const T* k_cache = kv_cache + static_cast<long long>(kv_head) * num_slots * head_dim + dim0;
     const T* v_cache = kv_cache + (static_cast<long long>(num_kv_heads) + kv_head) * num_slots * head_dim + dim0;
     const int* table = block_tables + static_cast<long long>(req) * max_blocks;
-    const int step = num_groups * kUnroll;
 
-    for (int base = kv_begin; base < kv_end; base += step) {
-        // Issue every load of this step before any use, so they are in flight together.
-        uint4 k_raw[kUnroll], v_raw[kUnroll];
-        bool valid[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int pos = base + u * num_groups + grp;
-            valid[u] = pos < kv_end;
-            k_raw[u] = v_raw[u] = make_uint4(0, 0, 0, 0);
-            if (valid[u] && owns) {
-                const long long slot =
-                    static_cast<long long>(table[pos / block_size]) * block_size + pos % block_size;
-                k_raw[u] = load16(k_cache + slot * head_dim);
-                v_raw[u] = load16(v_cache + slot * head_dim);
-            }
+    for (int chunk = kv_begin; chunk < kv_end; chunk += kSlotChunk) {  // one chunk unless the split is long
+        const int end = min(chunk + kSlotChunk, kv_end);
+        __syncthreads();  // every lane is done with the previous chunk's slots
+        for (int pos = chunk + threadIdx.x; pos < end; pos += kThreads) {
+            s_slot[pos - chunk] = table[pos / block_size] * block_size + pos % block_size;
         }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            float kf[P], vf[P];
-            unpack<T>(k_raw[u], kf);
-            unpack<T>(v_raw[u], vf);
-#pragma unroll
-            for (int h = 0; h < kMaxHeads; ++h) {
-                if (h >= num_heads) break;  // uniform over the block
-                float s = 0.0f;
-#pragma unroll
-                for (int i = 0; i < P; ++i) s += qf[h][i] * kf[i];
-                for (int offset = lpk / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(kFullMask, s, offset);
-                if (valid[u]) {  // uniform over the lane group: every lane of it now holds the whole score
-                    const float m_new = fmaxf(m[h], s);
-                    const float alpha = exp2f(m[h] - m_new);  // 0 on the first key: m is -inf, m_new is not
-                    const float p = exp2f(s - m_new);
-                    l[h] = l[h] * alpha + p;
-#pragma unroll
-                    for (int i = 0; i < P; ++i) acc[h][i] = acc[h][i] * alpha + p * vf[i];
-                    m[h] = m_new;
-                }
-            }
+        __syncthreads();
+
+        // Two register buffers a and b per K and V. The next tile's keys are loaded before this tile's
+        // scores, its values before this tile's accumulation: every load has a tile of math to arrive.
+        uint4 ka[kUnroll], va[kUnroll], kb[kUnroll], vb[kUnroll];
+        float p[kUnroll][kMaxHeads];
+        load_tile<T, kGroups>(ka, k_cache, s_slot, chunk, end, chunk, grp, owns, head_dim);
+        load_tile<T, kGroups>(va, v_cache, s_slot, chunk, end, chunk, grp, owns, head_dim);
+        for (int base = chunk; base < end; base += 2 * kStep) {
+            load_tile<T, kGroups>(kb, k_cache, s_slot, chunk, end, base + kStep, grp, owns, head_dim);
+            score_tile<T, LPK, kGroups>(ka, qf, p, acc, m, l, base, end, grp);
+            load_tile<T, kGroups>(vb, v_cache, s_slot, chunk, end, base + kStep, grp, owns, head_dim);
+            accumulate_tile<T>(va, p, acc);
+            if (base + kStep >= end) break;  // uniform over the block
+            load_tile<T, kGroups>(ka, k_cache, s_slot, chunk, end, base + 2 * kStep, grp, owns, head_dim);
+            score_tile<T, LPK, kGroups>(kb, qf, p, acc, m, l, base + kStep, end, grp);
+            load_tile<T, kGroups>(va, v_cache, s_slot, chunk, end, base + 2 * kStep, grp, owns, head_dim);
+            accumulate_tile<T>(vb, p, acc);
         }
     }
 
     // Merge the lane groups: shared memory holds each group's acc [groups][heads][D] and (m, l).
     extern __shared__ float smem[];
     float* s_acc = smem;
-    float* s_ml = smem + num_groups * heads_per_block * head_dim;
+    float* s_ml = smem + kGroups * heads_per_block * head_dim;
 #pragma unroll
     for (int h = 0; h < kMaxHeads; ++h) {
         if (h >= num_heads) break;
@@ -234,13 +308,15 @@ __device__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc, flo
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < num_heads * head_dim; e += blockDim.x) {
+    for (int e = threadIdx.x; e < num_heads * head_dim; e += kThreads) {
         const int h = e / head_dim;
         const int d = e % head_dim;
         float max_m = neg_inf();
-        for (int g = 0; g < num_groups; ++g) max_m = fmaxf(max_m, s_ml[2 * (g * heads_per_block + h)]);
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) max_m = fmaxf(max_m, s_ml[2 * (g * heads_per_block + h)]);
         float total_l = 0.0f, total = 0.0f;
-        for (int g = 0; g < num_groups; ++g) {
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
             const int slot = g * heads_per_block + h;
             const float mg = s_ml[2 * slot];
             if (mg == neg_inf()) continue;  // a group that got no key of this split
@@ -283,11 +359,22 @@ __device__ void reduce_impl(T* __restrict__ out, const float* __restrict__ ws_ac
             total_l += w * ml[2 * s + 1];
             total += w * ws_acc[(ws_row * num_splits + s) * head_dim + d];
         }
-        out[out_row * head_dim + d] = from_float<T>(total / total_l);
+        out[out_row * head_dim + d] = from_float<T>(total_l > 0.0f ? total / total_l : 0.0f);  // 0: no context
     }
 }
 
 }  // namespace
+
+#define ORCINUS_DECODE(SUFFIX, T, LPK)                                                                           \
+    extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                                    \
+        paged_decode_attention_##SUFFIX##_lpk##LPK(                                                            \
+            T* out, float* ws_acc, float* ws_ml, const T* q, const T* kv_cache, const int* query_start_loc,    \
+            const int* context_lens, const int* block_tables, int max_blocks, int num_q_heads, int num_kv_heads, \
+            int heads_per_block, int head_dim, int block_size, long long num_slots, float scale_log2) {        \
+        decode_impl<T, LPK>(out, ws_acc, ws_ml, q, kv_cache, query_start_loc, context_lens, block_tables,      \
+                            max_blocks, num_q_heads, num_kv_heads, heads_per_block, head_dim, block_size,      \
+                            num_slots, scale_log2);                                                            \
+    }
 
 #define ORCINUS_INSTANTIATE(SUFFIX, T)                                                                          \
     extern "C" __global__ void reshape_and_cache_##SUFFIX(T* kv_cache, const T* k, const T* v,                  \
@@ -295,13 +382,9 @@ __device__ void reduce_impl(T* __restrict__ out, const float* __restrict__ ws_ac
                                                           int num_kv_heads, int head_dim, long long num_slots) { \
         reshape_and_cache_impl<T>(kv_cache, k, v, slot_mapping, num_tokens, num_kv_heads, head_dim, num_slots);  \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(kWarps * kWarp) paged_decode_attention_##SUFFIX(              \
-        T* out, float* ws_acc, float* ws_ml, const T* q, const T* kv_cache, const int* query_start_loc,          \
-        const int* context_lens, const int* block_tables, int max_blocks, int num_q_heads, int num_kv_heads,    \
-        int heads_per_block, int head_dim, int block_size, long long num_slots, float scale_log2) {             \
-        decode_impl<T>(out, ws_acc, ws_ml, q, kv_cache, query_start_loc, context_lens, block_tables, max_blocks, \
-                       num_q_heads, num_kv_heads, heads_per_block, head_dim, block_size, num_slots, scale_log2); \
-    }                                                                                                           \
+    ORCINUS_DECODE(SUFFIX, T, 8)                                                                                \
+    ORCINUS_DECODE(SUFFIX, T, 16)                                                                               \
+    ORCINUS_DECODE(SUFFIX, T, 32)                                                                               \
     extern "C" __global__ void paged_decode_attention_reduce_##SUFFIX(                                          \
         T* out, const float* ws_acc, const float* ws_ml, const int* query_start_loc, int num_q_heads,           \
         int head_dim, int num_splits) {                                                                         \

@@ -3,6 +3,7 @@ match the PyTorch reference on ragged prefill/decode batches (skipped without Cu
 
 import importlib.util
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention import cupy_backend
 from engine.attention.backend import AttentionMetadata
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
@@ -35,6 +37,22 @@ def test_kernels_compile_without_warnings(source, tmp_path):
 
 def test_there_are_kernels():
     assert KERNELS, f"no .cu files in {CUDA_DIR}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_every_launched_kernel_builds_without_spills(arch, tmp_path):
+    """The decode kernel as the backend builds it (NVRTC's options, plus the -ftz=true CuPy adds): every
+    function the backend may launch is there, and none spills registers or keeps a stack frame."""
+    cmd = ["nvcc", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, "-ftz=true", "--resource-usage", "-cubin",
+           str(cupy_backend.KERNEL_SOURCE), "-o", str(tmp_path / "kernel.cubin")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{log}"
+    usage = dict(re.findall(r"Function properties for (\w+)\n\s*(.*)", log))
+    for name in cupy_backend.kernel_names():
+        assert name in usage, f"{name} is not in {cupy_backend.KERNEL_SOURCE.name}:\n{log}"
+        assert usage[name] == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", f"{name}: {usage[name]}"
 
 
 # ---------------------------------------------------------------- backend selection (CPU)
@@ -164,3 +182,50 @@ def test_auto_picks_cuda_and_cpu_tensors_fall_back():
     q, k, v, cache, meta = ragged_batch([(3, 3), (1, 5)], 4, 2, 64, dtype=torch.float32, device="cpu")
     want, _ = reference(q, k, v, cache.clone(), meta)
     assert rel_error(backend.forward(q, k, v, cache, meta), want) < 1e-5
+
+
+# Decode contexts around the kernel's edges: one key, block and 32-key tile boundaries, more keys than one
+# shared-memory chunk of slots (2048), and lengths no block size divides.
+SPLIT_CONTEXTS = [1, 2, 15, 16, 17, 33, 100, 257, 1000, 2048, 2049, 4100, 5000]
+
+
+def force_splits(monkeypatch, splits):
+    monkeypatch.setattr(cupy_backend, "plan_splits", lambda *args: splits)
+
+
+@needs_gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (16, 4), (32, 4)], ids=["g1", "g4", "g8"])
+def test_decode_kernel_with_any_split_count(monkeypatch, splits, num_q_heads, num_kv_heads):
+    """Ragged contexts cut into a forced number of splits (short ones leave splits empty) vs the reference."""
+    force_splits(monkeypatch, splits)
+    q, k, v, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], num_q_heads, num_kv_heads, 128, seed=splits)
+    want, _ = reference(q, k, v, cache, meta)
+    assert rel_error(make_backend("cuda").forward(q, k, v, cache, meta), want) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_kernel_dtypes_and_head_dims_with_splits(monkeypatch, splits, dtype, head_dim):
+    force_splits(monkeypatch, splits)
+    q, k, v, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], 16, 4, head_dim, block_size=24,
+                                        dtype=dtype, seed=7)
+    want, _ = reference(q, k, v, cache, meta)
+    got = make_backend("cuda").forward(q, k, v, cache, meta)
+    assert got.dtype == dtype
+    assert rel_error(got, want) < (1e-2 if dtype != torch.float32 else 1e-4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_batches_of_several_waves(head_dim):
+    """More thread blocks than the GPU holds at once (300 requests x 8 KV heads), split as the backend plans,
+    through the eager and the graph-safe path."""
+    rng = random.Random(head_dim)
+    q, k, v, cache, meta = ragged_batch([(1, rng.randint(1, 700)) for _ in range(300)], 32, 8, head_dim, seed=3)
+    want, _ = reference(q, k, v, cache, meta)
+    backend = make_backend("cuda")
+    assert rel_error(backend.forward(q, k, v, cache, meta), want) < 1e-2
+    assert rel_error(backend.forward_decode(q, k, v, cache, meta), want) < 1e-2

@@ -29,12 +29,14 @@ from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
 
 KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "paged_decode_attention.cu"
+NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true and the device's -arch (tests/test_cuda_kernels.py mirrors them)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 WARPS = 4  # kWarps in the kernel: threads per block = 128
 MAX_HEADS_PER_BLOCK = 4  # kMaxHeads: query heads scored per K/V read
+LANES_PER_KEY = (8, 16, 32)  # the decode kernel's instantiations (LPK): lanes that read one key row
+SPLIT_TILE = 32  # kSplitTile: a split covers a multiple of this many keys
 MIN_PARTITION = 256  # fewer keys per split than this and the reduction costs more than it saves
 MAX_SPLITS = 64
-WAVES = 4  # aim for this many thread blocks per SM before splitting stops
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -77,7 +79,7 @@ class CudaAttention:
             raise RuntimeError("the cuda attention backend needs CuPy and an NVIDIA GPU: torch sees no CUDA device")
         self._cp = _cupy()
         self._fallback = TorchAttention()
-        self._sm_count: dict[int, int] = {}
+        self._resident: dict = {}  # (kernel, device, shared bytes) -> (SMs, resident blocks per SM)
         self._kernels: dict = {}  # (name, device) -> function; compiled on first use, so the CPU fallback never pays
         self._streams: dict = {}  # (device, torch stream pointer) -> CuPy's handle on that same stream
         self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here
@@ -92,8 +94,8 @@ class CudaAttention:
         source, errors = KERNEL_SOURCE.read_text(), []
         for extra in [()] + [(f"-I{d}",) for d in _header_dirs(cp)]:
             try:
-                module = cp.RawModule(code=source, options=("-std=c++17", *extra))
-                module.get_function("paged_decode_attention_bf16")  # RawModule compiles lazily: force it
+                module = cp.RawModule(code=source, options=(*NVRTC_OPTIONS, *extra))
+                module.get_function(decode_kernel_name(torch.bfloat16, 128))  # RawModule compiles lazily: force it
             except Exception as e:  # cupy.cuda.compiler.CompileException, mostly
                 errors.append(f"{' '.join(extra) or 'no -I'}: {e}")
                 continue
@@ -101,12 +103,12 @@ class CudaAttention:
             return module
         raise RuntimeError(f"cannot compile {KERNEL_SOURCE} with NVRTC:\n" + "\n".join(errors))
 
-    def _kernel(self, name: str, dtype: torch.dtype, device: torch.device):
+    def _kernel(self, name: str, device: torch.device):
         # A loaded function belongs to the device that was current when CuPy loaded it.
-        key = (f"{name}_{_SUFFIX[dtype]}", device.index)
+        key = (name, device.index)
         if key not in self._kernels:
             with self._cp.cuda.Device(device.index):
-                self._kernels[key] = self._load_module(self._cp).get_function(key[0])
+                self._kernels[key] = self._load_module(self._cp).get_function(name)
         return self._kernels[key]
 
     def self_test(self) -> None:
@@ -193,7 +195,7 @@ class CudaAttention:
         threads = 256
         blocks = min(-(-total // threads), 65535)  # grid-stride loop covers the rest
         with self._on_torch_stream(k):
-            self._kernel("reshape_and_cache", kv_cache.dtype, k.device)(
+            self._kernel(f"reshape_and_cache_{_SUFFIX[kv_cache.dtype]}", k.device)(
                 (blocks,), (threads,),
                 (_ptr(kv_cache), _ptr(k), _ptr(v), _ptr(slot_mapping),
                  np.int32(num_tokens), np.int32(num_kv_heads), np.int32(head_dim), np.int64(num_slots)),
@@ -215,20 +217,20 @@ class CudaAttention:
         # Groups wider than MAX_HEADS_PER_BLOCK heads are cut into equal head blocks.
         blocks_per_kv = -(-group // MAX_HEADS_PER_BLOCK)
         heads_per_block = -(-group // blocks_per_kv)
-        num_splits = self._splits(num_requests * num_kv_heads * blocks_per_kv, max_context_len, q.device)
+        name = decode_kernel_name(q.dtype, head_dim)
+        # The merge buffer: each lane group's acc [heads, D] and (m, l) per head, float32.
+        shared = 4 * (WARPS * 32 // lanes_per_key(head_dim, q.element_size())) * heads_per_block * (head_dim + 2)
+        sm_count, resident = self._occupancy(name, q.device, shared)
+        num_splits = plan_splits(num_requests, num_kv_heads * blocks_per_kv, max_context_len, sm_count, resident)
         if num_splits > 1:
             rows = num_requests * num_q_heads * num_splits
             ws_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
             ws_ml = torch.empty(rows * 2, dtype=torch.float32, device=q.device)
         else:  # the kernel writes `out` directly and never touches the workspace
             ws_acc = ws_ml = out
-        per_load = 16 // q.element_size()
-        lanes_per_key = 1 << (head_dim // per_load - 1).bit_length()
-        groups = WARPS * 32 // lanes_per_key
-        shared = 4 * groups * heads_per_block * (head_dim + 2)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         with self._on_torch_stream(q):
-            self._kernel("paged_decode_attention", q.dtype, q.device)(
+            self._kernel(name, q.device)(
                 (num_requests, num_kv_heads * blocks_per_kv, num_splits), (WARPS * 32,),
                 (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(q), _ptr(kv_cache), _ptr(qsl), _ptr(ctx), _ptr(tables),
                  np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
@@ -237,20 +239,68 @@ class CudaAttention:
                 shared_mem=shared,
             )
             if num_splits > 1:
-                self._kernel("paged_decode_attention_reduce", q.dtype, q.device)(
+                self._kernel(f"paged_decode_attention_reduce_{_SUFFIX[q.dtype]}", q.device)(
                     (num_requests, num_q_heads), (min(head_dim, 128),),
                     (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(qsl),
                      np.int32(num_q_heads), np.int32(head_dim), np.int32(num_splits)),
                 )
         return out
 
-    def _splits(self, base_blocks: int, max_ctx: int, device: torch.device) -> int:
-        """How many ranges to cut each context into: only while the grid is short of WAVES blocks per SM."""
+    def _occupancy(self, name: str, device: torch.device, shared: int) -> tuple[int, int]:
+        """(SMs, resident blocks per SM of kernel `name` with `shared` bytes of dynamic shared memory), once each."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._sm_count:
-            self._sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        wanted = -(-WAVES * self._sm_count[index] // base_blocks)
-        return max(1, min(wanted, -(-max_ctx // MIN_PARTITION), MAX_SPLITS))
+        key = (name, index, shared)
+        if key not in self._resident:
+            kernel = self._kernel(name, torch.device("cuda", index))
+            with self._cp.cuda.Device(index):
+                blocks = self._cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    kernel.kernel.ptr, WARPS * 32, shared)
+            self._resident[key] = (torch.cuda.get_device_properties(index).multi_processor_count, blocks)
+        return self._resident[key]
+
+
+def lanes_per_key(head_dim: int, element_size: int) -> int:
+    """The decode kernel's LPK for a head dim: one 16-byte load per lane, a power of two, at least 8."""
+    packs = head_dim * element_size // 16
+    return max(LANES_PER_KEY[0], 1 << (packs - 1).bit_length())
+
+
+def decode_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    return f"paged_decode_attention_{_SUFFIX[dtype]}_lpk{lanes_per_key(head_dim, dtype.itemsize)}"
+
+
+def kernel_names() -> list[str]:
+    """Every function of cuda/paged_decode_attention.cu the backend may launch."""
+    return [f"paged_decode_attention_{s}_lpk{n}" for s in _SUFFIX.values() for n in LANES_PER_KEY] + [
+        f"paged_decode_attention_reduce_{s}" for s in _SUFFIX.values()]
+
+
+def split_partition(context_len: int, num_splits: int) -> int:
+    """Keys per split as the kernel cuts a context: equal ranges, rounded up to whole SPLIT_TILEs."""
+    per_split = -(-context_len // num_splits)
+    return max(SPLIT_TILE, -(-per_split // SPLIT_TILE) * SPLIT_TILE)
+
+
+def plan_splits(num_requests: int, kv_head_blocks: int, max_context_len: int, sm_count: int,
+                blocks_per_sm: int) -> int:
+    """How many KV ranges the decode kernel cuts every context into (its grid: requests x kv_head_blocks x splits).
+
+    The grid runs in waves of sm_count x blocks_per_sm resident blocks, each block taking about its keys plus a
+    fixed tile's worth; the count whose last wave ends soonest wins, the fewest splits on a tie. Capped so a
+    split keeps MIN_PARTITION keys of the longest context, and at MAX_SPLITS.
+    """
+    slots = sm_count * max(1, blocks_per_sm)
+    blocks = num_requests * kv_head_blocks
+    longest = max(1, max_context_len)
+    best, best_cost = 1, None
+    for splits in range(1, max(1, min(MAX_SPLITS, -(-longest // MIN_PARTITION))) + 1):
+        partition = split_partition(longest, splits)
+        if -(-longest // partition) < splits:  # its last splits get no key: the work of fewer splits, more blocks
+            continue
+        cost = -(-blocks * splits // slots) * (partition + SPLIT_TILE)  # whole waves x one block's keys (+ fixed)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def _header_dirs(cp) -> list[Path]:
