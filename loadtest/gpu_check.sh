@@ -11,7 +11,7 @@
 #
 # A lent machine runs one command for at most 600 s, the wheels' install (~15 s) included, and every step
 # below has the time limit it needs at full size, so the work takes four calls:
-#   loadtest/gpu_check.sh $OUT                                   <= 510 s
+#   loadtest/gpu_check.sh $OUT                                   <= 540 s
 #   loadtest/gpu_check.sh $OUT --long bench_attention serve      <= 330 s
 #   loadtest/gpu_check.sh $OUT --long bench_gpu                  <= 540 s
 #   loadtest/gpu_check.sh $OUT --long scheduling                 <= 300 s
@@ -89,11 +89,13 @@ if [ "$MODE" = "--long" ]; then
         --kv-cache-memory $((4 * 2**30)) --latency-target 0.008 \
         --out "$RUN/scheduling.json" --plot "$RUN/scheduling.png"
 else
-    # Registers and spills of the decode kernel, as NVRTC builds it (cupy_backend.py: -std=c++17, one
-    # extern "C" entry point per dtype, no other defines), for this GPU's architecture.
+    # Registers and spills of every decode kernel entry point, built as the backend has NVRTC build it
+    # (cupy_backend.NVRTC_OPTIONS, plus the -ftz=true CuPy adds), for this GPU's architecture.
     CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
     ARCH=sm_${CAP:-90}
-    step resource_usage 30 nvcc -std=c++17 -arch="$ARCH" --resource-usage -cubin \
+    NVRTC_OPTIONS=$($PY -c 'from engine.attention.cupy_backend import NVRTC_OPTIONS; print(*NVRTC_OPTIONS)' \
+        2>/dev/null || echo -std=c++17)
+    step resource_usage 60 nvcc -arch="$ARCH" $NVRTC_OPTIONS -ftz=true --resource-usage -cubin \
         -o "$RUN/paged_decode_attention.$ARCH.cubin" cuda/paged_decode_attention.cu
     # Every test file with GPU tests (marked `gpu`, or `needs_gpu` from test_cuda_kernels), kernels first.
     KERNEL_TESTS="tests/test_cuda_kernels.py tests/test_varlen_prefill.py"
