@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 from starlette.applications import Starlette
@@ -18,7 +19,7 @@ from starlette.routing import Route
 from engine.core.config import EngineConfig
 from gateway import errors
 from gateway.admission import Admission
-from gateway.auth import APIKeyMiddleware
+from gateway.auth import APIKeyMiddleware, CacheSalts
 from gateway.banner import startup_block
 from gateway.chat import create_chat_completion
 from gateway.cors import add_cors
@@ -35,11 +36,12 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 @dataclass(frozen=True)
 class GatewayConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # what the engine process runs
-    api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer <key>`
+    api_keys: tuple[str, ...] = ()  # when any, every /v1 route needs `Authorization: Bearer <one of them>`
     served_model_name: str | None = None  # the `model` clients send; None = derived from the model path
     engine_start_timeout: float = 300.0  # seconds to wait for the model to load
     max_waiting: int | None = None  # sequences queued beyond the engine's batch; None = see Admission.capacity
-    metrics_need_key: bool = False  # /metrics also needs the API key (it is open by default, for scrapers)
+    metrics_need_key: bool = True  # with API keys, /metrics needs one too (its prefix-cache counters tell of prompts)
+    prefix_cache_scope: Literal["key", "global"] = "key"  # with API keys: each key's cached prefixes its own, or shared
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
     allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
@@ -79,9 +81,11 @@ def build_app(config: GatewayConfig) -> Starlette:
     client = EngineClient(config.engine, metrics, config.engine_hang_timeout)
     admission = Admission(config.engine.max_num_seqs, config.max_waiting, metrics)
     state = ServerState(client, load_gateway_tokenizer(config.engine.model), metrics, served_name(config), admission,
-                        config.shutdown_timeout)
+                        CacheSalts(config.prefix_cache_scope), config.shutdown_timeout)
     started = int(time.time())
-    contract = msgspec.json.encode(openapi_document(bool(config.api_key), config.metrics_need_key))
+    keyed = bool(config.api_keys)
+    metrics_need_key = keyed and config.metrics_need_key
+    contract = msgspec.json.encode(openapi_document(keyed, metrics_need_key))
     page = CHAT_PAGE.read_text(encoding="utf-8")
 
     @contextlib.asynccontextmanager
@@ -90,7 +94,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         await state.client.start(config.engine_start_timeout)
         # uvicorn's own logger: the block sits with its "Uvicorn running on ..." lines.
         logging.getLogger("uvicorn.error").info(
-            "%s", startup_block(state.client.ready, state.model_name, config.url, bool(config.api_key)))
+            "%s", startup_block(state.client.ready, state.model_name, config.url, keyed))
         try:
             yield
         finally:
@@ -133,7 +137,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         lifespan=lifespan,
     )
     app.state.orcinus = state
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, protect_metrics=config.metrics_need_key)
+    if keyed:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys, protect_metrics=metrics_need_key)
     add_cors(app, config.allowed_origins)  # last: the outermost layer
     return app

@@ -35,7 +35,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt = await state.encode(text)
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1))
     state.check_prompt(prompt, params, "messages")
-    gen = state.generation([prompt], params, req.n, req.stop_strings)  # admitted from here: close() it
+    salt = state.cache_salt(request, req.cache_salt)
+    gen = state.generation([prompt], params, req.n, req.stop_strings, salt)  # admitted from here: close() it
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     top_n = params.logprobs
 

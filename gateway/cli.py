@@ -76,12 +76,30 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (repeated) and --api-key-file; neither given: $ORCINUS_API_KEY, if set."""
+    from gateway.auth import check_key, read_keys_file
+
+    keys = list(args.api_key or [])
+    for path in args.api_key_file or []:
+        if not (found := read_keys_file(path)):
+            raise ValueError(f"no API key in {path}")
+        keys += found
+    if not keys and os.environ.get("ORCINUS_API_KEY"):
+        keys = [os.environ["ORCINUS_API_KEY"]]
+    return tuple(dict.fromkeys(check_key(k) for k in keys))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import GatewayConfig, build_app
 
+    try:
+        keys = api_keys(args)
+    except (OSError, ValueError) as e:
+        sys.exit(f"orcinus serve: {e}")
     config = GatewayConfig(
-        EngineConfig(**engine_kwargs(args)), args.api_key or os.environ.get("ORCINUS_API_KEY") or None,
-        args.served_model_name, max_waiting=args.max_waiting, metrics_need_key=args.metrics_need_key,
+        EngineConfig(**engine_kwargs(args)), keys, args.served_model_name, max_waiting=args.max_waiting,
+        metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
         shutdown_timeout=args.shutdown_timeout,
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
@@ -124,9 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you mean otherwise)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None,
-                     help="require `Authorization: Bearer KEY` on /v1 routes (default: $ORCINUS_API_KEY)")
-    srv.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too")
+    srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require `Authorization: Bearer KEY` on /v1 routes; repeat for several keys (visible in "
+                          "`ps`: prefer $ORCINUS_API_KEY or --api-key-file)")
+    srv.add_argument("--api-key-file", action="append", default=None, metavar="PATH",
+                     help="API keys, one per line (# comments); with neither flag, $ORCINUS_API_KEY is the key")
+    srv.add_argument("--metrics-need-key", action=argparse.BooleanOptionalAction, default=True,
+                     help="with API keys, /metrics needs one too (default; --no-metrics-need-key opens it)")
+    srv.add_argument("--prefix-cache-scope", choices=["key", "global"], default="key",
+                     help="with API keys: each key finds only its own cached prompt prefixes (default), or all keys "
+                          "share them")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
     srv.add_argument("--max-waiting", type=_non_negative, default=None,
                      help="sequences queued beyond the batch before new requests get 429 "

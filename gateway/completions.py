@@ -30,7 +30,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     for ids in prompts:
         state.check_prompt(ids, params)
     echo = [state.tokenizer.decode(p) if req.echo and state.tokenizer else "" for p in prompts]
-    gen = state.generation(prompts, params, req.n, req.stop_strings)  # admitted from here: close() it
+    salt = state.cache_salt(request, req.cache_salt)
+    gen = state.generation(prompts, params, req.n, req.stop_strings, salt)  # admitted from here: close() it
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     top_n = req.logprobs
 

@@ -54,6 +54,7 @@ class Generation:
     n: int
     stop: list[str]
     ticket: Ticket  # the admitted sequences; one is given back as each choice ends
+    cache_salt: bytes = b""  # opaque to the engine: only requests with the same salt share cached prefixes
     choices: dict[str, _Choice] = field(default_factory=dict)
     _queue: asyncio.Queue | None = field(default=None, repr=False)  # events() reads its deltas here
 
@@ -81,7 +82,7 @@ class Generation:
                     self.choices[rid] = _Choice(index, len(prompt), IncrementalDetokenizer(self.tokenizer, self.stop),
                                                 time.monotonic())
                     self.metrics.prompt_tokens.inc(len(prompt))
-                    await self.client.add(rid, prompt, params, queue)
+                    await self.client.add(rid, prompt, params, queue, self.cache_salt)
             pending = len(self.choices)
             while pending:
                 rid, item = await queue.get()

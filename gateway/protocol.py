@@ -19,6 +19,7 @@ MAX_STOP_LEN = 256  # characters per stop string
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_BODY_BYTES = 4 * 1024 * 1024  # request body size; larger is a 413
 MAX_DRAIN_BYTES = 256 * 1024 * 1024  # of a refused body, read and dropped so that the client sees its 413
+MAX_CACHE_SALT = 1024  # characters of `cache_salt`
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, as OpenAI
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)
 # The engine samples in float32 (bf16 on a GPU): a tinier positive top_p or repetition penalty rounds
@@ -89,6 +90,8 @@ class _SamplingFields(Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop_token_ids: list[TokenId] | None = None
     response_format: ResponseFormat | None = None  # constrain the output to JSON (a schema's, or any object)
+    # vLLM's: only requests with the same salt (and API key) share cached prompt prefixes; make it random and secret
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
     @property
     def stop_strings(self) -> list[str]:

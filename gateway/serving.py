@@ -16,6 +16,7 @@ from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.admission import Admission
+from gateway.auth import TENANT, CacheSalts
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.generation import Generation
 from gateway.metrics import Metrics
@@ -32,6 +33,7 @@ class ServerState:
     metrics: Metrics
     model_name: str
     admission: Admission
+    salts: CacheSalts
     drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
@@ -71,10 +73,15 @@ class ServerState:
         """Reject here what the engine would reject (the same check), so a bad request never reaches it."""
         self.engine_limits().check(ids, params, param)
 
-    def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str]) -> Generation:
+    def cache_salt(self, request: Request, cache_salt: str | None) -> bytes:
+        """The prefix-cache salt of a request: from its API key (by the scope) and its `cache_salt` field."""
+        return self.salts.salt(request.scope.get("state", {}).get(TENANT), cache_salt)
+
+    def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
+                   cache_salt: bytes = b"") -> Generation:
         """Admit the request's sequences (429 at capacity); the caller must `close()` the Generation."""
         ticket = self.admission.admit(len(prompts) * n, self.engine_limits())
-        gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket)
+        gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, cache_salt)
         self.live.add(gen)
         return gen
 

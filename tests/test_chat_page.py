@@ -18,7 +18,7 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 
 def test_the_page_is_served_whole_and_fetches_nothing_from_elsewhere():
-    r = TestClient(build_app(GatewayConfig(api_key="k"))).get("/")  # no key needed for the page itself
+    r = TestClient(build_app(GatewayConfig(api_keys=("k",)))).get("/")  # no key needed for the page itself
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     page = r.text
     assert "<title>Orcinus chat</title>" in page and "/v1/chat/completions" in page

@@ -36,7 +36,7 @@ def test_an_unlisted_origin_gets_no_cors_headers(origin):
 
 
 def test_the_api_key_is_still_enforced_and_its_401_is_readable_by_the_page():
-    c = client(api_key="sekrit")
+    c = client(api_keys=("sekrit",))
     origin = {"Origin": "http://localhost:3000"}
     assert c.options("/v1/completions", headers={**origin, **PREFLIGHT}).status_code == 200  # no key on preflights
     r = c.post("/v1/completions", headers=origin, json={"model": "m", "prompt": "hi"})

@@ -207,7 +207,8 @@ def test_api_key_accepted_and_health_open(keyed_server):
     import openai
 
     assert httpx.get(f"{keyed_server}/health", timeout=10).status_code == 200
-    assert httpx.get(f"{keyed_server}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{keyed_server}/metrics", timeout=10).status_code == 401  # with a key, /metrics needs it too
+    assert httpx.get(f"{keyed_server}/metrics", headers={"Authorization": "Bearer secret"}, timeout=10).status_code == 200
     client = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="secret", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["my-model"]
     r = client.completions.create(model="my-model", prompt="Hi", max_tokens=2, temperature=0)

@@ -1,0 +1,135 @@
+"""Security against a live server (issue 27): API keys and the prefix cache they isolate, /metrics behind the key.
+
+One server (two keys, one from a keys file) carries every live check of this module: each new server costs CI time.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import parse_metrics, wait_for_metrics
+from starlette.testclient import TestClient
+
+from gateway.app import GatewayConfig, build_app
+from gateway.auth import CacheSalts
+from gateway.cli import main as cli_main
+
+KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
+CMPL = "/v1/completions"
+# Long enough for several full KV blocks, and found in no other test's prompts.
+SECRET_PROMPT = "The launch code of the submarine is 7-4-1-9. " * 12
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def url(server_factory, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"# tenants\n\n{KEY_B}\n")
+    with server_factory("--api-key", KEY_A, "--api-key-file", str(keys), "--num-threads", "1") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, timeout=120) as c:
+        yield c
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    r = http.get("/metrics", headers=auth(KEY_A))
+    assert r.status_code == 200, r.text
+    return parse_metrics(r.text)
+
+
+def hit_tokens(http: httpx.Client, key: str, prompt: str, **extra) -> int:
+    """Prefix-cache hit tokens of one request: the counter's rise once the engine has looked the prompt up."""
+    before = metrics(http)
+    r = http.post(CMPL, json={"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}, headers=auth(key))
+    assert r.status_code == 200, r.text
+    queried = before["orcinus_prefix_cache_queried_tokens"] + r.json()["usage"]["prompt_tokens"]
+    # The engine's stats follow its tokens: wait for the report that counts this request.
+    after = wait_for_metrics(lambda: metrics(http), lambda m: m["orcinus_prefix_cache_queried_tokens"] >= queried,
+                             30, "the request's prefix-cache lookup was not reported")
+    assert after["orcinus_prefix_cache_queried_tokens"] == queried
+    return int(after["orcinus_prefix_cache_hit_tokens"] - before["orcinus_prefix_cache_hit_tokens"])
+
+
+# ---------------------------------------------------------------- keys and the prefix cache
+
+
+def test_a_prompt_cached_by_one_key_gives_another_key_no_hit_and_its_own_key_a_hit(http):
+    assert hit_tokens(http, KEY_A, SECRET_PROMPT) == 0
+    assert hit_tokens(http, KEY_B, SECRET_PROMPT) == 0  # B cannot learn that A sent it
+    assert hit_tokens(http, KEY_A, SECRET_PROMPT) > 0
+    assert hit_tokens(http, KEY_B, SECRET_PROMPT) > 0  # B's own copy
+
+
+def test_cache_salt_separates_requests_under_one_key(http):
+    prompt = "A quiet harbour at dawn, gulls over the water, boats at rest. " * 10
+    assert hit_tokens(http, KEY_A, prompt, cache_salt="alice-salt-7f3a") == 0
+    assert hit_tokens(http, KEY_A, prompt, cache_salt="bob-salt-91c2") == 0
+    assert hit_tokens(http, KEY_A, prompt) == 0  # the key's unsalted cache is another again
+    assert hit_tokens(http, KEY_A, prompt, cache_salt="alice-salt-7f3a") > 0
+
+
+def test_metrics_need_a_key_and_either_key_works(http):
+    r = http.get("/metrics")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert http.get("/metrics", headers=auth(KEY_B)).status_code == 200
+    assert http.get("/metrics", headers=auth("key-c")).status_code == 401
+    assert http.get("/health").status_code == 200  # liveness stays open
+    r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "cache_salt": ""}, headers=auth(KEY_A))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+# ---------------------------------------------------------------- the same, without a server
+
+
+def test_salts_by_scope():
+    keyed, shared = CacheSalts("key"), CacheSalts("global")
+    assert keyed.salt(b"a", None) != keyed.salt(b"b", None) != b""
+    assert keyed.salt(b"a", "s") not in (keyed.salt(b"a", None), keyed.salt(b"b", "s"))
+    assert shared.salt(b"a", None) == shared.salt(b"b", None) == shared.salt(None, None) == b""
+    assert shared.salt(b"a", "s") == shared.salt(b"b", "s") != b""
+    assert CacheSalts("key").salt(b"a", None) != keyed.salt(b"a", None)  # a secret of its own per server
+
+
+def test_several_keys_each_open_the_api_and_the_metrics_unless_opened_on_purpose():
+    c = TestClient(build_app(GatewayConfig(api_keys=("k1", "k2"))))
+    assert c.get("/metrics").status_code == 401
+    assert c.get("/metrics", headers=auth("k2")).status_code == 200
+    open_metrics = TestClient(build_app(GatewayConfig(api_keys=("k1",), metrics_need_key=False)))
+    assert open_metrics.get("/metrics").status_code == 200
+    assert TestClient(build_app(GatewayConfig())).get("/metrics").status_code == 200  # no keys: nothing to guard
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    ([], None, ()),
+    ([], "from-env", ("from-env",)),
+    (["--api-key", "a", "--api-key", "b", "--api-key", "a"], "from-env", ("a", "b")),
+    (["--api-key-file", "FILE"], "from-env", ("f1", "f2")),
+    (["--api-key", "a", "--api-key-file", "FILE"], None, ("a", "f1", "f2")),
+])
+def test_keys_from_flags_files_and_the_environment(monkeypatch, tmp_path, argv, env, want):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nf1\n\n  f2  \n")
+    if env is None:
+        monkeypatch.delenv("ORCINUS_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("ORCINUS_API_KEY", env)
+    seen = {}
+    monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
+    monkeypatch.setattr("gateway.app.build_app", lambda config: seen.setdefault("config", config))
+    assert cli_main(["serve", *[str(keys) if a == "FILE" else a for a in argv]]) == 0
+    assert seen["config"].api_keys == want and seen["config"].prefix_cache_scope == "key"
+
+
+@pytest.mark.parametrize("argv", [["--api-key", "has space"], ["--api-key-file", "/nonexistent/keys"]])
+def test_a_bad_key_or_keys_file_stops_the_server_at_once(monkeypatch, argv):
+    monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: pytest.fail("served"))
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", *argv])
+    assert "orcinus serve:" in str(e.value)
