@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -16,12 +15,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from engine import SamplingParams  # noqa: E402
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.launch import build_engine  # noqa: E402
+from json_report import write_json  # noqa: E402
 
 GEMM = {"aten::mm", "aten::addmm", "aten::linear", "aten::_weight_int4pack_mm_for_cpu"}
 ATTENTION = {"aten::index", "aten::index_copy_", "aten::bmm", "aten::_softmax", "aten::masked_fill_",
@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/iteration_profile.json")
     args = ap.parse_args()
     rows = {}
+    report = {"command": "python " + " ".join(sys.argv), "threads": torch.get_num_threads(),
+              "context": args.context, "rows": rows, "complete": False}
     for b in args.batches:
         engine = decode_engine(b, args.context, args)
         phases(engine, 3)  # warm-up
@@ -97,14 +99,13 @@ def main() -> None:
               + "  ".join(f"{k} {v:6.1f}" for k, v in ph.items())
               + f"  | model: gemm {split['gemm']:.0%} attention {split['attention']:.0%} other {split['other']:.0%}",
               flush=True)
+        write_json(args.out, report)  # each batch size as it is measured: a time limit keeps what is done
         del engine  # its KV cache holds most of a GPU's memory: the next engine needs it
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    report = {"command": "python " + " ".join(sys.argv), "threads": torch.get_num_threads(),
-              "context": args.context, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    report["complete"] = True
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":
