@@ -10,11 +10,11 @@
 //
 // Layouts (see engine/attention/backend.py):
 //   q            [T, Hq, D]        contiguous
-//   k, v         [T, Hkv, D]       contiguous (this iteration's new keys/values)
-//   kv_cache     [2, Hkv, num_slots, D]  keys then values, num_slots = num_blocks * block_size
+//   kv_cache     [2, Hkv, num_slots, D]  keys then values, num_slots = num_blocks * block_size; it already
+//                holds this iteration's keys and values (the model writes them, fused with RoPE)
 //   block_tables [B, max_blocks] int32; token p of request i is at slot
 //                block_tables[i][p / block_size] * block_size + p % block_size
-//   query_start_loc [B + 1] int32, context_lens [B] int32, slot_mapping [T] int64
+//   query_start_loc [B + 1] int32, context_lens [B] int32
 //
 // Decode is bound by reading K/V, so the kernel is built around the loads. Grid: (request, KV head x
 // head block, KV split). A key row of D elements is read by LPK lanes with one 16-byte load each
@@ -92,26 +92,6 @@ template <> __device__ __forceinline__ void unpack<__half>(const uint4& raw, flo
 
 template <typename T> __device__ __forceinline__ uint4 load16(const T* p) {
     return *reinterpret_cast<const uint4*>(p);
-}
-
-template <typename T>
-__device__ void reshape_and_cache_impl(T* __restrict__ kv_cache, const T* __restrict__ k, const T* __restrict__ v,
-                                       const long long* __restrict__ slot_mapping, int num_tokens, int num_kv_heads,
-                                       int head_dim, long long num_slots) {
-    const long long total = static_cast<long long>(num_tokens) * num_kv_heads * head_dim;
-    const long long values_offset = static_cast<long long>(num_kv_heads) * num_slots * head_dim;
-    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int d = static_cast<int>(i % head_dim);
-        const long long token_head = i / head_dim;
-        const int head = static_cast<int>(token_head % num_kv_heads);
-        const long long token = token_head / num_kv_heads;
-        const long long slot = slot_mapping[token];
-        if (slot < 0) continue;  // padded row: nothing to store
-        const long long dst = (static_cast<long long>(head) * num_slots + slot) * head_dim + d;
-        kv_cache[dst] = k[i];
-        kv_cache[values_offset + dst] = v[i];
-    }
 }
 
 // This lane's 16 bytes of the rows of one tile's keys base + u * kGroups + grp (K or V: `cache` picks).
@@ -377,11 +357,6 @@ __device__ void reduce_impl(T* __restrict__ out, const float* __restrict__ ws_ac
     }
 
 #define ORCINUS_INSTANTIATE(SUFFIX, T)                                                                          \
-    extern "C" __global__ void reshape_and_cache_##SUFFIX(T* kv_cache, const T* k, const T* v,                  \
-                                                          const long long* slot_mapping, int num_tokens,        \
-                                                          int num_kv_heads, int head_dim, long long num_slots) { \
-        reshape_and_cache_impl<T>(kv_cache, k, v, slot_mapping, num_tokens, num_kv_heads, head_dim, num_slots);  \
-    }                                                                                                           \
     ORCINUS_DECODE(SUFFIX, T, 8)                                                                                \
     ORCINUS_DECODE(SUFFIX, T, 16)                                                                               \
     ORCINUS_DECODE(SUFFIX, T, 32)                                                                               \

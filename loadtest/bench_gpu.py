@@ -62,7 +62,7 @@ def make_engine(shape_name: str, args, **overrides) -> EngineCore:
     r = engine.runner
     if r.graphs is None and r.device.type == "cpu":
         # Off a GPU the graph runners' CPU stand-ins keep the eager/graphs comparison runnable.
-        r.graphs = CudaGraphRunner(engine.model, 64, r.device, r.dtype)
+        r.graphs = CudaGraphRunner(engine.model, r.kv_caches, 64, r.scratch_block, r.device, r.dtype)
         r.decode_graphs = DecodeGraphRunner(engine.model, r.kv_caches, r.attention, config.max_num_seqs,
                                             r.scratch_block, r.device)
     return engine

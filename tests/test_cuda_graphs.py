@@ -60,7 +60,8 @@ def engines(checkpoint):
     """An eager engine and one whose runner replays (CPU stand-in) graphs up to 16 tokens, on the same weights."""
     config = EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280)
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
-    graphed.runner.graphs = CudaGraphRunner(graphed.model, 16, torch.device("cpu"), torch.float32)
+    r = graphed.runner
+    r.graphs = CudaGraphRunner(r.model, r.kv_caches, 16, r.scratch_block, torch.device("cpu"), torch.float32)
     return eager, graphed
 
 
@@ -80,6 +81,28 @@ def test_graph_segments_reproduce_the_eager_logits_with_padding(engines, tokeniz
         for r in batch.requests:
             engine.abort_request(r.request_id)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_piecewise_padding_rows_write_only_the_scratch_block(engines, tokenizer):
+    """11 tokens replay bucket 16; its 5 padding rows were left pointing at another block by an earlier, larger
+    batch: the segments write their K/V (the pre-attention halves write the cache) into the scratch block only."""
+    _, graphed = engines
+    graphs, bs = graphed.runner.graphs, graphed.config.block_size
+    other = graphed.runner.scratch_block - 1  # a block these prompts never get
+    graphs.slot_mapping.copy_(other * bs + torch.arange(len(graphs.slot_mapping)) % bs)
+    caches = graphed.runner.kv_caches
+    for c in caches:
+        c[:, :, other] = 7.0
+        c[:, :, graphed.runner.scratch_block] = 7.0
+    reqs = [graphed.add_request(tokenizer.encode(p)[:n], SamplingParams(max_tokens=1))
+            for p, n in zip(PROMPTS, (4, 4, 3))]
+    batch = graphed.scheduler.schedule()
+    graphed.runner.run(batch)
+    for r in reqs:
+        graphed.abort_request(r.request_id)
+    assert all((c[:, :, other] == 7.0).all() for c in caches), "a padding row wrote into another block"
+    assert all((c[:, :, graphed.runner.scratch_block, 0] != 7.0).all() for c in caches)
+    assert graphs.slot_mapping[11:16].tolist() == [graphed.runner.scratch_block * bs] * 5
 
 
 def test_greedy_tokens_identical_with_graphs_on_mixed_batches(engines, tokenizer):
@@ -119,7 +142,7 @@ def test_every_bucket_shares_one_set_of_static_buffers(engines):
     assert set(graphs.replays) == set(graphs.buckets)
     assert all(len(r) == len(graphs.model.layers) + 1 for r in graphs.replays.values())
     largest = graphs.buckets[-1]
-    assert [t.shape[0] for t in (graphs.x, graphs.q, graphs.k, graphs.v, graphs.attn_out)] == [largest] * 5
+    assert [t.shape[0] for t in (graphs.x, graphs.q, graphs.attn_out, graphs.slot_mapping)] == [largest] * 4
 
 
 # ---------------------------------------------------------------- whole-iteration decode graphs (CPU stand-in)
@@ -199,13 +222,13 @@ def test_torch_forward_decode_matches_forward_over_wider_tables():
 
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 2, 12, 4, 8, generator=gen)
-    q, k, v = torch.randn(3, 6, 8, generator=gen), torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    q = torch.randn(3, 6, 8, generator=gen)
     lens = [5, 1, 9]
     tables = torch.tensor([[3, 7, 0, 0], [11, 0, 0, 0], [1, 2, 4, 0]], dtype=torch.int32)
     meta = AttentionMetadata(torch.arange(4, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), tables,
                              torch.tensor([7 * 4, 11 * 4, 4 * 4]), [1, 1, 1], lens)  # positions 4, 0, 8
-    want = TorchAttention().forward(q, k, v, cache.clone(), meta)
-    got = TorchAttention().forward_decode(q, k, v, cache.clone(), meta)
+    want = TorchAttention().forward(q, cache, meta)
+    got = TorchAttention().forward_decode(q, cache, meta)
     torch.testing.assert_close(got, want)
 
 

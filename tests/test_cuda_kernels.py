@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.attention import cupy_backend
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, write_kv
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
 
@@ -75,8 +75,8 @@ def test_unknown_backend_is_rejected():
 
 def ragged_batch(requests, num_q_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.bfloat16,
                  device="cuda", seed=0):
-    """requests: (new query tokens n, context length ctx) pairs. Positions before ctx - n are already in
-    the cache (random values in randomly placed blocks); the n new tokens' K/V come with q."""
+    """requests: (new query tokens n, context length ctx) pairs -> (q, cache, meta). Positions before ctx - n
+    hold random values in randomly placed blocks; the n new tokens' K/V are written as the model writes them."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_per = [-(-ctx // block_size) for _, ctx in requests]
@@ -101,18 +101,17 @@ def ragged_batch(requests, num_q_heads, num_kv_heads, head_dim, block_size=16, d
                                                                                           dtype=torch.int32),
         block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_lens_cpu=[n for n, _ in requests], context_lens_cpu=[c for _, c in requests])
-    return [t.to(device) for t in (q, k, v, cache)] + [to_device(meta, device)]
+    write_kv(k, v, cache, meta.slot_mapping)
+    return q.to(device), cache.to(device), to_device(meta, device)
 
 
 def to_device(meta, device):
     return meta.to(device)
 
 
-def reference(q, k, v, cache, meta):
+def reference(q, cache, meta):
     """TorchAttention on float32 CPU copies of the same (already bf16-rounded) inputs."""
-    cache = cache.float().cpu()
-    out = TorchAttention().forward(q.float().cpu(), k.float().cpu(), v.float().cpu(), cache, to_device(meta, "cpu"))
-    return out, cache
+    return TorchAttention().forward(q.float().cpu(), cache.float().cpu(), to_device(meta, "cpu"))
 
 
 def rel_error(a, b):
@@ -130,11 +129,9 @@ BATCHES = {"prefill": PREFILL, "decode": DECODE, "mixed": MIXED, "long-prefill":
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (6, 2), (16, 2), (34, 2), (24, 1)],
                          ids=["g1", "g3", "g8", "g17", "g24"])
 def test_matches_reference(kind, num_q_heads, num_kv_heads):
-    q, k, v, cache, meta = ragged_batch(BATCHES[kind], num_q_heads, num_kv_heads, head_dim=128)
-    want, want_cache = reference(q, k, v, cache, meta)
-    got = make_backend("cuda").forward(q, k, v, cache, meta)
-    torch.cuda.synchronize()
-    assert torch.equal(cache.float().cpu(), want_cache), "cache write differs"
+    q, cache, meta = ragged_batch(BATCHES[kind], num_q_heads, num_kv_heads, head_dim=128)
+    want = reference(q, cache, meta)
+    got = make_backend("cuda").forward(q, cache, meta)
     assert rel_error(got, want) < 1e-2
 
 
@@ -142,9 +139,9 @@ def test_matches_reference(kind, num_q_heads, num_kv_heads):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_dtypes_and_head_dims(dtype, head_dim):
-    q, k, v, cache, meta = ragged_batch(MIXED, 8, 2, head_dim=head_dim, block_size=32, dtype=dtype, seed=1)
-    want, _ = reference(q, k, v, cache, meta)
-    got = make_backend("cuda").forward(q, k, v, cache, meta)
+    q, cache, meta = ragged_batch(MIXED, 8, 2, head_dim=head_dim, block_size=32, dtype=dtype, seed=1)
+    want = reference(q, cache, meta)
+    got = make_backend("cuda").forward(q, cache, meta)
     assert got.dtype == dtype
     assert rel_error(got, want) < (1e-2 if dtype != torch.float32 else 1e-4)
 
@@ -158,20 +155,18 @@ def test_random_ragged_batches(seed):
         ctx = rng.choice([1, 15, 16, 17, rng.randint(1, 700), 2048])
         requests.append((rng.choice([1, 1, ctx, rng.randint(1, ctx)]), ctx))
     heads = rng.choice([(8, 8), (12, 4), (32, 4)])
-    q, k, v, cache, meta = ragged_batch(requests, *heads, head_dim=128, seed=seed)
-    want, _ = reference(q, k, v, cache, meta)
-    assert rel_error(make_backend("cuda").forward(q, k, v, cache, meta), want) < 1e-2
+    q, cache, meta = ragged_batch(requests, *heads, head_dim=128, seed=seed)
+    want = reference(q, cache, meta)
+    assert rel_error(make_backend("cuda").forward(q, cache, meta), want) < 1e-2
 
 
 @needs_gpu
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (16, 2), (34, 2), (24, 1)])
 def test_forward_decode_matches_reference_with_the_fixed_split_plan(num_q_heads, num_kv_heads):
     """The graph-safe decode path plans its splits for the whole table width, not the batch's longest context."""
-    q, k, v, cache, meta = ragged_batch(DECODE, num_q_heads, num_kv_heads, head_dim=128)
-    want, want_cache = reference(q, k, v, cache, meta)
-    got = make_backend("cuda").forward_decode(q, k, v, cache, meta)
-    torch.cuda.synchronize()
-    assert torch.equal(cache.float().cpu(), want_cache), "cache write differs"
+    q, cache, meta = ragged_batch(DECODE, num_q_heads, num_kv_heads, head_dim=128)
+    want = reference(q, cache, meta)
+    got = make_backend("cuda").forward_decode(q, cache, meta)
     assert rel_error(got, want) < 1e-2
 
 
@@ -179,9 +174,9 @@ def test_forward_decode_matches_reference_with_the_fixed_split_plan(num_q_heads,
 def test_auto_picks_cuda_and_cpu_tensors_fall_back():
     backend = make_backend("auto", "cuda")
     assert type(backend).__name__ == "CudaAttention"
-    q, k, v, cache, meta = ragged_batch([(3, 3), (1, 5)], 4, 2, 64, dtype=torch.float32, device="cpu")
-    want, _ = reference(q, k, v, cache.clone(), meta)
-    assert rel_error(backend.forward(q, k, v, cache, meta), want) < 1e-5
+    q, cache, meta = ragged_batch([(3, 3), (1, 5)], 4, 2, 64, dtype=torch.float32, device="cpu")
+    want = reference(q, cache, meta)
+    assert rel_error(backend.forward(q, cache, meta), want) < 1e-5
 
 
 # Decode contexts around the kernel's edges: one key, block and 32-key tile boundaries, more keys than one
@@ -199,9 +194,8 @@ def force_splits(monkeypatch, splits):
 def test_decode_kernel_with_any_split_count(monkeypatch, splits, num_q_heads, num_kv_heads):
     """Ragged contexts cut into a forced number of splits (short ones leave splits empty) vs the reference."""
     force_splits(monkeypatch, splits)
-    q, k, v, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], num_q_heads, num_kv_heads, 128, seed=splits)
-    want, _ = reference(q, k, v, cache, meta)
-    assert rel_error(make_backend("cuda").forward(q, k, v, cache, meta), want) < 1e-2
+    q, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], num_q_heads, num_kv_heads, 128, seed=splits)
+    assert rel_error(make_backend("cuda").forward(q, cache, meta), reference(q, cache, meta)) < 1e-2
 
 
 @needs_gpu
@@ -210,12 +204,11 @@ def test_decode_kernel_with_any_split_count(monkeypatch, splits, num_q_heads, nu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_kernel_dtypes_and_head_dims_with_splits(monkeypatch, splits, dtype, head_dim):
     force_splits(monkeypatch, splits)
-    q, k, v, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], 16, 4, head_dim, block_size=24,
-                                        dtype=dtype, seed=7)
-    want, _ = reference(q, k, v, cache, meta)
-    got = make_backend("cuda").forward(q, k, v, cache, meta)
+    q, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], 16, 4, head_dim, block_size=24, dtype=dtype,
+                                  seed=7)
+    got = make_backend("cuda").forward(q, cache, meta)
     assert got.dtype == dtype
-    assert rel_error(got, want) < (1e-2 if dtype != torch.float32 else 1e-4)
+    assert rel_error(got, reference(q, cache, meta)) < (1e-2 if dtype != torch.float32 else 1e-4)
 
 
 @needs_gpu
@@ -224,8 +217,8 @@ def test_decode_batches_of_several_waves(head_dim):
     """More thread blocks than the GPU holds at once (300 requests x 8 KV heads), split as the backend plans,
     through the eager and the graph-safe path."""
     rng = random.Random(head_dim)
-    q, k, v, cache, meta = ragged_batch([(1, rng.randint(1, 700)) for _ in range(300)], 32, 8, head_dim, seed=3)
-    want, _ = reference(q, k, v, cache, meta)
+    q, cache, meta = ragged_batch([(1, rng.randint(1, 700)) for _ in range(300)], 32, 8, head_dim, seed=3)
+    want = reference(q, cache, meta)
     backend = make_backend("cuda")
-    assert rel_error(backend.forward(q, k, v, cache, meta), want) < 1e-2
-    assert rel_error(backend.forward_decode(q, k, v, cache, meta), want) < 1e-2
+    assert rel_error(backend.forward(q, cache, meta), want) < 1e-2
+    assert rel_error(backend.forward_decode(q, cache, meta), want) < 1e-2

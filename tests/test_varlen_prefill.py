@@ -6,7 +6,6 @@ import pytest
 import torch
 from test_cuda_kernels import BATCHES, MIXED, needs_gpu, ragged_batch, reference, rel_error
 
-from engine.attention.backend import write_kv
 from engine.attention.torch_backend import attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, reference_varlen
 
@@ -25,8 +24,7 @@ def per_request(q, cache, meta):
 @pytest.mark.parametrize("kind", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["g1", "g3", "g8"])
 def test_one_call_for_all_chunks_gives_each_requests_own_attention(kind, heads):
-    q, k, v, cache, meta = ragged_batch(CASES[kind], *heads, head_dim=32, dtype=torch.float32, device="cpu")
-    write_kv(k, v, cache, meta.slot_mapping)
+    q, cache, meta = ragged_batch(CASES[kind], *heads, head_dim=32, dtype=torch.float32, device="cpu")
     want = per_request(q, cache, meta)
     plan = PrefillPlan.build(meta, cache.shape[3])
     prefills = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
@@ -49,7 +47,7 @@ def test_one_call_for_all_chunks_gives_each_requests_own_attention(kind, heads):
 def test_the_plan_reads_each_context_token_from_its_own_slot():
     block_size = 4
     meta = ragged_batch([(1, 3), (6, 6), (2, 9)], 2, 1, 8, block_size=block_size, dtype=torch.float32,
-                        device="cpu")[4]
+                        device="cpu")[2]
     plan = PrefillPlan.build(meta, block_size)
     t = meta.block_tables
     want = [int(t[i, p // block_size]) * block_size + p % block_size for i, ctx in ((1, 6), (2, 9))
@@ -68,8 +66,7 @@ def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fa
     build = PrefillPlan.build
     monkeypatch.setattr(cupy_backend.PrefillPlan, "build", lambda *a: builds.append(a) or build(*a))
     monkeypatch.setattr(cupy_backend, "flash_varlen", reference_varlen)
-    q, k, v, cache, meta = ragged_batch(CASES["chunks"], 6, 2, head_dim=32, dtype=torch.bfloat16, device="cpu")
-    write_kv(k, v, cache, meta.slot_mapping)
+    q, cache, meta = ragged_batch(CASES["chunks"], 6, 2, head_dim=32, dtype=torch.bfloat16, device="cpu")
     want = per_request(q, cache, meta)
     rows = build(meta, cache.shape[3]).rows
     for _ in range(3):  # three layers of one step
@@ -94,10 +91,10 @@ def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fa
 def test_flash_attention_takes_every_chunk_at_once_on_a_gpu(kind, dtype):
     from engine.attention.cupy_backend import CudaAttention
 
-    q, k, v, cache, meta = ragged_batch(CASES[kind], 32, 8, head_dim=128, dtype=dtype)
-    want, _ = reference(q, k, v, cache, meta)
+    q, cache, meta = ragged_batch(CASES[kind], 32, 8, head_dim=128, dtype=dtype)
+    want = reference(q, cache, meta)
     backend = CudaAttention()
-    got = backend.forward(q, k, v, cache, meta)
+    got = backend.forward(q, cache, meta)
     torch.cuda.synchronize()
     assert backend.prefill_kernel == "flash"  # not fallen back to one SDPA per request
     assert rel_error(got, want) < 1e-2
@@ -107,6 +104,6 @@ def test_flash_attention_takes_every_chunk_at_once_on_a_gpu(kind, dtype):
 def test_float32_prefills_go_one_sdpa_each_and_match():
     from engine.attention.cupy_backend import CudaAttention
 
-    q, k, v, cache, meta = ragged_batch(MIXED, 8, 2, head_dim=64, dtype=torch.float32)
-    want, _ = reference(q, k, v, cache, meta)
-    assert rel_error(CudaAttention().forward(q, k, v, cache, meta), want) < 1e-4
+    q, cache, meta = ragged_batch(MIXED, 8, 2, head_dim=64, dtype=torch.float32)
+    want = reference(q, cache, meta)
+    assert rel_error(CudaAttention().forward(q, cache, meta), want) < 1e-4

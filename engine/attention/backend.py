@@ -44,28 +44,27 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes this iteration's K/V into the cache, then attends every query to its own request's keys."""
+    """Attends every query to its own request's keys. The cache already holds this iteration's K/V: the model
+    writes them (`write_kv`) in the token-wise code before attention, where RoPE and the write fuse."""
 
     graph_safe_decode: bool  # whether whole decode steps around forward_decode should be captured as CUDA graphs
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D] (rows may be strided, heads and head_dim dense); returns [T, Hq, D]."""
         ...
 
-    def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`forward` for a batch of one query per request that reads only device tensors and static shapes
         (never the host length lists), so a whole decode step can be captured as a CUDA graph."""
         ...
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into their cache slots, in place (under torch.compile too: an index_put into the input)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    # One index_put into the whole cache: torch.compile turns a write into a part of it (kv_cache[0]) into a copy of
+    # that part, the scatter, and a copy back; into the whole, Inductor writes in place.
+    kv_cache.view(2, num_kv_heads, -1, head_dim)[:, :, slot_mapping] = torch.stack((k, v)).transpose(1, 2)
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The CUDA attention backend: cuda/paged_decode_attention.cu launched through CuPy, SDPA for prefills.
 
-One kernel writes this iteration's K/V into the paged cache; one kernel attends every decoding
-request to its paged context (grid: request x KV head x KV split), and a small reduction combines the
+The model has written this iteration's K/V into the paged cache (fused with RoPE); one kernel attends
+every decoding request to its paged context (grid: request x KV head x KV split), and a small reduction combines the
 splits when there is more than one. Multi-token queries (prefill chunks) go, all in one call, to PyTorch's
 variable-length flash attention (engine/attention/varlen_prefill.py), which uses tensor cores; a per-token
 kernel re-reading each token's prefix cannot.
@@ -65,7 +65,7 @@ def cuda_backend_available() -> bool:
 
 
 class CudaAttention:
-    """Ragged paged attention in one launch per layer (plus the cache write and, if split, a reduction).
+    """Ragged paged attention in one launch per layer (plus, if split, a reduction).
 
     Tensors not on a CUDA device, or head dims above 128, go to the PyTorch reference instead, so
     "auto" stays correct for an engine configured with device="cpu" on a GPU machine.
@@ -114,13 +114,13 @@ class CudaAttention:
     def self_test(self) -> None:
         """Compile, then decode one token against 3 cached ones (GQA, bf16) and compare with the reference."""
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, h, 64, generator=gen).to(torch.bfloat16) for h in (2, 1, 1))
+        q = torch.randn(1, 2, 64, generator=gen).to(torch.bfloat16)
         cache = torch.randn(2, 1, 2, 16, 64, generator=gen).to(torch.bfloat16)  # the request lives in block 1
         meta = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                                  torch.tensor([[1]], dtype=torch.int32), torch.tensor([18]), [1], [3])
-        expected = self._fallback.forward(q.float(), k.float(), v.float(), cache.float(), meta)
+        expected = self._fallback.forward(q.float(), cache.float(), meta)
         dev = torch.device("cuda", torch.cuda.current_device())
-        got = self.forward(q.to(dev), k.to(dev), v.to(dev), cache.to(dev), meta.to(dev))
+        got = self.forward(q.to(dev), cache.to(dev), meta.to(dev))
         torch.cuda.synchronize(dev)
         if not torch.allclose(got.float().cpu(), expected, atol=3e-2, rtol=3e-2):
             raise RuntimeError("the kernel's self-test output differs from the PyTorch reference")
@@ -132,10 +132,9 @@ class CudaAttention:
         per_load = 16 // q.element_size()
         return q.shape[2] % per_load == 0 and q.shape[2] // per_load <= 32
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def forward(self, q, kv_cache, meta: AttentionMetadata):
         if not self._fits(q):
-            return self._fallback.forward(q, k, v, kv_cache, meta)
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+            return self._fallback.forward(q, kv_cache, meta)
         decode_lens = [c for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n == 1]
         out = self.attend(q, kv_cache, meta, max(decode_lens)) if decode_lens else torch.empty_like(q)
         if len(decode_lens) < meta.num_requests:  # after the kernel: it leaves prefill rows alone
@@ -161,10 +160,9 @@ class CudaAttention:
                 if n > 1:
                     attend_prefill(q, kv_cache, meta, i, qsl, out)
 
-    def forward_decode(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def forward_decode(self, q, kv_cache, meta: AttentionMetadata):
         if not self._fits(q):
-            return self._fallback.forward_decode(q, k, v, kv_cache, meta)
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+            return self._fallback.forward_decode(q, kv_cache, meta)
         # The split plan for the longest context the block tables can hold: fixed, so it can be captured.
         return self.attend(q, kv_cache, meta, meta.block_tables.shape[1] * kv_cache.shape[3])
 
@@ -184,22 +182,6 @@ class CudaAttention:
         stack.enter_context(cp.cuda.Device(t.device.index))
         stack.enter_context(self._streams[key])
         return stack
-
-    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
-        num_tokens, num_kv_heads, head_dim = k.shape
-        if num_tokens == 0:
-            return
-        k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.to(torch.int64).contiguous()
-        num_slots = kv_cache.shape[2] * kv_cache.shape[3]
-        total = num_tokens * num_kv_heads * head_dim
-        threads = 256
-        blocks = min(-(-total // threads), 65535)  # grid-stride loop covers the rest
-        with self._on_torch_stream(k):
-            self._kernel(f"reshape_and_cache_{_SUFFIX[kv_cache.dtype]}", k.device)(
-                (blocks,), (threads,),
-                (_ptr(kv_cache), _ptr(k), _ptr(v), _ptr(slot_mapping),
-                 np.int32(num_tokens), np.int32(num_kv_heads), np.int32(head_dim), np.int64(num_slots)),
-            )
 
     def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int) -> torch.Tensor:
         """Attention of every request with one query token; other rows of the result are left unwritten."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import gather_context, write_kv
+from engine.attention.backend import gather_context
 
 
 class TorchAttention:
@@ -14,8 +14,7 @@ class TorchAttention:
     # Capturable, but a captured forward_decode gathers every request's whole window: not worth it on a GPU.
     graph_safe_decode = False
 
-    def forward(self, q, k, v, kv_cache, meta):
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+    def forward(self, q, kv_cache, meta):
         out = torch.empty_like(q)
         qsl = meta.query_starts_cpu
         decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -34,8 +33,7 @@ class TorchAttention:
                 attend_prefill(q, kv_cache, meta, i, qsl, out)
         return out
 
-    def forward_decode(self, q, k, v, kv_cache, meta):
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+    def forward_decode(self, q, kv_cache, meta):
         return self._decode(q, kv_cache, meta.block_tables, meta.context_lens)
 
     @staticmethod

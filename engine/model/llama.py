@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, write_kv
 from engine.core.config import ModelShape
 from engine.model.sharding import TensorShard
 from engine.model.token_ops import RMSNorm, SiluAndMul
@@ -37,8 +37,7 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (queries and keys together) rotated by each row's position."""
         cos, sin = self.table[positions].to(x.dtype).unsqueeze(2).unbind(1)  # [T, 1, D] each
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((x2, x1), dim=-1) * sin
+        return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin  # the halves swapped: no cat
 
 
 def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -87,20 +86,22 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(shape.intermediate_size, h, bias=False)
 
     def forward(self, x, positions, rotary, kv_cache, meta, attention: AttentionBackend):
-        q, k, v = self.pre_attention(x, positions, rotary)
-        return self.post_attention(x, attention.forward(q, k, v, kv_cache, meta))
+        q = self.pre_attention(x, positions, rotary, kv_cache, meta.slot_mapping)
+        return self.post_attention(x, attention.forward(q, kv_cache, meta))
 
-    # The two token-wise halves on either side of attention: the pieces CUDA graphs capture.
+    # The two token-wise halves on either side of attention: the pieces CUDA graphs capture and Inductor fuses.
 
-    def pre_attention(self, x, positions, rotary):
-        """Norm, fused QKV and RoPE: [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D]."""
+    def pre_attention(self, x, positions, rotary, kv_cache, slot_mapping):
+        """Norm, fused QKV, RoPE, and this iteration's K/V into the cache: [T, hidden] -> q [T, Hq, D]."""
         s = self.shape
         qkv = self.qkv_proj(self.input_layernorm(x))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Queries and keys rotate in one call: half the small ops of a decode step's RoPE.
+        # Queries and keys rotate in one call: half the small ops of a decode step's RoPE. Views of the QKV
+        # output throughout: the write reads k and v where they are, and q goes to attention strided.
         q, k = rotary(qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim), positions).split(
             [s.num_heads, s.num_kv_heads], dim=1)
-        return q, k, v.view(-1, s.num_kv_heads, s.head_dim)
+        write_kv(k, v.view(-1, s.num_kv_heads, s.head_dim), kv_cache, slot_mapping)
+        return q
 
     def post_attention(self, x, attn):
         """Output projection and MLP, each with its residual: ([T, hidden], [T, Hq, D]) -> [T, hidden]."""

@@ -1,17 +1,20 @@
 """Piecewise CUDA graphs: the token-wise segments of the forward pass, with attention run eagerly between them.
 
-A forward pass over L layers is L + 1 token-wise segments cut at the attentions:
+A forward pass over L layers is L + 1 token-wise segments cut at the attentions
+(engine/runner/token_segments.py):
     embed -> pre_attn[0] | attn | post_attn[0] -> pre_attn[1] | attn | ... | post_attn[L-1] -> norm
 Each segment is captured once per token-count bucket (1, 2, 4, 8, then multiples of 8), largest
 first, all into one memory pool. Every segment of every bucket reads and writes views of ONE set of
-static buffers sized for the largest bucket (the residual stream x, q, k, v, the attention output):
-only one bucket replays at a time, so they can share them, and the pool holds only one segment's
-temporaries. (Keeping each bucket's own outputs alive cost ~34 GiB for SmolLM2 at 259 buckets.)
+static buffers sized for the largest bucket (ids, positions, slot mapping, the residual stream x, q,
+the attention output): only one bucket replays at a time, so they can share them, and the pool holds
+only one segment's temporaries. (Keeping each bucket's own outputs alive cost ~34 GiB for SmolLM2 at
+259 buckets.) The pre-attention halves write K/V into the layers' caches, so those exist before capture.
 
 A batch of T tokens is padded up to the smallest bucket >= T. Padding rows hold stale but valid ids
-and positions; every token-wise op is row-independent, so they never touch the real rows, and
-attention and the LM head only ever see the first T rows. Off a GPU a "capture" keeps the function
-and a replay re-runs it, so the segmenting, the padding and the buffer plumbing are tested on CPU.
+and positions, and write their K/V into the scratch block the runner keeps outside the scheduler's
+pool; every token-wise op is row-independent, so they never touch the real rows, and attention and
+the LM head only ever see the first T rows. Off a GPU a "capture" keeps the function and a replay
+re-runs it, so the segmenting, the padding and the buffer plumbing are tested on CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model.llama import LlamaModel
+from engine.runner.token_segments import EAGER, Segments
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +95,9 @@ def memory_in_use(device: torch.device) -> int:
 class CudaGraphRunner:
     """Replays the captured segments of the bucket that fits a batch; larger batches return None (run eager)."""
 
-    def __init__(self, model: LlamaModel, max_tokens: int, device: torch.device, dtype: torch.dtype, capture=None):
-        self.model = model
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], max_tokens: int, scratch_block: int,
+                 device: torch.device, dtype: torch.dtype, capture=None, segments: Segments = EAGER):
+        self.model, self.kv_caches, self.segments = model, kv_caches, segments
         self.buckets = graph_buckets(max_tokens)
         n, s = self.buckets[-1], model.shape
 
@@ -100,9 +105,11 @@ class CudaGraphRunner:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.input_ids, self.positions = buf(n, dtype=torch.int64), buf(n, dtype=torch.int64)
+        # Capture, and padding rows at replay, write slot 0 of the scratch block.
+        self.scratch_slot = scratch_block * kv_caches[0].shape[3]
+        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
         self.x = buf(n, s.hidden_size)
-        self.q, self.k, self.v = buf(n, s.num_heads, s.head_dim), buf(n, s.num_kv_heads, s.head_dim), buf(
-            n, s.num_kv_heads, s.head_dim)
+        self.q = buf(n, s.num_heads, s.head_dim)
         self.attn_out = buf(n, s.num_heads, s.head_dim)
         self.capture = capture or make_capture(device)
         start, before = time.perf_counter(), memory_in_use(device)
@@ -117,23 +124,18 @@ class CudaGraphRunner:
                  self.capture_bytes / 2**20)
 
     def _capture_bucket(self, n: int) -> list[Callable[[], None]]:
-        model, layers = self.model, self.model.layers
-        ids, pos, attn = self.input_ids[:n], self.positions[:n], self.attn_out[:n]
-        x, q, k, v = self.x[:n], self.q[:n], self.k[:n], self.v[:n]
-
-        def write(new_x: torch.Tensor, layer) -> None:
-            x.copy_(new_x)
-            for static, fresh in zip((q, k, v), layer.pre_attention(x, pos, model.rotary)):
-                static.copy_(fresh)
+        model, layers, caches, seg = self.model, self.model.layers, self.kv_caches, self.segments
+        ids, pos, slots = self.input_ids[:n], self.positions[:n], self.slot_mapping[:n]
+        x, q, attn, rotary = self.x[:n], self.q[:n], self.attn_out[:n], model.rotary
 
         def first() -> None:
-            write(model.embed_tokens(ids), layers[0])
+            seg.enter(model.embed_tokens, layers[0], rotary, ids, pos, caches[0], slots, x, q)
 
         def between(i: int) -> Callable[[], None]:
-            return lambda: write(layers[i - 1].post_attention(x, attn), layers[i])
+            return lambda: seg.between(layers[i - 1], layers[i], rotary, x, attn, pos, caches[i], slots, q)
 
         def last() -> None:
-            x.copy_(model.norm(layers[-1].post_attention(x, attn)))
+            seg.leave(layers[-1], model.norm, x, attn)
 
         return [self.capture(f) for f in [first, *(between(i) for i in range(1, len(layers))), last]]
 
@@ -144,7 +146,6 @@ class CudaGraphRunner:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         attention: AttentionBackend,
         logits_indices: torch.Tensor,
@@ -156,9 +157,11 @@ class CudaGraphRunner:
             return None
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.slot_mapping[t:bucket].fill_(self.scratch_slot)  # rows a larger batch left behind last time
         replays = self.replays[bucket]
-        for replay, kv_cache in zip(replays, kv_caches):
+        for replay, kv_cache in zip(replays, self.kv_caches):
             replay()
-            self.attn_out[:t].copy_(attention.forward(self.q[:t], self.k[:t], self.v[:t], kv_cache, meta))
+            self.attn_out[:t].copy_(attention.forward(self.q[:t], kv_cache, meta))
         replays[-1]()
         return self.model.lm_head(self.x[logits_indices]).float()

@@ -2,10 +2,11 @@
 
 Piecewise graphs still pay a Python attention call per layer between replays; a decode step of a
 small model is mostly that. When every request in a batch decodes one token, the whole forward pass
-(embedding, layers, the backend's graph-safe `forward_decode`, final norm, LM head) is captured per
-batch-size bucket. Attention then reads its metadata from static device buffers filled before each
-replay: block tables, context lengths, slot mapping. Nothing inside depends on host values, so the
-kernel's grid is fixed at capture for the longest context (empty KV splits cost one early exit).
+(the token-wise segments of engine/runner/token_segments.py, the backend's graph-safe
+`forward_decode` between them, the LM head) is captured per batch-size bucket. Attention then reads
+its metadata from static device buffers filled before each replay: block tables, context lengths,
+slot mapping. Nothing inside depends on host values, so the kernel's grid is fixed at capture for
+the longest context (empty KV splits cost one early exit).
 
 Padding rows (a batch of 3 replays bucket 4) decode a dummy token against the scratch KV block the
 runner keeps outside the scheduler's pool, so they never write into a real request's cache.
@@ -21,6 +22,7 @@ import torch
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model.llama import LlamaModel
 from engine.runner.cuda_graphs import bucket_for, graph_buckets, make_capture, memory_in_use
+from engine.runner.token_segments import EAGER, Segments
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,9 @@ class DecodeGraphRunner:
         scratch_block: int,
         device: torch.device,
         capture=None,
+        segments: Segments = EAGER,
     ):
-        self.model, self.kv_caches, self.attention = model, kv_caches, attention
+        self.model, self.kv_caches, self.attention, self.segments = model, kv_caches, attention, segments
         self.buckets = graph_buckets(max_seqs)
         self.block_size = kv_caches[0].shape[3]
         self.scratch_block = scratch_block
@@ -54,6 +57,9 @@ class DecodeGraphRunner:
         self.block_tables = buf(n, max_blocks)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.logits = torch.zeros(n, model.shape.vocab_size, dtype=torch.float32, device=device)
+        s, dtype = model.shape, kv_caches[0].dtype
+        self.x = torch.zeros(n, s.hidden_size, dtype=dtype, device=device)
+        self.q = torch.zeros(n, s.num_heads, s.head_dim, dtype=dtype, device=device)
         self._pad(0, n)
         self.capture = capture or make_capture(device)
         start, before = time.perf_counter(), memory_in_use(device)
@@ -83,14 +89,17 @@ class DecodeGraphRunner:
             # An upper bound only: graph-safe attention never reads host lengths.
             context_lens_cpu=[self.block_tables.shape[1] * self.block_size] * n,
         )
-        ids, pos, logits = self.input_ids[:n], self.positions[:n], self.logits[:n]
+        ids, pos, slots, logits = self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.logits[:n]
+        x, q, layers, caches, seg = self.x[:n], self.q[:n], model.layers, self.kv_caches, self.segments
+        rotary = model.rotary
 
         def step() -> None:
-            x = model.embed_tokens(ids)
-            for layer, kv_cache in zip(model.layers, self.kv_caches):
-                q, k, v = layer.pre_attention(x, pos, model.rotary)
-                x = layer.post_attention(x, self.attention.forward_decode(q, k, v, kv_cache, meta))
-            logits.copy_(model.lm_head(model.norm(x)).float())
+            seg.enter(model.embed_tokens, layers[0], rotary, ids, pos, caches[0], slots, x, q)
+            for i in range(1, len(layers)):
+                attn = self.attention.forward_decode(q, caches[i - 1], meta)
+                seg.between(layers[i - 1], layers[i], rotary, x, attn, pos, caches[i], slots, q)
+            seg.leave(layers[-1], model.norm, x, self.attention.forward_decode(q, caches[-1], meta))
+            logits.copy_(model.lm_head(x).float())
 
         return step
 

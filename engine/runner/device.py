@@ -66,9 +66,11 @@ def activation_reserve(config: EngineConfig, shape: ModelShape, dtype: torch.dty
     per_token = (3 * shape.intermediate_size + 4 * shape.hidden_size + qkv + shape.num_heads * shape.head_dim) * elem
     tokens = config.max_num_batched_tokens
     logits = config.max_num_seqs * shape.vocab_size * 4 * 4
-    # Piecewise graphs are captured before the KV cache is sized, so their pool already counts as in use;
-    # the whole-decode graphs, captured after, keep one decode step's activations and logits.
-    graphs = 0 if config.enforce_eager else per_token * config.max_num_seqs + config.max_num_seqs * shape.vocab_size * 4
+    # Both graph runners capture after the KV cache is allocated (their segments write K/V into it): the pool keeps
+    # one piecewise segment's activations at the largest bucket (at most the budget, or the configured bucket),
+    # and one decode step's activations and logits.
+    graph_tokens = max(tokens, config.cuda_graph_max_tokens or 0) + config.max_num_seqs
+    graphs = 0 if config.enforce_eager else per_token * graph_tokens + config.max_num_seqs * shape.vocab_size * 4
     return per_token * tokens + logits + graphs
 
 

@@ -67,9 +67,9 @@ def graph_max_tokens(config: EngineConfig) -> int:
 class ModelRunner:
     """Owns the model, the KV cache tensors, the attention backend and (on a GPU) the CUDA graphs.
 
-    `num_blocks=None` sizes the KV cache from the memory left once the weights and the piecewise graphs
-    are in place. One block beyond `num_blocks` is the scratch block padded graph rows write to; the
-    scheduler never hands it out.
+    `num_blocks=None` sizes the KV cache from the memory left once the weights are in place, less a reserve for
+    the graphs, which capture after it (they write K/V into it). One block beyond `num_blocks` is the scratch
+    block padded graph rows write to; the scheduler never hands it out.
     """
 
     def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int | None, max_model_len: int):
@@ -85,9 +85,6 @@ class ModelRunner:
         # collectives would have to be captured too.
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager and model.is_whole
                       and model.shard.size == 1)
-        self.graphs: CudaGraphRunner | None = None
-        if use_graphs:
-            self.graphs = CudaGraphRunner(model, graph_max_tokens(config), self.device, self.dtype)
         self.num_blocks = num_blocks if num_blocks is not None else num_kv_blocks(config, s, len(model.layers))
         self.scratch_block = self.num_blocks
         self.kv_caches = [
@@ -95,7 +92,11 @@ class ModelRunner:
                         device=self.device)
             for _ in model.layers  # a pipeline stage caches only its own layers
         ]
+        self.graphs: CudaGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
+        if use_graphs:
+            self.graphs = CudaGraphRunner(model, self.kv_caches, graph_max_tokens(config), self.scratch_block,
+                                          self.device, self.dtype)
         if use_graphs and getattr(self.attention, "graph_safe_decode", False):
             self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, self.attention, config.max_num_seqs,
                                                    self.scratch_block, self.device, self.graphs.capture)
@@ -115,7 +116,7 @@ class ModelRunner:
                 r.sample for r in batch.requests):
             logits = self.decode_graphs.forward(input_ids, positions, meta)
         if logits is None and self.graphs is not None:
-            logits = self.graphs.forward(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices)
+            logits = self.graphs.forward(input_ids, positions, meta, self.attention, logits_indices)
         if logits is not None:
             return logits
         return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
