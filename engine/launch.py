@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.core.config import EngineConfig
@@ -51,3 +53,12 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
     executor = make_executor(config, ckpt, max_model_len)
     return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len)
+
+
+def grammar_compiler(engine: EngineCore) -> Callable[[str], object] | None:
+    """Grammar text -> a matcher the engine's requests copy (engine/model/grammar.py); None without a tokenizer."""
+    if engine.tokenizer is None:
+        return None
+    from engine.model.grammar import GrammarCompiler
+
+    return GrammarCompiler(engine.tokenizer).compile

@@ -29,6 +29,7 @@ from gateway.metrics import Metrics
 from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
 from gateway.serving import ServerState, json_response
+from gateway.structured import GrammarCompiler
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
@@ -81,7 +82,7 @@ def build_app(config: GatewayConfig) -> Starlette:
     client = EngineClient(config.engine, metrics, config.engine_hang_timeout)
     admission = Admission(config.engine.max_num_seqs, config.max_waiting, metrics)
     state = ServerState(client, load_gateway_tokenizer(config.engine.model), metrics, served_name(config), admission,
-                        CacheSalts(config.prefix_cache_scope), config.shutdown_timeout)
+                        CacheSalts(config.prefix_cache_scope), GrammarCompiler(), config.shutdown_timeout)
     started = int(time.time())
     keyed = bool(config.api_keys)
     metrics_need_key = keyed and config.metrics_need_key
@@ -99,6 +100,7 @@ def build_app(config: GatewayConfig) -> Starlette:
             yield
         finally:
             await state.client.stop()
+            state.grammars.close()
 
     async def completions(request: Request) -> Response:
         return await create_completion(request, state)

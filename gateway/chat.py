@@ -26,6 +26,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     if state.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
     limits = state.engine_limits()
+    grammar = await state.grammar(req)  # first: the tools' schemas are checked (depth included) before rendering
     plan = req.tool_plan()
     tok = state.tokenizer
     if plan.active and tok.renders_tools:
@@ -33,7 +34,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     else:
         text = tok.apply_chat_template(req.template_messages(plan))
     prompt = await state.encode(text)
-    params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1))
+    params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
     salt = state.cache_salt(request, req.cache_salt)
     gen = state.generation([prompt], params, req.n, req.stop_strings, salt)  # admitted from here: close() it

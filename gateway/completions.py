@@ -25,8 +25,10 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     if req.echo and req.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     limits = state.engine_limits()
+    grammar = await state.grammar(req)
     prompts = [await state.encode(p) for p in req.prompts]
-    params = req.to_sampling_params(default_max_tokens=limits.max_model_len - max(len(p) for p in prompts))
+    params = req.to_sampling_params(default_max_tokens=limits.max_model_len - max(len(p) for p in prompts),
+                                    grammar=grammar)
     for ids in prompts:
         state.check_prompt(ids, params)
     echo = [state.tokenizer.decode(p) if req.echo and state.tokenizer else "" for p in prompts]

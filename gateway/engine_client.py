@@ -14,7 +14,9 @@ import logging
 import time
 
 from engine.core.config import EngineConfig
-from engine.ipc.messages import Abort, AddRequest, EngineReady, EngineStats, RequestError, TokenDelta
+from engine.ipc.messages import (
+    Abort, AddGrammar, AddRequest, EngineReady, EngineStats, ReleaseGrammar, RequestError, TokenDelta,
+)
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.engine_process import EngineProcess
@@ -147,16 +149,29 @@ class EngineClient:
     # ---------------------------------------------------------------- requests
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  queue: asyncio.Queue, cache_salt: bytes = b"") -> None:
+                  queue: asyncio.Queue, cache_salt: bytes = b"", grammar_id: str | None = None) -> None:
         """Route `request_id`'s deltas (TokenDelta, or an exception) into `queue`, then submit it."""
         if not self.healthy:
             raise EngineUnavailableError("the engine is not available")
         self.routes[request_id] = queue
         try:
-            await self._send(self.engine, AddRequest(request_id, prompt_token_ids, params, cache_salt))
+            await self._send(self.engine, AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id))
         except BaseException:
             self.routes.pop(request_id, None)
             raise
+
+    async def add_grammar(self, grammar_id: str, grammar: str) -> None:
+        """Send a grammar once for the requests that name it (each starts with its own copy of its matcher)."""
+        if not self.healthy:
+            raise EngineUnavailableError("the engine is not available")
+        await self._send(self.engine, AddGrammar(grammar_id, grammar))
+
+    def release_grammar(self, grammar_id: str) -> None:
+        """No further request names the grammar: the engine may drop it."""
+        if self.engine is None or not self.engine.alive:
+            return
+        if not self.engine.try_send(ReleaseGrammar(grammar_id)):
+            asyncio.get_running_loop().create_task(self._send_quietly(self.engine, ReleaseGrammar(grammar_id)))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and forget its route; frees its KV blocks at the engine's next iteration."""
@@ -164,7 +179,7 @@ class EngineClient:
             return
         # An abort that does not fit now is retried from a task rather than lost.
         if not self.engine.try_send(Abort(request_id)):
-            asyncio.get_running_loop().create_task(self._send_abort(self.engine, request_id))
+            asyncio.get_running_loop().create_task(self._send_quietly(self.engine, Abort(request_id)))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's route."""
@@ -182,11 +197,11 @@ class EngineClient:
                 raise EngineUnavailableError("the engine is not draining its queue")
             await asyncio.sleep(0.001)
 
-    async def _send_abort(self, engine: EngineProcess, request_id: str) -> None:
+    async def _send_quietly(self, engine: EngineProcess, msg: Abort | ReleaseGrammar) -> None:
         try:
-            await self._send(engine, Abort(request_id))
+            await self._send(engine, msg)
         except EngineUnavailableError:
-            pass  # a dead engine holds no blocks; a stuck one is the watchdog's business
+            pass  # a dead engine holds nothing; a stuck one is the watchdog's business
 
     # ---------------------------------------------------------------- frames from the engine
 

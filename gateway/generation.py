@@ -71,18 +71,27 @@ class Generation:
         """Yield events as tokens arrive; closing the iterator early aborts every unfinished choice."""
         queue = self._queue = asyncio.Queue()
         base = uuid.uuid4().hex
+        grammar_id = None  # the grammar goes to the engine once, however many sequences it constrains
         try:
+            shared = self.params
+            if shared.grammar is not None:
+                grammar_id = base
+                await self.client.add_grammar(grammar_id, shared.grammar)
+                shared = msgspec.structs.replace(shared, grammar=None)
             for p, prompt in enumerate(self.prompts):
                 for i in range(self.n):
                     index = p * self.n + i
-                    params = self.params
+                    params = shared
                     if self.n > 1 and params.seed is not None:  # distinct yet reproducible choices
                         params = msgspec.structs.replace(params, seed=params.seed + i)
                     rid = f"{base}-{index}"
                     self.choices[rid] = _Choice(index, len(prompt), IncrementalDetokenizer(self.tokenizer, self.stop),
                                                 time.monotonic())
                     self.metrics.prompt_tokens.inc(len(prompt))
-                    await self.client.add(rid, prompt, params, queue, self.cache_salt)
+                    await self.client.add(rid, prompt, params, queue, self.cache_salt, grammar_id)
+            if grammar_id is not None:
+                self.client.release_grammar(grammar_id)
+                grammar_id = None
             pending = len(self.choices)
             while pending:
                 rid, item = await queue.get()
@@ -96,6 +105,8 @@ class Generation:
                     pending -= 1
                 yield event
         finally:
+            if grammar_id is not None:  # sending stopped part-way
+                self.client.release_grammar(grammar_id)
             for rid, choice in self.choices.items():
                 if not choice.finished:
                     self.client.abort(rid)

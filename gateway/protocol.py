@@ -10,8 +10,8 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from gateway.errors import request_too_large
-from gateway.structured import ANY_OBJECT, json_schema_grammar
-from gateway.tools import FunctionCall, Tool, ToolCall, ToolChoice, ToolPlan, history_message
+from gateway.structured import ANY_OBJECT
+from gateway.tools import FunctionCall, Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
 
 MAX_N = 16  # choices per prompt (`n`)
 MAX_STOP = 4  # stop strings per request, as OpenAI
@@ -58,14 +58,15 @@ class ResponseFormat(Struct, kw_only=True):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 
-    def grammar(self) -> str | None:
+    def schema(self) -> dict | None:
+        """The schema the output must match; None for text."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return json_schema_grammar(ANY_OBJECT)
+            return ANY_OBJECT
         if self.json_schema is None:
             raise InvalidRequestError("response_format type 'json_schema' needs `json_schema`", "response_format")
-        return json_schema_grammar(self.json_schema.schema or ANY_OBJECT)
+        return self.json_schema.schema or ANY_OBJECT
 
 
 class _SamplingFields(Struct, kw_only=True):
@@ -98,7 +99,17 @@ class _SamplingFields(Struct, kw_only=True):
         """Stop strings; the gateway matches them on detokenized text (they are not in SamplingParams)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
+    def output_schema(self) -> tuple[dict, str] | None:
+        """The schema whose grammar shapes the output, and the field it comes from; None: unconstrained."""
+        schema = self.response_format.schema() if self.response_format is not None else None
+        return None if schema is None else (schema, "response_format")
+
+    def checked_schemas(self) -> list[tuple[dict, str]]:
+        """Further schemas that must compile, though they do not shape the output."""
+        return []
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
+                  grammar: str | None) -> SamplingParams:
         given = {k: getattr(self, k) for k in _OPTIONAL_SAMPLING}
         if given["temperature"] is not None and given["temperature"] < GREEDY_BELOW:
             given["temperature"] = 0.0
@@ -110,7 +121,7 @@ class _SamplingFields(Struct, kw_only=True):
             logit_bias=_logit_bias(self.logit_bias),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            grammar=self.response_format.grammar() if self.response_format is not None else None,
+            grammar=grammar,
         )
 
     def _validate_common(self) -> None:
@@ -121,6 +132,7 @@ class _SamplingFields(Struct, kw_only=True):
             raise InvalidRequestError(f"at most {MAX_STOP} stop strings are allowed", "stop")
         if any(not 0 < len(s) <= MAX_STOP_LEN for s in stops):
             raise InvalidRequestError(f"stop strings must be 1 to {MAX_STOP_LEN} characters long", "stop")
+        self.output_schema()  # a json_schema format without its schema is a 400 here
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -151,10 +163,10 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             return [p]
         return [p] if isinstance(p[0], int) else list(p)
 
-    def to_sampling_params(self, *, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, *, default_max_tokens: int | None = None, grammar: str | None = None) -> SamplingParams:
         """`default_max_tokens` stands in for `max_tokens: null` (the gateway passes the room left in the
-        context window); without it SamplingParams' default applies."""
-        return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
+        context window); without it SamplingParams' default applies. `grammar`: output_schema()'s, compiled."""
+        return self._sampling(self.max_tokens, self.logprobs, default_max_tokens, grammar)
 
     def validate(self) -> None:
         p = self.prompt
@@ -224,30 +236,38 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                 out.insert(0, tools)
         return out
 
-    def to_sampling_params(self, *, default_max_tokens: int | None = None) -> SamplingParams:
+    def output_schema(self) -> tuple[dict, str] | None:
+        """A required call's schema (tools), else the response_format's."""
+        call = self.tool_plan().call_schema() if self.tools else None
+        own = super().output_schema()
+        if call is not None and own is not None:
+            raise InvalidRequestError("a required tool call and a response_format cannot both shape the output",
+                                      "tool_choice")
+        return (call, "tools") if call is not None else own
+
+    def checked_schemas(self) -> list[tuple[dict, str]]:
+        """Every offered function's parameters must compile, called or not."""
+        return [(schema, "tools") for schema in self.tool_plan().schemas()] if self.tools else []
+
+    def to_sampling_params(self, *, default_max_tokens: int | None = None, grammar: str | None = None) -> SamplingParams:
         """As CompletionRequest.to_sampling_params; logprobs -> top_logprobs (0 when absent)."""
         explicit = self.max_completion_tokens is not None
         max_tokens = self.max_completion_tokens if explicit else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            params = self._sampling(max_tokens, logprobs, default_max_tokens)
+            return self._sampling(max_tokens, logprobs, default_max_tokens, grammar)
         except InvalidRequestError as e:
             if e.param == "max_tokens" and explicit:
                 raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
                                           "max_completion_tokens") from None
             raise
-        grammar = self.tool_plan().grammar() if self.tools else None
-        if grammar is not None:
-            if params.grammar is not None:
-                raise InvalidRequestError("a required tool call and a response_format cannot both shape the output",
-                                          "tool_choice")
-            params = msgspec.structs.replace(params, grammar=grammar)
-        return params
 
     def validate(self) -> None:
         for i, m in enumerate(self.messages):
             if m.content is None and m.role != "assistant":
                 raise InvalidRequestError("content is required", f"messages[{i}].content")
+            for j, call in enumerate(m.tool_calls or ()):
+                call_arguments(call, f"messages[{i}].tool_calls[{j}].function.arguments")
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
                 if part.type != "text":
                     raise InvalidRequestError(f"content part type {part.type!r} is not supported; only 'text'",

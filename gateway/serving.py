@@ -20,6 +20,7 @@ from gateway.auth import TENANT, CacheSalts
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.generation import Generation
 from gateway.metrics import Metrics
+from gateway.structured import GrammarCompiler
 from gateway.protocol import MAX_BODY_BYTES, MAX_DRAIN_BYTES
 
 _json = msgspec.json.Encoder()
@@ -34,6 +35,7 @@ class ServerState:
     model_name: str
     admission: Admission
     salts: CacheSalts
+    grammars: GrammarCompiler
     drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
@@ -68,6 +70,16 @@ class ServerState:
         if len(prompt) > THREADED_ENCODE_CHARS:  # a huge prompt must not stall every other stream
             return await asyncio.to_thread(self.tokenizer.encode, prompt)
         return self.tokenizer.encode(prompt)
+
+    async def grammar(self, req) -> str | None:
+        """The request's output grammar (None: unconstrained), compiled in the pool with every other schema it names
+        (each must compile); the request waits, the event loop does not."""
+        output = req.output_schema()
+        jobs = [self.grammars.grammar(schema, param) for schema, param in req.checked_schemas()]
+        if output is not None:
+            jobs.append(self.grammars.grammar(*output))
+        grammars = await asyncio.gather(*jobs)
+        return grammars[-1] if output is not None else None
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
         """Reject here what the engine would reject (the same check), so a bad request never reaches it."""

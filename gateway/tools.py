@@ -16,7 +16,7 @@ from typing import Any, Literal
 from msgspec import Struct
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.structured import json_schema_grammar
+from gateway.structured import check_depth
 
 SYSTEM_PROMPT = (
     "You can call these functions:\n{tools}\n"
@@ -88,8 +88,7 @@ class ToolPlan:
                 raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
                                           "tool_choice")
             offered = [self.functions[choice.function.name]]
-        for f in offered:  # every schema compiles, or the request is a 400 naming tools
-            json_schema_grammar(_parameters(f), "tools")
+        self.checked = offered  # every one's schema must compile (gateway/serving.py), or the request is a 400
         self.offered = offered if self.mode != "none" else []
 
     @property
@@ -111,12 +110,16 @@ class ToolPlan:
         return [{"type": "function", "function": {"name": f.name, "description": f.description or "",
                                                   "parameters": _parameters(f)}} for f in self.offered]
 
-    def grammar(self) -> str | None:
+    def schemas(self) -> list[dict]:
+        """The parameter schemas that must compile."""
+        return [_parameters(f) for f in self.checked]
+
+    def call_schema(self) -> dict | None:
         """With a call required, the answer must be one: a call object of one of the offered functions."""
         if not self.forced:
             return None
         schemas = [_call_schema(f) for f in self.offered]
-        return json_schema_grammar(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "tools")
+        return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
     def parse(self, text: str) -> ToolCall | None:
         """The call `text` makes, if it is one of a known function; else None (it is plain content)."""
@@ -137,11 +140,22 @@ class ToolPlan:
                                                                                    arguments=json.dumps(args)))
 
 
+def call_arguments(call: ToolCall, param: str) -> Any:
+    """A past call's arguments, decoded; InvalidRequestError naming `param` if they are not JSON (or nest too deep)."""
+    try:
+        value = json.loads(call.function.arguments or "{}")
+    except (ValueError, RecursionError):
+        raise InvalidRequestError("a tool call's arguments must be JSON text", param) from None
+    check_depth(value, param, "a tool call's arguments")
+    return value
+
+
 def history_message(role: str, content: str, tool_calls: list[ToolCall] | None, tool_call_id: str | None) -> dict:
     """A past message for the chat template: an assistant's calls in the form the model is asked to answer in,
-    a tool's result as a `tool` message (which the template renders as it renders any role)."""
+    a tool's result as a `tool` message (which the template renders as it renders any role). The calls' arguments
+    were checked by ChatCompletionRequest.validate()."""
     if tool_calls:
-        calls = [{"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")} for c in tool_calls]
+        calls = [{"name": c.function.name, "arguments": call_arguments(c, "tool_calls")} for c in tool_calls]
         content = (content + "\n" if content else "") + "\n".join(json.dumps(c) for c in calls)
     if role == "tool" and tool_call_id:
         content = f"(result of {tool_call_id}) {content}"

@@ -151,3 +151,112 @@ def test_a_bad_schema_is_a_400_naming_response_format(client, model, response_fo
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == "response_format" and message in err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- compiled once, off the step, sent once
+
+
+def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrains():
+    """Two prompts x n=3: one AddGrammar, six AddRequests naming it (no grammar text of their own), then the
+    release, sent as soon as the last request is."""
+    import asyncio
+
+    from engine.ipc.messages import TokenDelta
+    from gateway.admission import Admission
+    from gateway.generation import Generation
+    from gateway.metrics import Metrics
+
+    sent = []
+
+    class Client:
+        async def add_grammar(self, grammar_id, grammar):
+            sent.append(("grammar", grammar_id, grammar))
+
+        async def add(self, rid, prompt, params, queue, cache_salt, grammar_id):
+            sent.append(("request", rid, params.grammar, grammar_id, params.seed))
+            queue.put_nowait((rid, TokenDelta(rid, [7], "stop")))
+
+        def release_grammar(self, grammar_id):
+            sent.append(("release", grammar_id))
+
+        release = abort = lambda self, rid: None
+
+    metrics = Metrics()
+    admission = Admission(8, 8, metrics)
+    from engine.core.request_limits import RequestLimits
+    ticket = admission.admit(6, RequestLimits(100, 100, 100, 16))
+    params = SamplingParams(max_tokens=4, seed=5, grammar="start: /[0-9]+/")
+    gen = Generation(Client(), metrics, None, [[1, 2], [3]], params, 3, [], ticket)
+
+    async def run():
+        return [e async for e in gen.events()]
+
+    events = asyncio.run(run())
+    assert len(events) == 6 and admission.in_flight == 0
+    kinds = [s[0] for s in sent]
+    assert kinds == ["grammar"] + ["request"] * 6 + ["release"]
+    gid = sent[0][1]
+    assert sent[0][2] == params.grammar and sent[-1] == ("release", gid)
+    assert all(s[2] is None and s[3] == gid for s in sent[1:-1])
+    assert [s[4] for s in sent[1:-1]] == [5, 6, 7, 5, 6, 7]
+
+
+def test_the_gate_holds_requests_until_their_grammar_compiles_and_gives_each_its_own_matcher(tokenizer):
+    import threading
+
+    from engine.ipc.grammar_gate import GrammarGate
+    from engine.ipc.messages import AddGrammar, AddRequest
+    from engine.model.grammar import GrammarCompiler
+
+    compiler, go, woken = GrammarCompiler(tokenizer), threading.Event(), threading.Event()
+
+    def slow_compile(grammar):
+        go.wait(30)
+        return compiler.compile(grammar)
+
+    gate = GrammarGate(slow_compile, woken.set)
+    digits = json_schema_grammar({"type": "integer"})
+    gate.add_grammar(AddGrammar("g", digits))
+    gate.add_grammar(AddGrammar("bad", "this is not a grammar"))
+    for rid, gid in (("a", "g"), ("b", "g"), ("c", "g"), ("x", "bad")):
+        assert gate.park(AddRequest(rid, [1], SamplingParams(), grammar_id=gid))
+    assert not gate.park(AddRequest("lost", [1], SamplingParams(), grammar_id="never-sent"))
+    assert gate.abort("c") and not gate.abort("c")
+    gate.release("g")
+    assert not gate.park(AddRequest("late", [1], SamplingParams(), grammar_id="g"))  # released: none may follow
+    assert gate.ready() == [] and gate.busy  # still compiling
+    go.set()
+    assert woken.wait(30)
+    done = {}
+    while len(done) < 3:
+        done.update({c.request.request_id: c for c in gate.ready()})
+    assert set(done) == {"a", "b", "x"}
+    a, b, x = done["a"], done["b"], done["x"]
+    assert a.grammar == digits and a.error is None and a.matcher is not b.matcher
+    assert a.matcher.consume_tokens(tokenizer.encode("12")) and not b.matcher.is_error()
+    assert b.matcher.validate_tokens(tokenizer.encode("345")) == len(tokenizer.encode("345"))  # b is fresh
+    assert x.matcher is None and "invalid grammar" in x.error
+    gate.release("bad")
+    assert not gate.busy  # both released, nothing waits: nothing is held
+    gate.close()
+
+
+def test_requests_sharing_a_grammar_compile_it_once_in_the_sampler(llm, monkeypatch):
+    from engine.model import grammar as grammar_module
+
+    calls = []
+    real = grammar_module.GrammarCompiler.compile
+    monkeypatch.setattr(grammar_module.GrammarCompiler, "compile", lambda self, g: calls.append(g) or real(self, g))
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe so"]}}, "required": ["answer"],
+              "additionalProperties": False}  # no other test's: the sampler has not kept its grammar
+    params = constrained(schema, temperature=1.0, max_tokens=40)
+    outs = llm.generate([chat_prompt(llm)] * 4, [SamplingParams(**{**_fields(params), "seed": i}) for i in range(4)])
+    assert len(calls) == 1
+    for o in outs:
+        jsonschema.validate(json.loads(o.text), schema)
+
+
+def _fields(params: SamplingParams) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(params)

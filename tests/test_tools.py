@@ -142,15 +142,25 @@ def test_a_template_that_renders_tools_gets_them_and_its_wrappers_are_understood
 
 
 def test_each_schema_of_a_request_compiles_once_however_often_it_is_asked_for():
-    from gateway import structured
-    from gateway.protocol import ChatCompletionRequest, decode_request
+    """In the gateway's pool, off the event loop: the two functions' parameters and the call object of either
+    compile once, for three requests of which two ask at the same time."""
+    import asyncio
+    from types import SimpleNamespace
 
-    structured._compile.cache_clear()
+    from gateway.protocol import ChatCompletionRequest, decode_request
+    from gateway.serving import ServerState
+    from gateway.structured import GrammarCompiler
+
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 5}
-    for _ in range(3):  # as the server does: decode + validate, then the handler's plan and params
-        req = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
-        req.tool_plan()
-        params = req.to_sampling_params()
-    info = structured._compile.cache_info()
-    assert info.misses == 3  # the two functions' parameters and the call object of either
-    assert info.hits > 0 and params.grammar and params.grammar == req.tool_plan().grammar()
+    state = SimpleNamespace(grammars=GrammarCompiler())
+
+    async def three():
+        reqs = [decode_request(json.dumps(body).encode(), ChatCompletionRequest) for _ in range(3)]
+        first = await asyncio.gather(*(ServerState.grammar(state, r) for r in reqs[:2]))
+        return [*first, await ServerState.grammar(state, reqs[2])], reqs[0]
+
+    grammars, req = asyncio.run(three())
+    state.grammars.close()
+    assert state.grammars.compiled == 3
+    assert grammars[0] and grammars[0] == grammars[1] == grammars[2]
+    assert req.to_sampling_params(grammar=grammars[0]).grammar == grammars[0]

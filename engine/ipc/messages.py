@@ -12,11 +12,25 @@ from engine.core.sampling_params import SamplingParams
 # ---------------------------------------------------------------- gateway -> engine
 
 
+class AddGrammar(msgspec.Struct, tag=True, array_like=True):
+    """A grammar the AddRequests after it name by `grammar_id`: sent once, however many sequences it constrains."""
+
+    grammar_id: str
+    grammar: str
+
+
+class ReleaseGrammar(msgspec.Struct, tag=True, array_like=True):
+    """No further AddRequest names this grammar (those sent keep their own copies of its matcher)."""
+
+    grammar_id: str
+
+
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # `grammar` unset when `grammar_id` names one
     cache_salt: bytes = b""  # opaque to the engine (the gateway derives it from the API key and `cache_salt`)
+    grammar_id: str | None = None  # an AddGrammar sent before: the request waits until it has compiled
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -86,5 +100,5 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     private_bytes: int = 0  # rss_bytes less the shared-memory pages (the channel rings) in it; 0 when unknown
 
 
-ToEngine = Union[AddRequest, Abort, Shutdown]
+ToEngine = Union[AddGrammar, ReleaseGrammar, AddRequest, Abort, Shutdown]
 FromEngine = Union[EngineReady, TokenDelta, RequestError, EngineStats]

@@ -19,16 +19,19 @@ import time
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
-from engine.core.sampling_params import InvalidRequestError
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from engine.ipc.channel import Channel, ChannelHandle
+from engine.ipc.grammar_gate import Compiled, GrammarGate
 from engine.ipc.memory import Memory, this_process
 from engine.ipc.messages import (
     Abort,
+    AddGrammar,
     AddRequest,
     EngineReady,
     EngineSummary,
     EngineStats,
     FromEngine,
+    ReleaseGrammar,
     RequestError,
     Shutdown,
     ToEngine,
@@ -58,7 +61,7 @@ class EngineWorker:
     """Glues an EngineCore to the two channels."""
 
     def __init__(self, spec: WorkerSpec, parent: int):
-        from engine.launch import build_engine
+        from engine.launch import build_engine, grammar_compiler
 
         self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(spec.to_engine, ToEngine)
@@ -73,6 +76,8 @@ class EngineWorker:
         self.generation_tokens_total = 0
         self.memory, self.memory_sampled_at = Memory(0, 0), 0.0
         self.faults = c.faults or FaultPlan()
+        compile_grammar = grammar_compiler(e)
+        self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
 
     def run(self) -> None:
         while os.getppid() == self.parent:
@@ -80,20 +85,47 @@ class EngineWorker:
                 if isinstance(msg, Shutdown):
                     return
                 self.handle(msg)
+            if self.grammars is not None and self.grammars.busy:
+                for done in self.grammars.ready():
+                    self.add_compiled(done)
             if self.engine.has_unfinished():
                 self.step()
             elif not self.inbox.wait(timeout=IDLE_STATS_INTERVAL):
                 self.publish_stats(0.0)
 
-    def handle(self, msg: AddRequest | Abort) -> None:
+    def handle(self, msg: AddGrammar | ReleaseGrammar | AddRequest | Abort) -> None:
         if isinstance(msg, Abort):
-            self.engine.abort_request(msg.request_id)
+            if self.grammars is None or not self.grammars.abort(msg.request_id):
+                self.engine.abort_request(msg.request_id)
+        elif isinstance(msg, (AddGrammar, ReleaseGrammar)) and self.grammars is None:
+            pass  # no tokenizer, no grammars: the requests naming it fail below
+        elif isinstance(msg, AddGrammar):
+            self.grammars.add_grammar(msg)
+        elif isinstance(msg, ReleaseGrammar):
+            self.grammars.release(msg.grammar_id)
+        elif msg.grammar_id is None:
+            self.add(msg, msg.params)
+        elif self.grammars is None or not self.grammars.park(msg):
+            self.outbox.send(RequestError(msg.request_id, f"unknown grammar {msg.grammar_id!r}", internal=True))
+
+    def add_compiled(self, done: Compiled) -> None:
+        msg = done.request
+        if done.error is not None:
+            self.outbox.send(RequestError(msg.request_id, done.error, "response_format"))
             return
+        req = self.add(msg, msgspec.structs.replace(msg.params, grammar=done.grammar))
+        if req is not None:
+            req.matcher = done.matcher
+
+    def add(self, msg: AddRequest, params: SamplingParams):
+        """Queue a request in the engine; None (and a RequestError to the gateway) if it is invalid."""
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.cache_salt)
-            self.prompt_tokens_total += len(msg.prompt_token_ids)
+            req = self.engine.add_request(msg.prompt_token_ids, params, msg.request_id, msg.cache_salt)
         except InvalidRequestError as e:
             self.outbox.send(RequestError(msg.request_id, str(e), e.param))
+            return None
+        self.prompt_tokens_total += len(msg.prompt_token_ids)
+        return req
 
     def step(self) -> None:
         t = time.perf_counter()
@@ -138,6 +170,8 @@ class EngineWorker:
         return self.memory
 
     def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
         self.engine.close()  # pipeline stages, if any, are stopped with it
         self.inbox.close()
         self.outbox.close()

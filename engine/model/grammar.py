@@ -1,7 +1,16 @@
 """Constrained decoding: each request with a grammar gets an llguidance matcher that allows only the tokens
-keeping its output inside the grammar (a JSON schema, Lark or a regex, compiled by the gateway)."""
+keeping its output inside the grammar (a JSON schema, Lark or a regex, compiled by the gateway).
+
+A grammar is compiled once (a large one takes a second or more) and each request constrained by it gets a copy of
+that matcher (`deep_copy`, microseconds). The engine process compiles a served request's grammar in a thread before
+the request reaches the scheduler (engine/ipc/grammar_gate.py); the sampler compiles only what comes without a
+matcher (the offline API, a pipeline's last stage), keeping a few compiled grammars for the requests that share them.
+"""
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
 
 import llguidance
 import torch
@@ -31,18 +40,40 @@ class GrammarError(RuntimeError):
     fails rather than sampling unconstrained."""
 
 
-class GrammarMasks:
-    """Masks the logits of constrained requests before sampling, and advances their matchers after it."""
+class GrammarCompiler:
+    """Grammar text -> a fresh matcher, safe to call from several threads (llguidance drops the GIL while it builds)."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._ll: llguidance.LLTokenizer | None = None  # built on first use (~0.1 s for a 49k vocabulary)
+        self._ll: llguidance.LLTokenizer | None = None  # built on first use (~0.25 s for a 49k vocabulary)
+        self._lock = threading.Lock()
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """A matcher in its start state; in error (is_error) when the grammar is invalid, never raising for that."""
+        with self._lock:
+            if self._ll is None:
+                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(self._tokenizer)))
+        return llguidance.LLMatcher(self._ll, grammar, log_level=0)
+
+
+class GrammarMasks:
+    """Masks the logits of constrained requests before sampling, and advances their matchers after it."""
+
+    KEPT_GRAMMARS = 8  # compiled grammars kept for the requests that come without a matcher and share one
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._compiler = GrammarCompiler(tokenizer)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> matcher in start state
 
     def _matcher(self, req: Request) -> llguidance.LLMatcher:
         if req.matcher is None:
-            if self._ll is None:
-                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(self._tokenizer)))
-            req.matcher = llguidance.LLMatcher(self._ll, req.params.grammar, log_level=0)
+            grammar = req.params.grammar
+            start = self._compiled.pop(grammar, None) or self._compiler.compile(grammar)
+            self._compiled[grammar] = start  # most recent last
+            while len(self._compiled) > self.KEPT_GRAMMARS:
+                self._compiled.popitem(last=False)
+            req.matcher = start.deep_copy()
             # After a preemption the outputs so far come back as prompt: the new matcher catches up on them.
             req.matcher.consume_tokens(req.output_token_ids)
         return req.matcher
