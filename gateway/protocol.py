@@ -138,9 +138,11 @@ class _SamplingFields(Struct, kw_only=True):
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
-    bad = [k for k in bias if not (k.isascii() and k.isdigit())]
+    # Past 19 digits no id can be valid (nor fit int64); past 4,300 int() itself would raise.
+    bad = [k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 19)]
     if bad:
-        raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {bad[0]!r}", "logit_bias")
+        raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {bad[0][:40]!r}",
+                                  "logit_bias")
     return {int(k): v for k, v in bias.items()}
 
 
@@ -448,5 +450,7 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         raise InvalidRequestError(f"Invalid value{where}: {detail}", param) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter on invalid UTF-8
         raise InvalidRequestError(f"Invalid JSON: {e}", None) from None
+    except RecursionError:  # arrays and objects nested some hundreds deep, in any field (unknown ones too)
+        raise InvalidRequestError("The request body nests arrays and objects too deeply", None) from None
     req.validate()
     return req

@@ -85,6 +85,68 @@ def test_metrics_need_a_key_and_either_key_works(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
+# ---------------------------------------------------------------- hostile inputs: 400s, never a 500
+
+CHAT = "/v1/chat/completions"
+ASK = [{"role": "user", "content": "Hi"}]
+
+
+def nested(depth: int) -> bytes:
+    """A JSON schema `depth` objects deep, as bytes (json.dumps itself would recurse too deep to write it)."""
+    return b'{"type": "object", "properties": {"a": ' * depth + b'{"type": "string"}' + b"}}" * depth
+
+
+def tool_with(parameters: bytes) -> bytes:
+    return b'[{"type": "function", "function": {"name": "f", "parameters": ' + parameters + b"}}]"
+
+
+def body(fields: dict, **raw: bytes) -> bytes:
+    """A JSON body from `fields`, with `raw` fields spliced in as they are."""
+    import json
+
+    text = json.dumps(fields).encode()
+    for name, value in raw.items():
+        text = text[:-1] + b', "' + name.encode() + b'": ' + value + b"}"
+    return text
+
+
+def schema_format(schema: bytes) -> bytes:
+    return b'{"type": "json_schema", "json_schema": {"name": "deep", "schema": ' + schema + b"}}"
+
+
+HOSTILE = [
+    ("schema 1,000 deep", CHAT, body({"messages": ASK}, response_format=schema_format(nested(1000))), None),
+    ("schema 100 deep", CHAT, body({"messages": ASK}, response_format=schema_format(nested(100))), "response_format"),
+    ("100k-deep unknown field", CMPL, body({"prompt": "Hi"}, metadata=b"[" * 100_000 + b"]" * 100_000), None),
+    ("tool parameters 5k deep", CHAT, body({"messages": ASK}, tools=tool_with(nested(5000))), None),
+    ("tool parameters 100 deep", CHAT, body({"messages": ASK, "tool_choice": "none"}, tools=tool_with(nested(100))),
+     "tools"),
+    ("arguments not JSON", CHAT, body({"messages": [
+        {"role": "user", "content": "Add 1 and 2."},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a: 1,"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}]}), "messages[1].tool_calls[0].function.arguments"),
+    ("arguments 2k deep", CHAT, body({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 2000 + "]" * 2000}}]},
+        {"role": "user", "content": "Go on."}]}), "messages[0].tool_calls[0].function.arguments"),
+    ("logit_bias key of 5,000 digits", CMPL, body({"prompt": "Hi", "logit_bias": {"9" * 5000: 1}}), "logit_bias"),
+    ("logit_bias key past int64", CHAT, body({"messages": ASK, "logit_bias": {"9" * 19: 1}}), "logit_bias"),
+    ("schema over 512 KiB", CHAT, body({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "big", "schema": {"type": "object", "description": "x" * (600 * 1024)}}}}), "response_format"),
+]
+
+
+@pytest.mark.parametrize("path, content, param", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_inputs_are_400s_in_openai_shape(http, path, content, param):
+    r = http.post(path, content=content, headers={**auth(KEY_A), "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+    assert http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1}, headers=auth(KEY_A)).status_code == 200
+
+
 # ---------------------------------------------------------------- the same, without a server
 
 
