@@ -25,6 +25,7 @@ from gateway.chat import create_chat_completion
 from gateway.cors import add_cors
 from gateway.completions import create_completion
 from gateway.engine_client import EngineClient
+from gateway.guards import TrustedHostMiddleware, page_headers
 from gateway.metrics import Metrics
 from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
@@ -46,6 +47,7 @@ class GatewayConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
     allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
+    allowed_hosts: tuple[str, ...] | None = None  # Host header values answered ("*.example.com", "*"); None = any
     url: str | None = None  # where clients reach the server, for the startup log (None: not logged)
 
 
@@ -88,6 +90,7 @@ def build_app(config: GatewayConfig) -> Starlette:
     metrics_need_key = keyed and config.metrics_need_key
     contract = msgspec.json.encode(openapi_document(keyed, metrics_need_key))
     page = CHAT_PAGE.read_text(encoding="utf-8")
+    page_security = page_headers(page)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -123,7 +126,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         return Response(contract, media_type="application/json")
 
     async def chat_page(request: Request) -> Response:
-        return HTMLResponse(page)
+        return HTMLResponse(page, headers=page_security)
 
     app = Starlette(
         routes=[
@@ -141,5 +144,7 @@ def build_app(config: GatewayConfig) -> Starlette:
     app.state.orcinus = state
     if keyed:
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys, protect_metrics=metrics_need_key)
-    add_cors(app, config.allowed_origins)  # last: the outermost layer
+    add_cors(app, config.allowed_origins)
+    if config.allowed_hosts is not None:  # last: the outermost layer, before CORS answers a rebound page
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=config.allowed_hosts)
     return app

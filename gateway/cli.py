@@ -92,6 +92,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import GatewayConfig, build_app
+    from gateway.guards import default_allowed_hosts
 
     try:
         keys = api_keys(args)
@@ -102,6 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
         shutdown_timeout=args.shutdown_timeout,
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
+        allowed_hosts=default_allowed_hosts(args.host) if args.allowed_hosts is None else tuple(args.allowed_hosts),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
     )
     run_server(build_app(config), host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout)
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                      help="browser origins that may call the API, e.g. https://chat.example.com, or * for any "
                           "(default: http://localhost:* and http://127.0.0.1:*; the flag alone: none)")
+    srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                     help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
+                          "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM")
     add_engine_flags(srv)

@@ -12,8 +12,8 @@ LOCAL_ORIGINS = r"^http://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"  # any port 
 def add_cors(app: Starlette, allowed_origins: tuple[str, ...] | None) -> None:
     """Let pages on `allowed_origins` call the API: None = this machine's; otherwise exactly these ("*": any).
 
-    Add it last, so that it is outermost: preflights are answered before the API key check, and errors
-    (401, 429) carry CORS headers, so a page can read them.
+    Add it after the API key check, so that it is outside it: preflights are answered before the key is checked,
+    and errors (401, 429) carry CORS headers, so a page can read them. Only the Host check is further out.
     """
     if allowed_origins is None:
         origins = {"allow_origin_regex": LOCAL_ORIGINS}

@@ -50,6 +50,16 @@ def authentication_error(message: str = "Incorrect API key provided.") -> APIErr
     return APIError(401, message, "authentication_error", code="invalid_api_key")
 
 
+def host_not_allowed() -> APIError:
+    return APIError(403, "The Host header names a host this server does not answer to (see --allowed-hosts).",
+                    "invalid_request_error", code="host_not_allowed")
+
+
+def unsupported_media_type() -> APIError:
+    return APIError(415, "The request body must be JSON, sent with `Content-Type: application/json`.",
+                    "invalid_request_error", code="unsupported_media_type")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
 

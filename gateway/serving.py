@@ -19,6 +19,7 @@ from gateway.admission import Admission
 from gateway.auth import TENANT, CacheSalts
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.generation import Generation
+from gateway.guards import is_json
 from gateway.metrics import Metrics
 from gateway.structured import GrammarCompiler
 from gateway.protocol import MAX_BODY_BYTES, MAX_DRAIN_BYTES
@@ -102,7 +103,10 @@ class ServerState:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request body; past MAX_BODY_BYTES a 413, after draining what the client is still sending."""
+    """The request body; not JSON a 415, past MAX_BODY_BYTES a 413, after draining what the client is still sending."""
+    if not is_json(request.headers.get("content-type")):
+        await _drain(request, 0)
+        raise errors.unsupported_media_type()
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         await _drain(request, 0)

@@ -147,6 +147,44 @@ def test_hostile_inputs_are_400s_in_openai_shape(http, path, content, param):
     assert http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1}, headers=auth(KEY_A)).status_code == 200
 
 
+# ---------------------------------------------------------------- DNS rebinding and cross-site posts
+
+
+@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", ""])
+def test_a_loopback_server_refuses_a_host_that_is_not_loopback(url, host):
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/"), ("POST", CMPL)):
+        r = httpx.request(method, url + path, headers={**auth(KEY_A), "Host": host}, json={"prompt": "Hi"}, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (path, r.text)
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1234", "127.0.0.1", "[::1]:8000"])
+def test_loopback_names_are_answered(url, host):
+    assert httpx.get(url + "/v1/models", headers={**auth(KEY_A), "Host": host}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          None, "application/jsonp"])
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_a_post_that_is_not_json_is_a_415(http, path, content_type):
+    headers = auth(KEY_A) | ({"Content-Type": content_type} if content_type else {})
+    r = http.post(path, content=b'{"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}', headers=headers)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
+                                 "param": None, "code": "unsupported_media_type"}
+    ok = http.post(CMPL, content=b'{"prompt": "Hi", "max_tokens": 1}',
+                   headers=auth(KEY_A) | {"Content-Type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_the_chat_page_may_run_only_its_own_script_and_may_not_be_framed(http):
+    r = http.get("/")
+    assert r.status_code == 200
+    csp = r.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in csp and "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert "'sha256-" in csp and "unsafe-inline" not in csp
+    assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+
+
 # ---------------------------------------------------------------- the same, without a server
 
 
@@ -195,3 +233,38 @@ def test_a_bad_key_or_keys_file_stops_the_server_at_once(monkeypatch, argv):
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", *argv])
     assert "orcinus serve:" in str(e.value)
+
+
+def test_the_csp_hashes_are_those_of_the_page_inline_script_and_style():
+    import base64
+    import hashlib
+    import re
+
+    r = TestClient(build_app(GatewayConfig())).get("/")
+    csp = r.headers["content-security-policy"]
+    for tag in ("script", "style"):
+        [block] = re.findall(rf"<{tag}>(.*?)</{tag}>", r.text, re.S)
+        digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
+        assert f"{tag}-src 'sha256-{digest}'" in csp
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], ("localhost", "127.0.0.1", "[::1]")),
+    (["--host", "::1"], ("localhost", "127.0.0.1", "[::1]")),
+    (["--host", "0.0.0.0"], None),
+    (["--host", "0.0.0.0", "--allowed-hosts", "api.example.com", "*.example.org"], ("api.example.com", "*.example.org")),
+    (["--allowed-hosts", "*"], ("*",)),
+])
+def test_allowed_hosts_default_to_loopback_names_on_a_loopback_bind(monkeypatch, argv, want):
+    seen = {}
+    monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
+    monkeypatch.setattr("gateway.app.build_app", lambda config: seen.setdefault("config", config))
+    assert cli_main(["serve", *argv]) == 0
+    assert seen["config"].allowed_hosts == want
+
+
+def test_host_patterns():
+    c = TestClient(build_app(GatewayConfig(allowed_hosts=("api.example.com", "*.example.org"))))
+    for host, status in (("api.example.com", 200), ("API.example.com:443", 200), ("a.example.org", 200),
+                         ("example.org", 403), ("example.com", 403), ("evil.com", 403)):
+        assert c.get("/openapi.json", headers={"Host": host}).status_code == status, host
