@@ -21,6 +21,8 @@ _ENGINE_FLAGS = {
     "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
     "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),
     "cuda_graph_max_tokens": dict(type=int, help="largest token bucket of the piecewise CUDA graphs (default: min(token budget, 512))"),
+    "compile": dict(choices=["auto", "on", "off"],
+                    help="torch.compile the token-wise ops inside the CUDA graphs (default auto: on where graphs run)"),
     "block_size": dict(type=int, help="tokens per KV cache block"),
     "kv_cache_memory": dict(type=int, help="bytes for the KV cache (default: 512 MiB on CPU, what is free on GPU)"),
     "max_num_seqs": dict(type=int, help="most requests in one iteration"),

@@ -30,7 +30,7 @@ ATTENTION = {"aten::index", "aten::index_copy_", "aten::bmm", "aten::_softmax", 
 
 def decode_engine(batch: int, context: int, args) -> EngineCore:
     config = EngineConfig(model=args.model, device=args.device, max_num_seqs=batch, enforce_eager=args.enforce_eager,
-                          max_num_batched_tokens=max(2048, batch * context))
+                          max_num_batched_tokens=max(2048, batch * context), compile=args.compile)
     engine = build_engine(config)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)  # outlasts the profiled steps
     for i in range(batch):
@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when there is one)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="torch.compile of the token-wise ops inside the graphs (off: PyTorch's ops, for an A/B)")
     ap.add_argument("--table", action="store_true", help="print the profiler's table of ops")
     ap.add_argument("--out", default="benchmarks/iteration_profile.json")
     args = ap.parse_args()

@@ -95,6 +95,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
     enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)
     cuda_graph_max_tokens: int | None = None  # largest piecewise-graph token bucket; None = min(token budget, 512)
+    # torch.compile (Inductor) of the token-wise segments inside the CUDA graphs; auto = where graphs run, eager ops
+    # (with a warning) if compiling fails; on = the same, but a failure, or no graphs to run in, is an error
+    compile: Literal["auto", "on", "off"] = "auto"
     max_num_seqs: int = 64  # most requests in one iteration
     # per-iteration token budget (prefill chunks + decodes); None = 2048 on a GPU, 512 on the CPU
     max_num_batched_tokens: int | None = None

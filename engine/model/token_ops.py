@@ -6,6 +6,7 @@ does each in one pass over the rows. They replace the modules in bfloat16 only (
 they give PyTorch's bits but for rare last-place differences (float32 sums in another order, another exp);
 float32, the reference the tests compare with transformers, keeps PyTorch's ops. Measured on the 2-core
 machine (benchmarks/offline_cpu_token_ops.json): decode 1.15x / 1.08x / 1.05x at batch 1 / 8 / 32.
+Under torch.compile they take PyTorch's formula, which Inductor fuses itself (their C++ call would break the graph).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class CpuRMSNorm(RMSNorm):
     """RMSNorm through the C++ op (the same weight Parameter as the module it replaced)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.dim() != 2 or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+        if (torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous()
+                or (residual is not None and not residual.is_contiguous())):
             return super().forward(x, residual)
         if residual is not None:
             return _ops().add_rms_norm(x, residual, self.weight, self.eps)
@@ -58,7 +60,7 @@ class CpuRMSNorm(RMSNorm):
 
 class CpuSiluAndMul(SiluAndMul):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.dim() != 2 or not gate_up.is_contiguous():
+        if torch.compiler.is_compiling() or gate_up.dim() != 2 or not gate_up.is_contiguous():
             return super().forward(gate_up)
         return _ops().silu_mul(gate_up)
 

@@ -13,6 +13,7 @@ from engine.model.llama import LlamaModel
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.decode_graphs import DecodeGraphRunner
 from engine.runner.device import num_kv_blocks
+from engine.runner.token_segments import pick_segments
 
 DEFAULT_GRAPH_TOKENS = 512  # 67 token buckets: with L + 1 graphs each, llama-1b captures ~1.1k graphs
 
@@ -94,12 +95,13 @@ class ModelRunner:
         ]
         self.graphs: CudaGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
+        segments = pick_segments(config.compile, use_graphs, model, self.kv_caches, self.scratch_block)
         if use_graphs:
             self.graphs = CudaGraphRunner(model, self.kv_caches, graph_max_tokens(config), self.scratch_block,
-                                          self.device, self.dtype)
+                                          self.device, self.dtype, segments=segments)
         if use_graphs and getattr(self.attention, "graph_safe_decode", False):
             self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, self.attention, config.max_num_seqs,
-                                                   self.scratch_block, self.device, self.graphs.capture)
+                                                   self.scratch_block, self.device, self.graphs.capture, segments)
 
     @torch.inference_mode()
     def run(self, batch: Batch, hidden: torch.Tensor | None = None,
