@@ -108,14 +108,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_hosts=default_allowed_hosts(args.host) if args.allowed_hosts is None else tuple(args.allowed_hosts),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
     )
-    run_server(build_app(config), host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout)
+    run_server(build_app(config), host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout,
+               header_timeout=args.header_timeout, send_timeout=args.send_timeout, max_connections=args.max_connections)
     return 0
 
 
-def run_server(app, *, host: str, port: int, shutdown_timeout: float) -> None:
+def run_server(app, *, host: str, port: int, shutdown_timeout: float, header_timeout: float = 10.0,
+               send_timeout: float = 30.0, max_connections: int | None = None) -> None:
     """uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
-    cleanly just before it), then the app's shutdown stops the engine and frees its shared memory."""
+    cleanly just before it), then the app's shutdown stops the engine and frees its shared memory. Connections
+    are guarded against slow clients and capped (gateway/connections.py)."""
     import uvicorn
+
+    from gateway.connections import default_max_connections, guarded_h11, raise_fd_limit
+
+    fd_limit = raise_fd_limit()
+    protocol = guarded_h11(max_connections or default_max_connections(fd_limit), header_timeout, send_timeout)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -124,7 +132,7 @@ def run_server(app, *, host: str, port: int, shutdown_timeout: float) -> None:
             if first:  # the app cannot see SIGTERM itself: uvicorn owns the signal handlers
                 app.state.orcinus.begin_shutdown()
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+    Server(uvicorn.Config(app, host=host, port=port, log_level="info", http=protocol,
                           timeout_graceful_shutdown=shutdown_timeout)).run()
 
 
@@ -166,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                      help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
                           "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any")
+    srv.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="a request's headers must arrive within this, or the connection is closed (default 10)")
+    srv.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="a client that reads nothing of a response this long is disconnected, its requests "
+                          "aborted (default 30)")
+    srv.add_argument("--max-connections", type=int, default=None, metavar="N",
+                     help="open connections beyond this get 503 at once (default: 4096, fewer if the open-files "
+                          "limit is low)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM")
     add_engine_flags(srv)

@@ -73,6 +73,11 @@ def request_too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
+def request_timeout(seconds: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {seconds:g} seconds.", "invalid_request_error",
+                    code="request_timeout")
+
+
 def rate_limited(message: str = "Too many requests; retry later.", retry_after: float = 1.0) -> APIError:
     return APIError(429, message, "rate_limit_error", code="rate_limit_exceeded", headers=_retry_headers(retry_after))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -42,6 +42,22 @@ class _Choice:
     offsets: list[int] = field(default_factory=list)
 
 
+class _Deltas(asyncio.Queue):
+    """A request's deltas as the engine sends them. A sequence's admission is given back the moment its last delta
+    (or its error) arrives, whether or not the client has read it: a client that stops reading holds no slot once
+    the engine is done (what waits here is bounded by max_tokens; the send timeout drops the connection)."""
+
+    def __init__(self, finished: Callable[[str], None]):
+        super().__init__()
+        self._sequence_done = finished
+
+    def put_nowait(self, item) -> None:
+        request_id, msg = item
+        if request_id is not None and (isinstance(msg, Exception) or msg.finish_reason is not None):
+            self._sequence_done(request_id)
+        super().put_nowait(item)
+
+
 @dataclass(eq=False)  # compared (and hashed, in the server's set of live ones) by identity
 class Generation:
     """Every choice of a request: `prompts` x `n`, choice index = prompt index * n + i."""
@@ -56,6 +72,7 @@ class Generation:
     ticket: Ticket  # the admitted sequences; one is given back as each choice ends
     cache_salt: bytes = b""  # opaque to the engine: only requests with the same salt share cached prefixes
     choices: dict[str, _Choice] = field(default_factory=dict)
+    _released: set[str] = field(default_factory=set, repr=False)  # sequences whose admission was given back
     _queue: asyncio.Queue | None = field(default=None, repr=False)  # events() reads its deltas here
 
     @property
@@ -69,7 +86,7 @@ class Generation:
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Yield events as tokens arrive; closing the iterator early aborts every unfinished choice."""
-        queue = self._queue = asyncio.Queue()
+        queue = self._queue = _Deltas(self._release)
         base = uuid.uuid4().hex
         grammar_id = None  # the grammar goes to the engine once, however many sequences it constrains
         try:
@@ -124,6 +141,11 @@ class Generation:
         """Give back every admitted sequence not yet given back (idempotent)."""
         self.ticket.close()
 
+    def _release(self, request_id: str) -> None:
+        if request_id not in self._released:
+            self._released.add(request_id)
+            self.ticket.release()
+
     def _advance(self, rid: str, choice: _Choice, delta: TokenDelta) -> ChoiceEvent:
         now = time.monotonic()
         if choice.last_token_at is None:
@@ -145,6 +167,6 @@ class Generation:
         if finish is not None:
             text += detok.flush()
             choice.finished = True
-            self.ticket.release()
+            self._release(rid)
             self.metrics.finished.labels(finish).inc()
         return ChoiceEvent(choice.index, text, list(delta.token_ids), delta.logprobs or [], offsets, finish)

@@ -26,12 +26,13 @@ _ERRORS = {
     400: "Invalid request: the body, a field, or a prompt longer than the context window.",
     401: "Missing or wrong API key (only when the server has one).",
     404: "Unknown model.",
+    408: "The request body took too long to arrive.",
     413: "Request body over the size limit.",
     415: "The body is not sent as `Content-Type: application/json`.",
     429: "The server is at capacity; retry after `Retry-After` seconds.",
     503: "The engine is not available (starting, restarting, or stopped).",
 }
-_GENERATE_ERRORS = (400, 404, 413, 415, 429, 503)  # and 401 with an API key
+_GENERATE_ERRORS = (400, 404, 408, 413, 415, 429, 503)  # and 401 with an API key
 # Request examples: documentation, and the first cases a fuzzer sends (each response kind once).
 _COMPLETION_EXAMPLES = {
     "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},

@@ -19,6 +19,7 @@ MAX_STOP_LEN = 256  # characters per stop string
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_BODY_BYTES = 4 * 1024 * 1024  # request body size; larger is a 413
 MAX_DRAIN_BYTES = 256 * 1024 * 1024  # of a refused body, read and dropped so that the client sees its 413
+BODY_TIMEOUT = 60.0  # seconds a whole body may take to arrive (4 MiB at 70 KB/s); then a 408
 MAX_CACHE_SALT = 1024  # characters of `cache_salt`
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, as OpenAI
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)

@@ -22,7 +22,7 @@ from gateway.generation import Generation
 from gateway.guards import is_json
 from gateway.metrics import Metrics
 from gateway.structured import GrammarCompiler
-from gateway.protocol import MAX_BODY_BYTES, MAX_DRAIN_BYTES
+from gateway.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
 
 _json = msgspec.json.Encoder()
 THREADED_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop (tiktoken frees the GIL)
@@ -113,13 +113,16 @@ async def read_body(request: Request) -> bytes:
         raise errors.request_too_large(MAX_BODY_BYTES)
     body = bytearray()
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                await _drain(request, len(body))
-                raise errors.request_too_large(MAX_BODY_BYTES)
+        async with asyncio.timeout(BODY_TIMEOUT):  # a body trickled in byte by byte holds the handler no longer
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    await _drain(request, len(body))
+                    raise errors.request_too_large(MAX_BODY_BYTES)
     except ClientDisconnect:
         raise errors.invalid_request("the client disconnected while sending the body") from None
+    except TimeoutError:
+        raise errors.request_timeout(BODY_TIMEOUT) from None
     return bytes(body)
 
 

@@ -37,7 +37,7 @@ def test_document_describes_routes_errors_and_streams(keyed_server):
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
     op = doc["paths"]["/v1/completions"]["post"]
-    assert set(op["responses"]) == {"200", "400", "401", "404", "413", "415", "429", "503"}
+    assert set(op["responses"]) == {"200", "400", "401", "404", "408", "413", "415", "429", "503"}
     assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert op["responses"]["429"]["headers"]["Retry-After"]["required"] is True
     assert op["security"] == [{"bearer": []}]

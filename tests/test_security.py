@@ -185,6 +185,65 @@ def test_the_chat_page_may_run_only_its_own_script_and_may_not_be_framed(http):
     assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
 
 
+# ---------------------------------------------------------------- slow clients
+
+
+def raw_connection(url: str, rcvbuf: int | None = None):
+    import socket
+    from urllib.parse import urlparse
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:  # before connect, so the window stays small: the server's writes back up sooner
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", urlparse(url).port))
+    return sock
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off(url):
+    import time
+
+    sock = raw_connection(url)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    sock.settimeout(1.0)
+    deadline, got = time.monotonic() + 60, b""
+    try:
+        while time.monotonic() < deadline:
+            try:
+                sock.sendall(b"X")  # one more header byte a second: the head never completes
+                chunk = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        sock.close()
+    assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+
+
+def test_a_stream_nobody_reads_gives_its_admission_back_once_the_engine_is_done(http):
+    """n=16 never read: once the engine has finished the choices no slot is held (orcinus_sequences_admitted back
+    to 0), with the connection still open and nothing aborted. (Loopback's socket buffers take a few MB, so this
+    stream may well be written whole; test_admission_comes_back_when_the_engine_finishes_unread covers a stuck one.)"""
+    before = metrics(http)
+    body = b'{"prompt": "Write a long story about a dragon.", "max_tokens": 32, "n": 16, "stream": true, ' \
+           b'"ignore_eos": true, "temperature": 0.8}'
+    sock = raw_connection(http.base_url.__str__(), rcvbuf=4096)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY_A.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    try:
+        wait_for_metrics(lambda: metrics(http), lambda m: m["orcinus_sequences_admitted"] == 16, 60, "admitted")
+        m = wait_for_metrics(lambda: metrics(http), lambda m: m["orcinus_sequences_admitted"] == 0
+                             and m["orcinus_requests_running"] == m["orcinus_requests_waiting"] == 0, 120,
+                             "the unread stream's slots came back")
+        assert m["orcinus_requests_aborted_total"] == before["orcinus_requests_aborted_total"]
+    finally:
+        sock.close()
+
+
 # ---------------------------------------------------------------- the same, without a server
 
 
@@ -268,3 +327,35 @@ def test_host_patterns():
     for host, status in (("api.example.com", 200), ("API.example.com:443", 200), ("a.example.org", 200),
                          ("example.org", 403), ("example.com", 403), ("evil.com", 403)):
         assert c.get("/openapi.json", headers={"Host": host}).status_code == status, host
+
+
+def test_admission_comes_back_when_the_engine_finishes_unread():
+    """Nobody iterates the events (the client reads nothing, so the response's writes are stuck): the last delta of
+    each sequence, or its error, gives its slot back as it arrives, once."""
+    import asyncio
+
+    from engine.core.request_limits import RequestLimits
+    from engine.core.sampling_params import SamplingParams
+    from engine.ipc.messages import TokenDelta
+    from gateway.admission import Admission
+    from gateway.generation import Generation, _Deltas
+    from gateway.metrics import Metrics
+
+    admission = Admission(4, 4, Metrics())
+    gen = Generation(None, Metrics(), None, [[1]], SamplingParams(), 3, [],
+                     admission.admit(3, RequestLimits(100, 100, 100, 16)))
+
+    async def run():
+        deltas = _Deltas(gen._release)
+        deltas.put_nowait(("a", TokenDelta("a", [5], None)))
+        assert admission.in_flight == 3
+        deltas.put_nowait(("a", TokenDelta("a", [6], "length")))
+        deltas.put_nowait(("b", RuntimeError("the engine process exited")))
+        deltas.put_nowait(("a", TokenDelta("a", [7], "length")))  # a duplicate frees nothing more
+        assert admission.in_flight == 1
+        gen._release("a")  # the reader catching up later frees nothing more either
+        assert admission.in_flight == 1
+        gen.close()
+        assert admission.in_flight == 0
+
+    asyncio.run(run())
