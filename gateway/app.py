@@ -62,17 +62,13 @@ def served_name(config: GatewayConfig) -> str:
 
 def load_gateway_tokenizer(model: str | None):
     """The tokenizer alone (no weights): the gateway tokenizes and detokenizes, the engine computes."""
-    from pathlib import Path
-
     from engine.model.model_files import ModelNotFoundError, default_model_path
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.tokenizer import load_tokenizer
 
-    if model is not None and Path(model).is_dir():
-        return Tokenizer.from_hf_dir(model) if (Path(model) / "tokenizer.json").is_file() else None
     if model is not None and not model.startswith("dummy:"):
-        return Tokenizer.from_file(model)
+        return load_tokenizer(model)
     try:
-        return Tokenizer.from_file(default_model_path())
+        return load_tokenizer(default_model_path())
     except ModelNotFoundError:
         if model is None:
             raise

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.model.model_files import ModelNotFoundError, default_model_path
-from engine.model.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer, load_tokenizer
 from gateway.detokenizer import IncrementalDetokenizer, token_text
 
 TEXTS = [
@@ -30,7 +30,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     try:
-        return Tokenizer.from_file(default_model_path())
+        return load_tokenizer(default_model_path())
     except ModelNotFoundError as e:
         pytest.skip(str(e))
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.model.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, Tokenizer, hf_pretokenizer_pattern
+from engine.model.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, hf_pretokenizer_pattern, load_tokenizer
 
 SAMPLES = [
     "Hello, world! I'm here; you're there. DON'T shout, we'll see.",
@@ -53,7 +53,7 @@ def train(style: str, tmp_path):
 @pytest.mark.parametrize("style", ["llama3", "qwen2", "gpt2"])
 def test_a_trained_tokenizer_encodes_like_tokenizers(style, tmp_path):
     hf = train(style, tmp_path)
-    ours = Tokenizer.from_hf_dir(tmp_path)
+    ours = load_tokenizer(tmp_path)
     texts = corpus(300, 1) + [s.upper() for s in SAMPLES] + ["", " ", "\n", "<|end|> after a special <|end|>"]
     mismatches = [t for t in texts if ours.encode(t) != hf.encode(t).ids]
     assert not mismatches, mismatches[:3]

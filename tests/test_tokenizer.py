@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.model.model_files import ModelNotFoundError, default_model_path
-from engine.model.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer, load_tokenizer
 
 # Bytes that no token of SmolLM2's vocabulary holds; the reference drops them.
 TOKENLESS_BYTES = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])
@@ -93,7 +93,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def tok(model_path) -> Tokenizer:
-    return Tokenizer.from_file(model_path)
+    return load_tokenizer(model_path)
 
 
 @pytest.fixture(scope="module")

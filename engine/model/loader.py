@@ -57,11 +57,11 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
     import gguf
 
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.tokenizer import tokenizer_from_gguf
 
     reader = gguf.GGUFReader(path)
     shape = shape_from_gguf(reader)
-    return Checkpoint(path.name, shape, gguf_weights(reader, shape) if weights else {}, Tokenizer.from_gguf(reader),
+    return Checkpoint(path.name, shape, gguf_weights(reader, shape) if weights else {}, tokenizer_from_gguf(reader),
                       quantization=gguf_quantization(reader))
 
 
@@ -182,7 +182,7 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
 def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
     from safetensors.torch import load_file
 
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.tokenizer import load_tokenizer
 
     cfg = json.loads((path / "config.json").read_text())
     shape = shape_from_hf_config(cfg)
@@ -192,7 +192,7 @@ def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
     tensors: dict[str, torch.Tensor] = {}
     for f in tqdm(files if weights else [], desc="loading", unit="file", leave=False):
         tensors.update({k: v.float() for k, v in load_file(f).items()})
-    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    tokenizer = load_tokenizer(path)
     return Checkpoint(path.name, shape, tensors, tokenizer)
 
 
@@ -208,9 +208,9 @@ def load_dummy(name: str, seed: int = 0) -> Checkpoint:
 
 def _default_tokenizer_or_none():
     # Benchmarks on a host without the default model still run; they send token ids.
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.tokenizer import load_tokenizer
 
     try:
-        return Tokenizer.from_file(default_model_path())
+        return load_tokenizer(default_model_path())
     except ModelNotFoundError:
         return None

@@ -1,17 +1,14 @@
-"""Byte-level BPE tokenizer read from a GGUF file, encoding with tiktoken like Hugging Face `tokenizers` does."""
+"""Byte-level BPE (GPT-2 style: SmolLM2, Llama 3, Qwen2, Mistral's Tekken) encoding with tiktoken, exactly as
+Hugging Face `tokenizers` (or mistral-common, for Tekken) encodes."""
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
-import gguf
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import regex
 import tiktoken
+
+from engine.model.tokenizer.protocol import Tokenizer
 
 TOKEN_TYPE_CONTROL = 3
 
@@ -30,13 +27,26 @@ def pretokenize_pattern(letters: str = r"\p{L}", numerics: str = r"\p{N}" + UNIC
     )
 
 
-# Byte-level BPE pre-tokenizer regexes of the other families, as their tokenizer.json files give them.
+# Byte-level BPE pre-tokenizer regexes of the other families, as their tokenizer.json (or tekken.json) files give them.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-GGUF_PRE_PATTERNS = {"llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "gpt-2": GPT2_PATTERN}
+TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+                  r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+                  r"""|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# GGUF `tokenizer.ggml.pre` -> the regex (None: SmolLM2's, also for files that name none).
+GGUF_PRE_PATTERNS = {"llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "gpt-2": GPT2_PATTERN,
+                     "tekken": TEKKEN_PATTERN, "smollm": None, None: None}
+
+
+def gguf_pretokenizer_pattern(pre: str | None) -> str | None:
+    """The regex of a GGUF's `tokenizer.ggml.pre` (None: SmolLM2's)."""
+    if pre not in GGUF_PRE_PATTERNS:
+        known = ", ".join(sorted(p for p in GGUF_PRE_PATTERNS if p))
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}: supported are {known}")
+    return GGUF_PRE_PATTERNS[pre]
 
 
 def hf_pretokenizer_pattern(pre: dict | None) -> str | None:
@@ -56,7 +66,7 @@ def hf_pretokenizer_pattern(pre: dict | None) -> str | None:
                      "regex, or digits + ByteLevel are")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from each byte to a printable character."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
@@ -68,48 +78,39 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def _field_value(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-class Tokenizer:
-    """Encode text to token ids and back; render chat prompts with the model's template."""
+class ByteLevelBPE(Tokenizer):
+    """Byte-level BPE whose token ids are its merge ranks, on tiktoken."""
 
     def __init__(
         self,
-        tokens: list[str],
-        token_types: list[int],
+        ranks: dict[bytes, int],
+        special: dict[str, int],
         *,
         bos_token_id: int,
         eos_token_id: int,
+        add_bos_token: bool = False,
         chat_template: str | None = None,
-        name: str = "gguf",
+        name: str = "bpe",
         pattern: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
-        """`tokens` are GGUF token strings in GPT-2 byte-level form; ids are their positions, already BPE ranks.
-        `pattern` is the pre-tokenizer's regex (None: SmolLM2's)."""
-        char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
-        self.vocab_size = len(tokens)
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        self.chat_template = chat_template
-        special = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == TOKEN_TYPE_CONTROL}
-        ranks = {
-            bytes(char_to_byte[c] for c in t): i
-            for i, (t, kind) in enumerate(zip(tokens, token_types))
-            if kind != TOKEN_TYPE_CONTROL
-        }
-        self.special_token_ids = frozenset(special.values())
+        """`ranks`: each ordinary token's bytes -> its id, which is its BPE rank; `special`: each special token's text
+        -> its id. `pattern` is the pre-tokenizer's regex (None: SmolLM2's)."""
+        vocab_size = vocab_size or max([*ranks.values(), *special.values()]) + 1
+        token_bytes = [b""] * vocab_size
+        for t, i in special.items():
+            token_bytes[i] = t.encode()
+        for t, i in ranks.items():
+            token_bytes[i] = t
+        super().__init__(token_bytes, frozenset(special.values()), bos_token_id=bos_token_id,
+                         eos_token_id=eos_token_id, add_bos_token=add_bos_token, chat_template=chat_template)
         self._special_tokens = special
-        self._token_bytes = [t.encode() if i in self.special_token_ids else b"" for i, t in enumerate(tokens)]
-        for token, i in ranks.items():
-            self._token_bytes[i] = token
+        ranks = dict(ranks)
         # tiktoken panics on a byte it has no rank for. encode() keeps such bytes away from it, dropping them as
         # Hugging Face's BPE (no unk token) does; ranks past the vocabulary are a guard, never merged or emitted.
         self.unknown_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
         for n, b in enumerate(self.unknown_bytes):
-            ranks[bytes([b])] = self.vocab_size + n
+            ranks[bytes([b])] = vocab_size + n
         self.pattern = pattern
         self._encoding = tiktoken.Encoding(name, pat_str=pattern or pretokenize_pattern(), mergeable_ranks=ranks,
                                            special_tokens=special)
@@ -122,33 +123,23 @@ class Tokenizer:
         alternatives = "|".join(map(re.escape, sorted(special, key=len, reverse=True)))
         self._special_split_re = re.compile(f"({alternatives})" if special else "(?!)")
         self._pretokenize_re: regex.Pattern | None = None
-        self._template: jinja2.Template | None = None
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
-        """Build from an open GGUF reader (shared with the weight loader)."""
-        model = _field_value(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"unsupported tokenizer model {model!r}: only byte-level BPE ('gpt2') is implemented")
-        tokens = _field_value(reader, "tokenizer.ggml.tokens")
-        types = _field_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        return cls(
-            tokens,
-            [int(t) for t in types],
-            bos_token_id=int(_field_value(reader, "tokenizer.ggml.bos_token_id", 0)),
-            eos_token_id=int(_field_value(reader, "tokenizer.ggml.eos_token_id", 0)),
-            chat_template=_field_value(reader, "tokenizer.chat_template"),
-            name=str(_field_value(reader, "general.name", "gguf")),
-            pattern=GGUF_PRE_PATTERNS.get(_field_value(reader, "tokenizer.ggml.pre")),
-        )
+    def from_gpt2_tokens(cls, tokens: list[str], token_types: list[int], **kwargs) -> ByteLevelBPE:
+        """From token strings in GPT-2's byte-to-character spelling (GGUF, tokenizer.json); ids are their positions,
+        already BPE ranks. Control-type tokens are special."""
+        char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        special = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == TOKEN_TYPE_CONTROL}
+        ranks = {
+            bytes(char_to_byte[c] for c in t): i
+            for i, (t, kind) in enumerate(zip(tokens, token_types))
+            if kind != TOKEN_TYPE_CONTROL
+        }
+        return cls(ranks, special, vocab_size=len(tokens), **kwargs)
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
-        """Build from a Hugging Face `tokenizer.json` of the same byte-level BPE kind (ids must be merge ranks)."""
-        path = Path(path)
-        spec = json.loads((path / "tokenizer.json").read_text())
-        cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    def from_hf_json(cls, spec: dict, **kwargs) -> ByteLevelBPE:
+        """From a parsed byte-level BPE tokenizer.json whose ids are merge ranks; added tokens are special."""
         vocab: dict[str, int] = dict(spec["model"]["vocab"])
         added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
         tokens = [""] * (max([*vocab.values(), *added.values()]) + 1)
@@ -159,26 +150,10 @@ class Tokenizer:
             tokens[i], types[i] = t, TOKEN_TYPE_CONTROL
         merged = [vocab["".join(m.split(" ", 1) if isinstance(m, str) else m)] for m in spec["model"].get("merges", [])]
         if any(a >= b for a, b in zip(merged, merged[1:])):
-            raise ValueError(f"{path}: token ids are not in merge order, so they cannot serve as BPE ranks")
+            raise ValueError("token ids are not in merge order, so they cannot serve as BPE ranks")
+        return cls.from_gpt2_tokens(tokens, types, pattern=hf_pretokenizer_pattern(spec.get("pre_tokenizer")), **kwargs)
 
-        def token_id(key: str, default: int) -> int:
-            value = cfg.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            return added.get(value, vocab.get(value, default)) if value else default
-
-        return cls(
-            tokens, types, bos_token_id=token_id("bos_token", 0), eos_token_id=token_id("eos_token", 0),
-            chat_template=cfg.get("chat_template"), name=path.name,
-            pattern=hf_pretokenizer_pattern(spec.get("pre_tokenizer")),
-        )
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
-        """Build from a GGUF file path."""
-        return cls.from_gguf(gguf.GGUFReader(path))
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token text such as "<|im_start|>" becomes its special id."""
+    def _encode(self, text: str) -> list[int]:
         if self._unknown_char_re is None or not self._unknown_char_re.search(text):
             return self._encoding.encode(text, allowed_special="all")
         return self._encode_dropping_unknown(text)
@@ -211,39 +186,6 @@ class Tokenizer:
         """Text of `ids`; invalid UTF-8 (e.g. a cut multi-byte character) becomes U+FFFD."""
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes of one token (the literal text for a special token)."""
-        return self._token_bytes[token_id]
-
-    @property
-    def bos_token(self) -> str:
-        return self._token_bytes[self.bos_token_id].decode("utf-8", errors="replace")
-
-    @property
-    def eos_token(self) -> str:
-        return self._token_bytes[self.eos_token_id].decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """Render `messages` (and `tools`, for templates that take them) with the model's chat template, as
-        transformers' apply_chat_template(tokenize=False)."""
-        if self.chat_template is None:
-            raise ValueError("the model has no chat template")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            tools=tools,
-        )
-
-    @property
-    def renders_tools(self) -> bool:
-        """Whether the chat template describes tools itself (it reads a `tools` variable)."""
-        return self.chat_template is not None and re.search(r"\btools\b", self.chat_template) is not None
-
 
 def _class_ranges(char_class: str) -> str:
     """The code points tiktoken's regex puts in `char_class`, as ranges for a character class of the `regex` module."""
@@ -258,22 +200,3 @@ def _class_ranges(char_class: str) -> str:
         else:
             ranges.append([cp, cp])
     return "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ranges)
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # jinja's own tojson escapes HTML characters, which would change the prompt.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandboxed environment transformers uses."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(source)
