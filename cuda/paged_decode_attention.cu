@@ -31,6 +31,9 @@
 // (flash-decoding, to fill the GPU), the splits' (m, l, acc) go to a float32 workspace that
 // paged_decode_attention_reduce combines.
 //
+// Per layer (AttentionParams): the softmax scale, a sliding window (only the last `window` keys are read) and a
+// soft cap on the scores (cap * tanh(score / cap), in the base-2 domain the scores are kept in).
+//
 // The split count is a launch parameter (fixed when a decode step is captured as a CUDA graph);
 // each request cuts its own context into that many equal ranges, so short and long contexts alike
 // spread over every split, and no host value of a context length is needed.
@@ -113,7 +116,7 @@ template <typename T, int LPK, int kGroups>
 __device__ __forceinline__ void score_tile(const uint4 (&k)[kUnroll], const float (&qf)[kMaxHeads][Pack<T>::kSize],
                                            float (&p)[kUnroll][kMaxHeads], float (&acc)[kMaxHeads][Pack<T>::kSize],
                                            float (&m)[kMaxHeads], float (&l)[kMaxHeads], int base,
-                                           int end, int grp) {
+                                           int end, int grp, float softcap_log2) {
     constexpr int P = Pack<T>::kSize;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -127,6 +130,7 @@ __device__ __forceinline__ void score_tile(const uint4 (&k)[kUnroll], const floa
             for (int i = 0; i < P; ++i) s += qf[h][i] * kf[i];
 #pragma unroll
             for (int offset = LPK / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(kFullMask, s, offset);
+            if (softcap_log2 > 0.0f) s = softcap_log2 * tanhf(s / softcap_log2);  // uniform: a launch parameter
             p[u][h] = valid ? s : neg_inf();
         }
     }
@@ -174,7 +178,8 @@ __device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restri
                                             const T* __restrict__ kv_cache, const int* __restrict__ query_start_loc,
                                             const int* __restrict__ context_lens, const int* __restrict__ block_tables,
                                             int max_blocks, int num_q_heads, int num_kv_heads, int heads_per_block,
-                                            int head_dim, int block_size, long long num_slots, float scale_log2) {
+                                            int head_dim, int block_size, long long num_slots, float scale_log2,
+                                            int window, float softcap_log2) {
     constexpr int P = Pack<T>::kSize;
     constexpr int kGroups = kThreads / LPK;  // lane groups: keys per load round
     constexpr int kStep = kGroups * kUnroll; // keys per tile
@@ -194,11 +199,13 @@ __device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restri
     const int split = blockIdx.z;
     const int num_splits = gridDim.z;
 
-    // This request's context cut into num_splits equal ranges of whole kSplitTile-key tiles.
+    // This request's keys (its last `window` with a sliding window: the blocks before them may hold another
+    // request's tokens by now, so they are never read) cut into num_splits equal ranges of whole kSplitTile tiles.
     const int kv_len = context_lens[req];
-    int partition = (kv_len + num_splits - 1) / num_splits;
+    const int kv_first = window > 0 ? max(0, kv_len - window) : 0;
+    int partition = (kv_len - kv_first + num_splits - 1) / num_splits;
     partition = max(kSplitTile, (partition + kSplitTile - 1) / kSplitTile * kSplitTile);
-    const int kv_begin = split * partition;
+    const int kv_begin = kv_first + split * partition;
     const int kv_end = min(kv_begin + partition, kv_len);
     if (kv_begin >= kv_end) {  // a short context leaves the last splits empty: the reduction skips them
         if (num_splits == 1) {  // no context at all: the workspace is `out` itself, so write the row (0)
@@ -259,12 +266,12 @@ __device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restri
         load_tile<T, kGroups>(va, v_cache, s_slot, chunk, end, chunk, grp, owns, head_dim);
         for (int base = chunk; base < end; base += 2 * kStep) {
             load_tile<T, kGroups>(kb, k_cache, s_slot, chunk, end, base + kStep, grp, owns, head_dim);
-            score_tile<T, LPK, kGroups>(ka, qf, p, acc, m, l, base, end, grp);
+            score_tile<T, LPK, kGroups>(ka, qf, p, acc, m, l, base, end, grp, softcap_log2);
             load_tile<T, kGroups>(vb, v_cache, s_slot, chunk, end, base + kStep, grp, owns, head_dim);
             accumulate_tile<T>(va, p, acc);
             if (base + kStep >= end) break;  // uniform over the block
             load_tile<T, kGroups>(ka, k_cache, s_slot, chunk, end, base + 2 * kStep, grp, owns, head_dim);
-            score_tile<T, LPK, kGroups>(kb, qf, p, acc, m, l, base + kStep, end, grp);
+            score_tile<T, LPK, kGroups>(kb, qf, p, acc, m, l, base + kStep, end, grp, softcap_log2);
             load_tile<T, kGroups>(va, v_cache, s_slot, chunk, end, base + 2 * kStep, grp, owns, head_dim);
             accumulate_tile<T>(vb, p, acc);
         }
@@ -350,10 +357,11 @@ __device__ void reduce_impl(T* __restrict__ out, const float* __restrict__ ws_ac
         paged_decode_attention_##SUFFIX##_lpk##LPK(                                                            \
             T* out, float* ws_acc, float* ws_ml, const T* q, const T* kv_cache, const int* query_start_loc,    \
             const int* context_lens, const int* block_tables, int max_blocks, int num_q_heads, int num_kv_heads, \
-            int heads_per_block, int head_dim, int block_size, long long num_slots, float scale_log2) {        \
+            int heads_per_block, int head_dim, int block_size, long long num_slots, float scale_log2,          \
+            int window, float softcap_log2) {                                                                  \
         decode_impl<T, LPK>(out, ws_acc, ws_ml, q, kv_cache, query_start_loc, context_lens, block_tables,      \
                             max_blocks, num_q_heads, num_kv_heads, heads_per_block, head_dim, block_size,      \
-                            num_slots, scale_log2);                                                            \
+                            num_slots, scale_log2, window, softcap_log2);                                      \
     }
 
 #define ORCINUS_INSTANTIATE(SUFFIX, T)                                                                          \

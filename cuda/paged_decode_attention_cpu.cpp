@@ -5,11 +5,14 @@
 // values. Query head j reads KV head j / G (G query heads per KV head). One task per (request, KV head),
 // spread over torch's intra-op threads: it scores the G query rows against each key as it reads it, keeps the
 // scores (a context is at most a few thousand keys), then sums the values once with the softmax weights.
-// Arithmetic is float32 whatever the cache's dtype, as SDPA's CPU kernel does.
+// Arithmetic is float32 whatever the cache's dtype, as SDPA's CPU kernel does. A sliding window reads only the
+// last `window` keys (the blocks before them may already hold another request's tokens); a soft cap turns each
+// score s into cap * tanh(s / cap) (Gemma 2).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,7 +38,8 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 template <typename T, int kHeadDim>
 void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, const int32_t* tables,
             int64_t table_stride, const int32_t* lens, T* out, int64_t num_requests, int64_t num_kv_heads,
-            int64_t group, int64_t num_blocks, int64_t block_size, int64_t runtime_head_dim, float scale) {
+            int64_t group, int64_t num_blocks, int64_t block_size, int64_t runtime_head_dim, float scale,
+            int64_t window, float softcap) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t head_stride = num_blocks * block_size * head_dim;  // one KV head's slice of keys (or values)
   const int64_t values_offset = num_kv_heads * head_stride;
@@ -43,7 +47,8 @@ void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, 
     std::vector<float> query(group * head_dim), row(head_dim), acc(group * head_dim), scores, best(group), total(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t len = lens[b] - first;  // keys [first, lens[b]); scores and loops index them from 0
       const int32_t* table = tables + b * table_stride;
       const T* keys = cache + h * head_stride;
       const T* values = keys + values_offset;
@@ -55,13 +60,15 @@ void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, 
       scores.resize(group * len);
       std::fill(best.begin(), best.end(), std::numeric_limits<float>::lowest());  // finite: built with -ffast-math
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const int64_t p = first + t;
+        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
         float* k = row.data();
         to_float(keys + slot * head_dim, k, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query.data() + g * head_dim;
           float dot = 0.f;
           for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+          if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);
           scores[g * len + t] = dot;
           best[g] = std::max(best[g], dot);
         }
@@ -78,7 +85,8 @@ void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const int64_t p = first + t;
+        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
         float* v = row.data();
         to_float(values + slot * head_dim, v, head_dim);
         for (int64_t g = 0; g < group; ++g) {
@@ -99,9 +107,10 @@ void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, 
 }  // namespace
 
 // q [B, Hq, D] (rows may be strided, the last dim contiguous); kv_cache as above; block_tables [B, >= blocks
-// needed] int32 (rows may be strided); context_lens [B] int32. Returns [B, Hq, D] in q's dtype.
+// needed] int32 (rows may be strided); context_lens [B] int32; window 0 and softcap 0 turn those off.
+// Returns [B, Hq, D] in q's dtype.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+                                     torch::Tensor context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dimension");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 5-d tensor");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
@@ -116,7 +125,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
       kernel(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), kv_cache.data_ptr<scalar_t>(),
              block_tables.data_ptr<int32_t>(), block_tables.stride(0), context_lens.data_ptr<int32_t>(),
              out.data_ptr<scalar_t>(), num_requests, num_kv_heads, num_heads / num_kv_heads, num_blocks, block_size,
-             head_dim, static_cast<float>(scale));
+             head_dim, static_cast<float>(scale), window, static_cast<float>(softcap));
     };
     if (head_dim == 64) run(attend<scalar_t, 64>);
     else if (head_dim == 128) run(attend<scalar_t, 128>);

@@ -6,6 +6,7 @@ import torch
 from test_cuda_kernels import ragged_batch, rel_error
 
 import engine.attention.cpu_backend as cpu_backend
+from engine.attention.backend import AttentionParams
 from engine.attention.cpu_backend import CpuAttention
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
@@ -17,6 +18,7 @@ MIXED = [(1, 300), (17, 17), (1, 16), (40, 97), (1, 1), (1, 33)]
 SHAPES = [(9, 3, 64), (4, 4, 64), (32, 8, 64), (8, 2, 128), (6, 2, 48)]
 # Float32 agrees with the reference to rounding; the others round the output once, as the reference does.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+PLAIN = AttentionParams.plain(64)
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +49,19 @@ def test_strided_queries_and_table_slices_are_read_in_place(cpu):
     wide = torch.randn(q.shape[0], 12, 64)
     wide[:, :9] = q
     tables = torch.cat([meta.block_tables, torch.full((len(DECODE), 5), 7, dtype=torch.int32)], dim=1)
-    got = cpu._decode(wide[:, :9], cache, tables, meta.context_lens)
-    want = TorchAttention._decode(q, cache, meta.block_tables, meta.context_lens)
+    got = cpu._decode(wide[:, :9], cache, tables, meta.context_lens, PLAIN)
+    want = TorchAttention._decode(q, cache, meta.block_tables, meta.context_lens, PLAIN)
     assert rel_error(got, want) < 1e-5
 
 
 def test_bad_inputs_are_refused(cpu):
     q, cache, meta = ragged_batch(DECODE, 9, 3, 64, dtype=torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu._decode(q.bfloat16(), cache, meta.block_tables, meta.context_lens)
+        cpu._decode(q.bfloat16(), cache, meta.block_tables, meta.context_lens, PLAIN)
     with pytest.raises(RuntimeError, match="int32"):
-        cpu._decode(q, cache, meta.block_tables.long(), meta.context_lens)
+        cpu._decode(q, cache, meta.block_tables.long(), meta.context_lens, PLAIN)
     with pytest.raises(RuntimeError, match="head shapes"):
-        cpu._decode(q[:, :8], cache, meta.block_tables, meta.context_lens)
+        cpu._decode(q[:, :8], cache, meta.block_tables, meta.context_lens, PLAIN)
 
 
 def test_auto_picks_the_op_on_the_cpu_and_the_reference_without_it(monkeypatch):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_cuda_kernels import BATCHES, MIXED, needs_gpu, ragged_batch, reference, rel_error
 
+from engine.attention.backend import AttentionParams
 from engine.attention.torch_backend import attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, reference_varlen
 
@@ -13,11 +14,11 @@ from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, refere
 CASES = {**BATCHES, "chunks": [(40, 97), (1, 5), (16, 48), (2, 2), (1, 1), (33, 65), (15, 15)]}
 
 
-def per_request(q, cache, meta):
+def per_request(q, cache, meta, params=None):
     out = torch.full_like(q, float("nan"))
     for i, n in enumerate(meta.query_lens_cpu):
         if n > 1:
-            attend_prefill(q, cache, meta, i, meta.query_starts_cpu, out)
+            attend_prefill(q, cache, meta, i, meta.query_starts_cpu, out, params or AttentionParams.plain(q.shape[-1]))
     return out
 
 
@@ -36,7 +37,7 @@ def test_one_call_for_all_chunks_gives_each_requests_own_attention(kind, heads):
     assert plan.cu_keys.tolist()[-1] == len(plan.slots) == sum(meta.context_lens_cpu[i] for i in prefills)
     assert plan.max_queries == max(meta.query_lens_cpu[i] for i in prefills)
     got = torch.full_like(q, float("nan"))
-    attend_prefills(q, cache, plan, got, reference_varlen)
+    attend_prefills(q, cache, plan, got, reference_varlen, AttentionParams.plain(32))
     rows = plan.rows
     assert torch.allclose(got[rows], want[rows], atol=1e-5, rtol=1e-5)
     others = torch.ones(len(q), dtype=torch.bool)
@@ -61,7 +62,7 @@ def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fa
     from engine.attention import cupy_backend
 
     backend = object.__new__(cupy_backend.CudaAttention)  # its dispatch alone: __init__ wants a GPU
-    backend.prefill_kernel, backend._plan_meta, backend._plan = "flash", None, None
+    backend.prefill_kernel, backend._plan_meta, backend._plans = "flash", None, {}
     builds = []
     build = PrefillPlan.build
     monkeypatch.setattr(cupy_backend.PrefillPlan, "build", lambda *a: builds.append(a) or build(*a))
@@ -71,7 +72,7 @@ def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fa
     rows = build(meta, cache.shape[3]).rows
     for _ in range(3):  # three layers of one step
         got = torch.full_like(q, float("nan"))
-        backend._attend_prefills(q, cache, meta, got)
+        backend._attend_prefills(q, cache, meta, got, AttentionParams.plain(32))
         assert torch.allclose(got[rows].float(), want[rows].float(), atol=2e-2)
     assert len(builds) == 1 and backend.prefill_kernel == "flash"
 
@@ -81,7 +82,7 @@ def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fa
     monkeypatch.setattr(cupy_backend, "flash_varlen", unusable)
     got = torch.full_like(q, float("nan"))
     with pytest.warns(UserWarning, match="prefills go one SDPA each: FlashAttention only supports"):
-        backend._attend_prefills(q, cache, meta, got)
+        backend._attend_prefills(q, cache, meta, got, AttentionParams.plain(32))
     assert backend.prefill_kernel == "sdpa" and torch.equal(got[rows], want[rows])
 
 

@@ -43,17 +43,39 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True)
+class AttentionParams:
+    """What one layer's attention computes besides q, K and V (the layer carries it; every backend honours it)."""
+
+    scale: float  # multiplies q.k before the softmax: 1/sqrt(head_dim) unless the family says otherwise
+    sliding_window: int | None = None  # a query sees at most this many keys, itself included; None: all before it
+    logit_softcap: float | None = None  # scores become cap * tanh(score / cap) before the softmax (Gemma 2)
+
+    @classmethod
+    def plain(cls, head_dim: int) -> AttentionParams:
+        """Softmax attention over the whole context, scaled by 1/sqrt(head_dim)."""
+        return cls(head_dim**-0.5)
+
+    def first_key(self, context_len: int) -> int:
+        """The first position a query at the context's end (position context_len - 1) attends to."""
+        return max(0, context_len - self.sliding_window) if self.sliding_window else 0
+
+
 class AttentionBackend(Protocol):
     """Attends every query to its own request's keys. The cache already holds this iteration's K/V: the model
-    writes them (`write_kv`) in the token-wise code before attention, where RoPE and the write fuse."""
+    writes them (`write_kv`) in the token-wise code before attention, where RoPE and the write fuse. Keys before
+    a request's sliding window are never read: their blocks may already belong to someone else."""
 
     graph_safe_decode: bool  # whether whole decode steps around forward_decode should be captured as CUDA graphs
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D] (rows may be strided, heads and head_dim dense); returns [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                params: AttentionParams | None = None) -> torch.Tensor:
+        """q: [T, Hq, D] (rows may be strided, heads and head_dim dense); returns [T, Hq, D].
+        params None: AttentionParams.plain(D)."""
         ...
 
-    def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       params: AttentionParams | None = None) -> torch.Tensor:
         """`forward` for a batch of one query per request that reads only device tensors and static shapes
         (never the host length lists), so a whole decode step can be captured as a CUDA graph."""
         ...

@@ -8,6 +8,7 @@ the reference where it cannot (no C++ compiler, no ninja).
 
 from __future__ import annotations
 
+from engine.attention.backend import AttentionParams
 from engine.attention.cpp_extension import builds, load_cpu_extension
 from engine.attention.torch_backend import TorchAttention
 
@@ -27,5 +28,6 @@ class CpuAttention(TorchAttention):
     def __init__(self):
         self._op = _kernels().paged_decode_attention
 
-    def _decode(self, q, kv_cache, tables, lens):
-        return self._op(q, kv_cache, tables, lens, q.shape[-1] ** -0.5)
+    def _decode(self, q, kv_cache, tables, lens, params: AttentionParams):
+        return self._op(q, kv_cache, tables, lens, params.scale, params.sliding_window or 0,
+                        params.logit_softcap or 0.0)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, AttentionParams
 from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
 
@@ -83,7 +83,7 @@ class CudaAttention:
         self._kernels: dict = {}  # (name, device) -> function; compiled on first use, so the CPU fallback never pays
         self._streams: dict = {}  # (device, torch stream pointer) -> CuPy's handle on that same stream
         self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here
-        self._plan_meta, self._plan = None, None  # the step whose PrefillPlan is cached
+        self._plan_meta, self._plans = None, {}  # the step whose PrefillPlans (by sliding window) are cached
 
     @classmethod
     def _load_module(cls, cp):
@@ -132,22 +132,26 @@ class CudaAttention:
         per_load = 16 // q.element_size()
         return q.shape[2] % per_load == 0 and q.shape[2] // per_load <= 32
 
-    def forward(self, q, kv_cache, meta: AttentionMetadata):
+    def forward(self, q, kv_cache, meta: AttentionMetadata, params: AttentionParams | None = None):
+        params = params or AttentionParams.plain(q.shape[-1])
         if not self._fits(q):
-            return self._fallback.forward(q, kv_cache, meta)
+            return self._fallback.forward(q, kv_cache, meta, params)
         decode_lens = [c for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n == 1]
-        out = self.attend(q, kv_cache, meta, max(decode_lens)) if decode_lens else torch.empty_like(q)
+        out = self.attend(q, kv_cache, meta, max(decode_lens), params) if decode_lens else torch.empty_like(q)
         if len(decode_lens) < meta.num_requests:  # after the kernel: it leaves prefill rows alone
-            self._attend_prefills(q, kv_cache, meta, out)
+            self._attend_prefills(q, kv_cache, meta, out, params)
         return out
 
-    def _attend_prefills(self, q, kv_cache, meta: AttentionMetadata, out) -> None:
-        """All prefill chunks in one flash-attention call where it runs (bf16/f16), else one SDPA each."""
-        if self.prefill_kernel == "flash" and q.dtype != torch.float32 and q.shape[2] % 8 == 0 and q.shape[2] <= 256:
-            if self._plan_meta is not meta:  # once per step: every layer shares the gather plan
-                self._plan_meta, self._plan = meta, PrefillPlan.build(meta, kv_cache.shape[3])
+    def _attend_prefills(self, q, kv_cache, meta: AttentionMetadata, out, params: AttentionParams) -> None:
+        """All prefill chunks in one flash-attention call where it runs (bf16/f16, no soft cap), else one SDPA each."""
+        if (self.prefill_kernel == "flash" and q.dtype != torch.float32 and q.shape[2] % 8 == 0
+                and q.shape[2] <= 256 and params.logit_softcap is None):
+            if self._plan_meta is not meta:  # once per step: layers share the gather plans (one per window)
+                self._plan_meta, self._plans = meta, {}
+            if params.sliding_window not in self._plans:
+                self._plans[params.sliding_window] = PrefillPlan.build(meta, kv_cache.shape[3], params.sliding_window)
             try:
-                attend_prefills(q, kv_cache, self._plan, out, flash_varlen)
+                attend_prefills(q, kv_cache, self._plans[params.sliding_window], out, flash_varlen, params)
                 return
             except RuntimeError as e:  # a PyTorch built without flash attention, an older GPU
                 warnings.warn(f"flash varlen attention is unusable here, prefills go one SDPA each: {e}", stacklevel=2)
@@ -158,13 +162,14 @@ class CudaAttention:
         with sdpa_kernel(PREFILL_SDPA):
             for i, n in enumerate(meta.query_lens_cpu):
                 if n > 1:
-                    attend_prefill(q, kv_cache, meta, i, qsl, out)
+                    attend_prefill(q, kv_cache, meta, i, qsl, out, params)
 
-    def forward_decode(self, q, kv_cache, meta: AttentionMetadata):
+    def forward_decode(self, q, kv_cache, meta: AttentionMetadata, params: AttentionParams | None = None):
+        params = params or AttentionParams.plain(q.shape[-1])
         if not self._fits(q):
-            return self._fallback.forward_decode(q, kv_cache, meta)
+            return self._fallback.forward_decode(q, kv_cache, meta, params)
         # The split plan for the longest context the block tables can hold: fixed, so it can be captured.
-        return self.attend(q, kv_cache, meta, meta.block_tables.shape[1] * kv_cache.shape[3])
+        return self.attend(q, kv_cache, meta, meta.block_tables.shape[1] * kv_cache.shape[3], params)
 
     # ----------------------------------------------------------------------------- launches
 
@@ -183,8 +188,10 @@ class CudaAttention:
         stack.enter_context(self._streams[key])
         return stack
 
-    def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int) -> torch.Tensor:
+    def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int,
+               params: AttentionParams | None = None) -> torch.Tensor:
         """Attention of every request with one query token; other rows of the result are left unwritten."""
+        params = params or AttentionParams.plain(q.shape[-1])
         num_tokens, num_q_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
         q = q.contiguous()
@@ -203,21 +210,24 @@ class CudaAttention:
         # The merge buffer: each lane group's acc [heads, D] and (m, l) per head, float32.
         shared = 4 * (WARPS * 32 // lanes_per_key(head_dim, q.element_size())) * heads_per_block * (head_dim + 2)
         sm_count, resident = self._occupancy(name, q.device, shared)
-        num_splits = plan_splits(num_requests, num_kv_heads * blocks_per_kv, max_context_len, sm_count, resident)
+        keys = min(max_context_len, params.sliding_window or max_context_len)  # the most keys a request reads
+        num_splits = plan_splits(num_requests, num_kv_heads * blocks_per_kv, keys, sm_count, resident)
         if num_splits > 1:
             rows = num_requests * num_q_heads * num_splits
             ws_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
             ws_ml = torch.empty(rows * 2, dtype=torch.float32, device=q.device)
         else:  # the kernel writes `out` directly and never touches the workspace
             ws_acc = ws_ml = out
-        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        # Scores are kept in base 2 (exp2f): the scale and the cap carry log2(e).
+        scale_log2, cap_log2 = math.log2(math.e) * params.scale, math.log2(math.e) * (params.logit_softcap or 0.0)
         with self._on_torch_stream(q):
             self._kernel(name, q.device)(
                 (num_requests, num_kv_heads * blocks_per_kv, num_splits), (WARPS * 32,),
                 (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(q), _ptr(kv_cache), _ptr(qsl), _ptr(ctx), _ptr(tables),
                  np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
                  np.int32(heads_per_block), np.int32(head_dim), np.int32(block_size),
-                 np.int64(kv_cache.shape[2] * block_size), np.float32(scale_log2)),
+                 np.int64(kv_cache.shape[2] * block_size), np.float32(scale_log2),
+                 np.int32(params.sliding_window or 0), np.float32(cap_log2)),
                 shared_mem=shared,
             )
             if num_splits > 1:

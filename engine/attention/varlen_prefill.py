@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, AttentionParams
+from engine.attention.torch_backend import attend
 
 
 @dataclass
@@ -29,17 +29,21 @@ class PrefillPlan:
     max_keys: int
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int) -> PrefillPlan | None:
-        """The plan for meta's requests with more than one query; None if there are none."""
+    def build(cls, meta: AttentionMetadata, block_size: int, window: int | None = None) -> PrefillPlan | None:
+        """The plan for meta's requests with more than one query; None if there are none. With a sliding window
+        only the keys some query sees are gathered: the queries stay the last of their keys."""
         ids = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
         if not ids:
             return None
         starts = meta.query_starts_cpu
         q_lens = torch.tensor([meta.query_lens_cpu[i] for i in ids])
-        k_lens = torch.tensor([meta.context_lens_cpu[i] for i in ids])
+        first = torch.tensor([max(0, meta.context_lens_cpu[i] - meta.query_lens_cpu[i] + 1 - window) if window else 0
+                              for i in ids])
+        k_lens = torch.tensor([meta.context_lens_cpu[i] for i in ids]) - first
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in ids])
         owner = torch.repeat_interleave(torch.tensor(ids), k_lens)  # the batch row of each key's request
-        positions = torch.arange(int(k_lens.sum())) - torch.repeat_interleave(_offsets(k_lens)[:-1], k_lens)
+        positions = (torch.arange(int(k_lens.sum())) - torch.repeat_interleave(_offsets(k_lens)[:-1], k_lens)
+                     + torch.repeat_interleave(first, k_lens))
         # One host-to-device copy for all of it; pinned, so it does not wait for the queued kernels.
         host = torch.cat([rows, owner, positions, _offsets(q_lens), _offsets(k_lens)])
         device = meta.block_tables.device
@@ -55,30 +59,36 @@ def _offsets(lens: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
 
 
-def attend_prefills(q, kv_cache, plan: PrefillPlan, out, varlen) -> None:
+def attend_prefills(q, kv_cache, plan: PrefillPlan, out, varlen, params: AttentionParams) -> None:
     """The plan's queries against their contexts through `varlen` (flash_varlen, or reference_varlen), into out."""
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     kv = kv_cache.view(2, num_kv_heads, -1, head_dim)[:, :, plan.slots]  # [2, Hkv, total_keys, D]
     kv = kv.permute(0, 2, 1, 3).contiguous()  # [2, total_keys, Hkv, D]: flash reads rows of heads
-    o = varlen(q[plan.rows], kv[0], kv[1], plan.cu_queries, plan.cu_keys, plan.max_queries, plan.max_keys)
+    o = varlen(q[plan.rows], kv[0], kv[1], plan.cu_queries, plan.cu_keys, plan.max_queries, plan.max_keys, params)
     out.index_copy_(0, plan.rows, o)
 
 
-def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k) -> torch.Tensor:
-    """PyTorch's FlashAttention-2 over packed sequences (GQA native; causal aligned to each sequence's end).
-    The positional arguments are those the op has taken since PyTorch 2.1; bfloat16/float16 on sm80+ only."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False)[0]
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, params: AttentionParams) -> torch.Tensor:
+    """PyTorch's FlashAttention-2 over packed sequences (GQA native; causal aligned to each sequence's end; a
+    sliding window as its left window). bfloat16/float16 on sm80+ only; no soft cap (the backend checks)."""
+    left = params.sliding_window - 1 if params.sliding_window else None
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                   scale=params.scale, window_size_left=left,
+                                                   window_size_right=0 if left is not None else None)[0]
 
 
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k) -> torch.Tensor:
-    """flash_varlen's contract, one SDPA per sequence: the check for the plumbing around it, on any device."""
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, params: AttentionParams) -> torch.Tensor:
+    """flash_varlen's contract, one attention per sequence: the check for the plumbing around it, on any device."""
     out = torch.empty_like(q)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for p in range(len(cq) - 1):
         query, key, value = (t[a:b].transpose(0, 1)[None] for t, a, b in
                              ((q, cq[p], cq[p + 1]), (k, ck[p], ck[p + 1]), (v, ck[p], ck[p + 1])))
         n, ctx = query.shape[2], key.shape[2]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        out[cq[p] : cq[p + 1]] = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                                 enable_gqa=True)[0].transpose(0, 1)
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        query_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        mask = key_pos <= query_pos
+        if params.sliding_window:
+            mask &= key_pos > query_pos - params.sliding_window
+        out[cq[p] : cq[p + 1]] = attend(query, key, value, mask, params)[0].transpose(0, 1)
     return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams, write_kv
 from engine.core.config import ModelShape
 from engine.model.sharding import TensorShard
 from engine.model.token_ops import RMSNorm, SiluAndMul
@@ -76,6 +76,7 @@ class DecoderLayer(nn.Module):
         self.shard = shard
         h, d = shape.hidden_size, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * d, shape.num_kv_heads * d
+        self.attn_params = AttentionParams.plain(d)
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
         # Q, K, V (and gate, up) fused: one matmul instead of three on the flattened batch.
@@ -87,7 +88,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, rotary, kv_cache, meta, attention: AttentionBackend):
         q = self.pre_attention(x, positions, rotary, kv_cache, meta.slot_mapping)
-        return self.post_attention(x, attention.forward(q, kv_cache, meta))
+        return self.post_attention(x, attention.forward(q, kv_cache, meta, self.attn_params))
 
     # The two token-wise halves on either side of attention: the pieces CUDA graphs capture and Inductor fuses.
 

@@ -160,8 +160,8 @@ class CudaGraphRunner:
         self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.slot_mapping[t:bucket].fill_(self.scratch_slot)  # rows a larger batch left behind last time
         replays = self.replays[bucket]
-        for replay, kv_cache in zip(replays, self.kv_caches):
+        for replay, kv_cache, layer in zip(replays, self.kv_caches, self.model.layers):
             replay()
-            self.attn_out[:t].copy_(attention.forward(self.q[:t], kv_cache, meta))
+            self.attn_out[:t].copy_(attention.forward(self.q[:t], kv_cache, meta, layer.attn_params))
         replays[-1]()
         return self.model.lm_head(self.x[logits_indices]).float()

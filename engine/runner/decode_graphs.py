@@ -96,9 +96,10 @@ class DecodeGraphRunner:
         def step() -> None:
             seg.enter(model.embed_tokens, layers[0], rotary, ids, pos, caches[0], slots, x, q)
             for i in range(1, len(layers)):
-                attn = self.attention.forward_decode(q, caches[i - 1], meta)
+                attn = self.attention.forward_decode(q, caches[i - 1], meta, layers[i - 1].attn_params)
                 seg.between(layers[i - 1], layers[i], rotary, x, attn, pos, caches[i], slots, q)
-            seg.leave(layers[-1], model.norm, x, self.attention.forward_decode(q, caches[-1], meta))
+            seg.leave(layers[-1], model.norm, x,
+                      self.attention.forward_decode(q, caches[-1], meta, layers[-1].attn_params))
             logits.copy_(model.lm_head(x).float())
 
         return step
