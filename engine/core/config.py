@@ -24,6 +24,18 @@ class ModelShape:
     qkv_bias: bool = False  # Qwen2: biases on the Q, K and V projections
     # Llama 3.1 and later: each RoPE frequency's divisor (a GGUF's rope_freqs, or from config.json's rope_scaling)
     rope_freq_factors: tuple[float, ...] | None = None
+    sliding_window: int | None = None  # keys a windowed layer's query sees, its own included (Mistral, Gemma)
+    sliding_layers: tuple[bool, ...] | None = None  # which layers are windowed; None: all, when there is a window
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and (self.sliding_layers is None or self.sliding_layers[layer])
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer, when all have one: then no request needs its K/V from before it."""
+        if self.sliding_window and all(self.is_sliding(i) for i in range(self.num_layers)):
+            return self.sliding_window
+        return None
 
     @property
     def num_params(self) -> int:

@@ -29,8 +29,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         num_blocks = executor.num_blocks
-        self.scheduler = Scheduler(config, num_blocks, max_model_len)
-        self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window)
+        # A windowed request holds its window, the chunk being computed, and a partial block at each end.
+        held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
+        self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size, held)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self._ids = itertools.count()
         self.num_iterations = 0

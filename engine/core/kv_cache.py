@@ -125,14 +125,26 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         # Last block first, so a request's tail is evicted before its (more widely shared) head.
-        for block in reversed(req.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
-                if block not in self.block_names:
-                    self.free_queue.move_to_end(block, last=False)
+        for block in reversed(req.block_table[req.num_released_blocks:]):
+            self._release(block)
         req.block_table = []
         req.num_registered_blocks = 0
+        req.num_released_blocks = 0
+
+    def release_before(self, req: Request, position: int) -> None:
+        """Give back the blocks wholly before `position`, which no query of `req` will read again (they are before
+        every layer's sliding window). Their table entries stay, stale, so positions still index the table."""
+        end = min(max(0, position) // self.block_size, len(req.block_table))
+        for block in req.block_table[req.num_released_blocks:end]:
+            self._release(block)
+        req.num_released_blocks = max(req.num_released_blocks, end)
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+            if block not in self.block_names:
+                self.free_queue.move_to_end(block, last=False)
 
     def _hold(self, block: int) -> None:
         if self.ref_counts[block] == 0:

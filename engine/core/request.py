@@ -60,6 +60,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # KV block ids, in order
     block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks (from its tokens)
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows
+    num_released_blocks: int = 0  # leading blocks of block_table given back: before every layer's sliding window
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
     matcher: object | None = None  # a constrained request's llguidance matcher (made by the engine process or the sampler)

@@ -14,6 +14,7 @@ class RequestLimits(msgspec.Struct, frozen=True, array_like=True):
     vocab_size: int  # token ids are in [0, vocab_size)
     num_kv_blocks: int  # a request must fit in the whole KV cache
     block_size: int  # tokens per KV block
+    max_held_tokens: int = 0  # with a sliding window on every layer, the most tokens' K/V a request holds at once
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
         """Raise InvalidRequestError (naming `param`) for a request that can never run."""
@@ -28,6 +29,7 @@ class RequestLimits(msgspec.Struct, frozen=True, array_like=True):
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
                 "Please reduce the prompt or max_tokens.", param)
-        if -(-total // self.block_size) > self.num_kv_blocks:
+        held = min(total, self.max_held_tokens) if self.max_held_tokens else total
+        if -(-held // self.block_size) > self.num_kv_blocks:
             raise InvalidRequestError("the request needs more KV cache than the server has", param)
         params.check_vocab(self.vocab_size)

@@ -59,9 +59,10 @@ ADMISSION_POLICIES = {"iteration": IterationLevel, "request": RequestLevel}
 class Scheduler:
     """FCFS over a waiting queue; running requests first; preempts the newest when blocks run out."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, kv_window: int | None = None):
         self.config = config
         self.max_model_len = max_model_len
+        self.kv_window = kv_window  # every layer's sliding window: blocks before it go back as requests move on
         self.kv = KVCacheManager(num_blocks, config.block_size, config.kv_policy, config.prefix_caching)
         self.admission = ADMISSION_POLICIES[config.scheduling]()
         self.waiting: deque[Request] = deque()
@@ -241,6 +242,8 @@ class Scheduler:
                 continue
             req.num_computed_tokens += len(sr.token_ids)
             self.kv.cache_full_blocks(req)
+            if self.kv_window:  # the next query (at num_computed_tokens) sees keys from here on
+                self.kv.release_before(req, req.num_computed_tokens - self.kv_window + 1)
             if not sr.sample:
                 continue
             token_id, logprobs = result

@@ -70,13 +70,13 @@ class RopeScaling:
 class DecoderLayer(nn.Module):
     """One block of this rank's heads and MLP width (`shape` is the local shape; the shard sums the partial outputs)."""
 
-    def __init__(self, shape: ModelShape, shard: TensorShard):
+    def __init__(self, shape: ModelShape, shard: TensorShard, index: int):
         super().__init__()
         self.shape = shape
         self.shard = shard
         h, d = shape.hidden_size, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * d, shape.num_kv_heads * d
-        self.attn_params = AttentionParams.plain(d)
+        self.attn_params = AttentionParams(d**-0.5, shape.sliding_window if shape.is_sliding(index) else None)
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
         # Q, K, V (and gate, up) fused: one matmul instead of three on the flattened batch.
@@ -131,7 +131,7 @@ class LlamaModel(nn.Module):
         start, end = shard.vocab_range(shape.vocab_size)
         if self.is_first:
             self.embed_tokens = nn.Embedding(end - start, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, shard) for _ in self.layer_span)
+        self.layers = nn.ModuleList(DecoderLayer(shape, shard, i) for i in self.layer_span)
         if self.is_last:
             self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
             self.lm_head = nn.Linear(shape.hidden_size, end - start, bias=False)
