@@ -9,6 +9,7 @@ import pytest
 
 from engine.model.model_files import ModelNotFoundError, default_model_path
 from engine.model.tokenizer import Tokenizer, load_tokenizer
+from tokenizer_texts import _GLUE, FRAGMENTS, _random_text
 
 # Bytes that no token of SmolLM2's vocabulary holds; the reference drops them.
 TOKENLESS_BYTES = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])
@@ -17,61 +18,6 @@ TOKENLESS_CHARS = [
     "\x04", "\x06", "\x13", "\x14", "\x16", "\x1d",
     "\U00040000", "\U0007ffff", "\U00080000", "\U000bfffd",
 ]
-
-FRAGMENTS = [
-    # prose and contractions
-    "Hello, world!", "The quick brown fox jumps over the lazy dog.", "I'm", "they'LL", "we've", "She'd", "it's",
-    "don't", "y'all", "'s'S't", "O'Neil's", "rock 'n' roll", "\"quoted\" text", "Mr. Smith -- Jr.", "e.g., i.e.",
-    "ALL CAPS SHOUTING", "camelCaseWord", "snake_case_name", "naïve café résumé", "Straße", "ﬁne ligature",
-    # code
-    "def f(x):\n    return x * 2\n", "\tif (a && b) {\n\t\treturn;\n\t}\n", "for i in range(10):\n\tprint(i)",
-    "    indented   line   ", "x = [1, 2, 3]  # comment", "#include <stdio.h>", "SELECT * FROM t WHERE id=42;",
-    "fn main() -> Result<(), Box<dyn Error>> {}", "a->b; c::d; e=>f", "if x != y: pass", "<div class=\"a\">b</div>",
-    # digits after whitespace, numbers
-    "a   1234", "\t\t42", "  7", "\n\n99 bottles", "x 1", "x  12", "2024-01-15", "3.14159", "1,234,567.89",
-    "-0.5e10", "0xDEADBEEF", "v1.2.3", "$100", "50%", "1/2", "10:30pm", "007", "12345678901234567890",
-    "( 1 )", "[ 2, 3 ]", "a1b2c3", "   \t 5", "phone: +1 (555) 123-4567",
-    # unicode numerics
-    "²", "x² + y³", "٣٤٥", "½ cup", "①②③", "Ⅻ", "〇", "𝟙𝟚", " ٣", "  ½", "१२३", "๑๒", "፲", "🄁",
-    "\U00011de0\U00011de9", "a \U00016ff4", "  \U00011de5x",
-    # emoji
-    "😀", "👍🏽", "👨‍👩‍👧‍👦", "🏳️‍🌈", "🇯🇵", "❤️", "I ❤️ NY", " 🎉🎉", "✅ done", "🤷🏻‍♀️",
-    # scripts
-    "日本語のテキスト", "中文字符测试", "한국어 텍스트입니다", "안녕하세요", "مرحبا بالعالم", "العربية ١٢٣",
-    "हिन्दी पाठ", "नमस्ते दुनिया", "Привет, мир!", "Ελληνικά", "עברית", "ไทย", "ქართული", "Tiếng Việt",
-    "e\u0301", "a\u0308\u0304", "\ufeffBOM", "zero\u200bwidth", "non\u00a0breaking", "ideo\u3000space",
-    # whitespace
-    " ", "  ", "   ", "\t", "\n", "\r\n", "\r\n\r\n", " \n ", "\n\n\n", "\t \t", "trailing   ", "   leading",
-    "a \t\nb", "line1\nline2\r\nline3", "x\x0by\x0cz", "a\x85b", "\u2028\u2029", " \u3000 ", "end\n",
-    # special-token text
-    "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>", "<|im_start|><|im_end|>", "a<repo_name>b",
-    "<file_sep>x.py", "<|im_start|> spaced <|im_end|>\n", "<|im_start", "<|notatoken|>", "<jupyter_code>1",
-    # control bytes
-    "\x00", "\x01", "\x7f", "\x1b[31mred\x1b[0m", "\x1c\x1d\x1e\x1f", "bell\x07", "\x08back",
-    # URLs, JSON, markup
-    "https://example.com/path?q=1&r=two#frag", "mailto:a@b.co", "http://[::1]:8080/", "{\"a\": 1, \"b\": [true, null]}",
-    "{'key': 'value'}", "**bold** _it_", "| a | b |\n|---|---|", "<!-- c -->", "C:\\Users\\x", "~/.config/app",
-    # tokenless bytes in context
-    "a\x04b", " \x04!", "!\x04!", " \x04's", "\x04's", "x\x1d y", "\x06\x06", "Hello\x04 world\x16!",
-    " \x13 \x14 ", "ab \x04 cd", "1\x042", " \U00040000!", "\U00040000x", "\U000bfffd\U00080000\x06", "é\x13é",
-    "",
-]
-
-_GLUE = ["", " ", "  ", "\n", "\t", "   ", "\r\n", " \n"]
-
-
-def _random_text(rng: random.Random) -> str:
-    pools = [
-        (0x20, 0x7E), (0x00, 0x1F), (0xA0, 0x24F), (0x300, 0x36F), (0x400, 0x4FF), (0x600, 0x6FF), (0x900, 0x97F),
-        (0x3040, 0x30FF), (0x4E00, 0x4FFF), (0xAC00, 0xAD00), (0x1F300, 0x1F6FF), (0x2000, 0x206F), (0xFF00, 0xFFEF),
-        (0x1D400, 0x1D7FF), (0x40000, 0x40010), (0xBFFF0, 0xBFFFD),
-    ]
-    chars = []
-    for _ in range(rng.randint(1, 40)):
-        lo, hi = rng.choice(pools)
-        chars.append(chr(rng.randint(lo, hi)))
-    return "".join(chars)
-
 
 def _cases() -> list[str]:
     rng = random.Random(20240611)

@@ -15,6 +15,7 @@ from engine.model.tokenizer.sentencepiece_model import CONTROL, NORMAL, UNKNOWN,
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # an undecodable byte, as errors="surrogateescape" writes it
 
 
 def is_sentencepiece_json(spec: dict) -> bool:
@@ -27,22 +28,28 @@ class SentencePieceBPE(Tokenizer):
     """SentencePiece-style BPE with byte fallback, on a `tokenizers` pipeline."""
 
     def __init__(self, backend: Backend, *, bos_token_id: int, eos_token_id: int, add_bos_token: bool = True,
-                 chat_template: str | None = None) -> None:
-        """`backend` must decode a token as its text with "▁" as a space and "<0xNN>" as byte NN (checked)."""
-        _check_decoder(json.loads(backend.to_str()).get("decoder"))
+                 chat_template: str | None = None, dummy_prefix: bool | None = None) -> None:
+        """`backend` must decode a token as its text with "▁" as a space and "<0xNN>" as byte NN (checked).
+        `dummy_prefix`: None decodes with the backend's decoder (a tokenizer.json is its own reference); True or
+        False decodes as `sentencepiece` does, for a model that does or does not prefix texts with a space."""
+        _check_decoder(json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else None)
         added = backend.get_added_tokens_decoder()
         size = backend.get_vocab_size(with_added_tokens=True)
         token_bytes = [b""] * size
+        self._byte_values: dict[int, int] = {}
         for i in range(size):
             piece = backend.id_to_token(i)
             if piece is None:
                 continue
             # The decoder spells added tokens too: "▁" is a space in a special token as anywhere.
             byte = _BYTE_PIECE.fullmatch(piece)
-            token_bytes[i] = bytes([int(byte[1], 16)]) if byte else piece.replace(_SPACE, " ").encode()
+            if byte:
+                self._byte_values[i] = int(byte[1], 16)
+            token_bytes[i] = bytes([self._byte_values[i]]) if byte else piece.replace(_SPACE, " ").encode()
         super().__init__(token_bytes, frozenset(i for i, t in added.items() if t.special), bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, add_bos_token=add_bos_token, chat_template=chat_template)
         self._backend = backend
+        self._dummy_prefix = dummy_prefix
 
     @classmethod
     def from_pieces(cls, pieces: list[str], scores: list[float], types: list[int], *, add_dummy_prefix: bool = True,
@@ -71,14 +78,49 @@ class SentencePieceBPE(Tokenizer):
         # Added tokens cut the text before normalization, so every stretch between them gets its own dummy prefix.
         backend.add_tokens([AddedToken(p, special=kind != USER_DEFINED, normalized=False)
                             for p, kind in zip(pieces, types) if kind in (CONTROL, UNKNOWN, USER_DEFINED)])
-        return cls(backend, **kwargs)
+        return cls(backend, dummy_prefix=add_dummy_prefix, **kwargs)
 
     def _encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode([i for i in ids if 0 <= i < self.vocab_size],
-                                    skip_special_tokens=skip_special_tokens)
+        ids = [i for i in ids if 0 <= i < self.vocab_size]
+        if self._dummy_prefix is None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._decode_as_sentencepiece(ids, skip_special_tokens)
+
+    def _decode_as_sentencepiece(self, ids: list[int], skip_special_tokens: bool) -> str:
+        # sentencepiece's Decode: each run of byte pieces is UTF-8 with one U+FFFD per invalid byte (HF's ByteFallback
+        # turns the whole run into U+FFFDs), and only the first piece of the text, a "▁..." one, loses its "▁" (a
+        # first byte piece <0x20> keeps its space, where HF's Strip would take it).
+        out: list[str] = []
+        run = bytearray()
+        strip, stripped = self._dummy_prefix, False
+        for i in ids:
+            byte = self._byte_values.get(i)
+            if byte is not None:
+                run.append(byte)
+                continue
+            if run:
+                out.append(_utf8_per_byte(run))
+                run.clear()
+            strip = strip and not stripped and not any(out)
+            if i in self.special_token_ids:
+                stripped = False
+                if not skip_special_tokens:
+                    out.append(self._token_bytes[i].decode())
+                continue
+            piece = self._token_bytes[i].decode()
+            stripped = strip and piece.startswith(" ")
+            out.append(piece[1:] if stripped else piece)
+        if run:
+            out.append(_utf8_per_byte(run))
+        return "".join(out)
+
+
+def _utf8_per_byte(data: bytearray) -> str:
+    """UTF-8 text of `data` with every byte that is not part of a valid character as one U+FFFD."""
+    return _ESCAPED_BYTE.sub("\ufffd", data.decode("utf-8", errors="surrogateescape"))
 
 
 def _check_decoder(decoder: dict | None) -> None:
