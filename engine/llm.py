@@ -60,10 +60,10 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([prompt], params)[0]
+        return self.generate([self.tokenizer.encode(prompt)], params)[0]  # the template writes any BOS itself
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
 
     def _completion(self, req: Request) -> Completion:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""

@@ -26,12 +26,14 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     limits = state.engine_limits()
     grammar = await state.grammar(req)
-    prompts = [await state.encode(p) for p in req.prompts]
+    prompts = [await state.encode(p, add_special_tokens=True) for p in req.prompts]
     params = req.to_sampling_params(default_max_tokens=limits.max_model_len - max(len(p) for p in prompts),
                                     grammar=grammar)
     for ids in prompts:
         state.check_prompt(ids, params)
-    echo = [state.tokenizer.decode(p) if req.echo and state.tokenizer else "" for p in prompts]
+    # A text prompt echoes as sent (not with the BOS the tokenizer put first); token ids as their text.
+    echo = [(text if isinstance(text, str) else state.tokenizer.decode(ids)) if req.echo and state.tokenizer else ""
+            for text, ids in zip(req.prompts, prompts)]
     salt = state.cache_salt(request, req.cache_salt)
     gen = state.generation(prompts, params, req.n, req.stop_strings, salt)  # admitted from here: close() it
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -63,14 +63,15 @@ class ServerState:
             raise errors.service_unavailable("The engine is not available; retry shortly.", retry_after=1)
         return ready.limits
 
-    async def encode(self, prompt: str | list[int]) -> list[int]:
+    async def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a prompt; add_special_tokens (a completions prompt): BOS first where the tokenizer asks."""
         if isinstance(prompt, list):
             return prompt
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send prompts as token ids", "prompt")
         if len(prompt) > THREADED_ENCODE_CHARS:  # a huge prompt must not stall every other stream
-            return await asyncio.to_thread(self.tokenizer.encode, prompt)
-        return self.tokenizer.encode(prompt)
+            return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
+        return self.tokenizer.encode(prompt, add_special_tokens)
 
     async def grammar(self, req) -> str | None:
         """The request's output grammar (None: unconstrained), compiled in the pool with every other schema it names
