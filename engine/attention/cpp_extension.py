@@ -17,16 +17,18 @@ SOURCES = Path(__file__).resolve().parents[2] / "cuda"
 # -march=native: built where it runs. -ffast-math lets the exp and reduction loops vectorize; the ops keep
 # every value finite, so nothing it assumes away occurs.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# For ops whose sums must keep the order written (no reassociation), with multiply-adds fused where they are written.
+STRICT_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
 
 @functools.cache
-def load_cpu_extension(name: str, source: str):
+def load_cpu_extension(name: str, source: str, strict: bool = False):
     """The extension module `name` built from cuda/`source` (once per process); raises if it cannot build."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    return load(name=name, sources=[str(SOURCES / source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                verbose=False)
+    return load(name=name, sources=[str(SOURCES / source)], extra_cflags=STRICT_CFLAGS if strict else CFLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def builds(load: Callable[[], object], unusable: str) -> bool:

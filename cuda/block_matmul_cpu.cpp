@@ -1,0 +1,525 @@
+// Matmul against a GGUF file's quantized weights as the file holds them: y = x @ W^T, W [N, K] stored as llama.cpp's
+// blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K; also F32, F16, BF16), x [M, K] in float32 or bfloat16.
+//
+// Each block decodes to float32 exactly as gguf-py's (and ggml's) dequantization does: every value is
+// d * q (+ m), where d * q is exact in float32 (an 11-bit float16 scale, times at most a 6-bit integer scale,
+// times at most an 8-bit code), so the one rounding is the add's, the same with or without a fused multiply-add.
+// Products and sums are float32: the weights are the float32 model's bit for bit, and only the order of the sums
+// (and bfloat16 inputs, where given) differs from it.
+//
+// The order of every output's sum is fixed: 16 lane-wise partial sums over k in order, then one fixed tree. It does
+// not depend on M (the batch), on which path runs (decoding block by block for a few rows, or a panel of rows once
+// for many) or on the thread count (threads split the N outputs, never a sum): a row's result is the same alone or
+// in any batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+constexpr int kLanes = 16;
+constexpr int kTileN = 4;  // outputs per register tile
+constexpr int kTileM = 6;  // rows per register tile: 24 accumulators, 4 weight vectors and a row of x fill 29 of 32 registers
+constexpr int kDirectRows = 8;  // up to this many rows a 32-weight block is decoded into registers where it is used
+constexpr int64_t kPanelBytes = 128 * 1024;  // a panel of decoded weights (float32) is sized to stay in L2
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The 16 partial sums in one fixed order: halves, quarters, eighths, pairs.
+inline float hsum(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  float c0 = b[0] + b[2], c1 = b[1] + b[3];
+  return c0 + c1;
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable conversion is a dozen
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// ---------------------------------------------------------------- block decoders (gguf-py's dequantize_blocks)
+
+// Sixteen codes of a block as floats: bytes zero- or sign-extended, the low or the high nibble.
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// GCC lowers __builtin_convertvector from bytes to a scalar loop; the widening loads are one instruction each.
+inline i32x16 bytes16(const uint8_t* p) {
+#ifdef __AVX512F__
+  return reinterpret_cast<i32x16>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  u8x16 b;
+  std::memcpy(&b, p, 16);
+  return __builtin_convertvector(b, i32x16);
+#endif
+}
+
+inline v16 signed16(const uint8_t* p) {
+#ifdef __AVX512F__
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  i8x16 b;
+  std::memcpy(&b, p, 16);
+  return __builtin_convertvector(__builtin_convertvector(b, i32x16), v16);
+#endif
+}
+
+// Not v16{} + f, which turns a -0 scale into +0; and not _mm512_set1_ps, which GCC 12 sometimes lowers to sixteen
+// masked inserts.
+inline v16 splat(float f) {
+#ifdef __AVX512F__
+  return _mm512_broadcastss_ps(_mm_set_ss(f));
+#else
+  v16 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = f;
+  return v;
+#endif
+}
+
+inline v16 floats(i32x16 q) { return __builtin_convertvector(q, v16); }
+
+inline void put16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline i32x16 splat_int(int32_t v) {
+#ifdef __AVX512F__
+  return reinterpret_cast<i32x16>(_mm512_set1_epi32(v));
+#else
+  return i32x16{} + v;
+#endif
+}
+
+// Q5_0 and Q5_1's fifth bits, 16 of them from bit `first` of qh, at bit 4.
+inline i32x16 fifth_bits(uint32_t qh, int first) {
+  const i32x16 shifts = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return ((splat_int(static_cast<int32_t>(qh >> first)) >> shifts) & 1) << 4;
+}
+
+// The 32-weight formats decode straight into two registers (`regs`), so few rows can use them without a store;
+// the 256-weight K-quants decode into memory (`decode`).
+struct Q4_0 {
+  static constexpr int kSize = 32, kBytes = 18;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    const v16 d = splat(half(b));
+    const i32x16 q = bytes16(b + 2);
+    w[0] = d * floats((q & 15) - 8);
+    w[1] = d * floats((q >> 4) - 8);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kSize = 32, kBytes = 20;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    const v16 d = splat(half(b)), m = splat(half(b + 2));
+    const i32x16 q = bytes16(b + 4);
+    w[0] = d * floats(q & 15) + m;
+    w[1] = d * floats(q >> 4) + m;
+  }
+};
+
+struct Q5_0 {
+  static constexpr int kSize = 32, kBytes = 22;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    const v16 d = splat(half(b));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const i32x16 q = bytes16(b + 6);
+    w[0] = d * floats(((q & 15) | fifth_bits(qh, 0)) - 16);
+    w[1] = d * floats(((q >> 4) | fifth_bits(qh, 16)) - 16);
+  }
+};
+
+struct Q5_1 {
+  static constexpr int kSize = 32, kBytes = 24;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    const v16 d = splat(half(b)), m = splat(half(b + 2));
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    const i32x16 q = bytes16(b + 8);
+    w[0] = d * floats((q & 15) | fifth_bits(qh, 0)) + m;
+    w[1] = d * floats((q >> 4) | fifth_bits(qh, 16)) + m;
+  }
+};
+
+struct Q8_0 {
+  static constexpr int kSize = 32, kBytes = 34;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    const v16 d = splat(half(b));
+    w[0] = signed16(b + 2) * d;
+    w[1] = signed16(b + 18) * d;
+  }
+};
+
+// Float weights as "blocks" of 32 (ggml's F32, F16 and BF16): --batch-invariant runs dense layers through the same
+// sums as the quantized ones.
+struct F32 {
+  static constexpr int kSize = 32, kBytes = 128;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    w[0] = load16(reinterpret_cast<const float*>(b));
+    w[1] = load16(reinterpret_cast<const float*>(b) + 16);
+  }
+};
+
+struct F16 {
+  static constexpr int kSize = 32, kBytes = 64;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    for (int h = 0; h < 2; ++h) {
+#ifdef __AVX512F__
+      w[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * h)));
+#else
+      for (int i = 0; i < kLanes; ++i) w[h][i] = half(b + 2 * (h * kLanes + i));
+#endif
+    }
+  }
+};
+
+struct BF16 {
+  static constexpr int kSize = 32, kBytes = 64;
+  static constexpr bool kRegs = true;
+  static void regs(const uint8_t* b, v16 (&w)[2]) {
+    for (int h = 0; h < 2; ++h) {  // bfloat16 is float32's top half
+#ifdef __AVX512F__
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * h)));
+      w[h] = reinterpret_cast<v16>(_mm512_slli_epi32(bits, 16));
+#else
+      typedef uint16_t u16x16 __attribute__((vector_size(32)));
+      u16x16 bits;
+      std::memcpy(&bits, b + 32 * h, 32);
+      w[h] = reinterpret_cast<v16>(__builtin_convertvector(bits, i32x16) << 16);
+#endif
+    }
+  }
+};
+
+struct Q2_K {  // scales[16], qs[64], d, dmin; 16 groups of 16
+  static constexpr int kSize = 256, kBytes = 84;
+  static constexpr bool kRegs = false;
+  static void decode(const uint8_t* b, float* w) {
+    const uint8_t *scales = b, *qs = b + 16;
+    const float d = half(b + 80), dmin = half(b + 82);
+    for (int e = 0; e < 256; ++e) {
+      const int i = e / 128, j = (e / 32) % 4, l = e % 32, s = e / 16;
+      const float dl = d * static_cast<float>(scales[s] & 15), ml = dmin * static_cast<float>(scales[s] >> 4);
+      w[e] = dl * static_cast<float>((qs[i * 32 + l] >> (2 * j)) & 3) - ml;
+    }
+  }
+};
+
+struct Q3_K {  // hmask[32], qs[64], scales[12], d; 16 groups of 16
+  static constexpr int kSize = 256, kBytes = 110;
+  static constexpr bool kRegs = false;
+  static void decode(const uint8_t* b, float* w) {
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    const float d = half(b + 108);
+    float dl[16];
+    for (int s = 0; s < 16; ++s) {
+      const int low = (sc[s % 8] >> (4 * (s / 8))) & 15, high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+      dl[s] = d * static_cast<float>(static_cast<int>(static_cast<int8_t>(low | (high << 4))) - 32);
+    }
+    for (int e = 0; e < 256; ++e) {
+      const int i = e / 128, j = (e / 32) % 4, l = e % 32;
+      const int low = (qs[i * 32 + l] >> (2 * j)) & 3, high = ((hmask[l] >> (e / 32)) & 1) ^ 1;
+      w[e] = dl[e / 16] * static_cast<float>(low - (high << 2));
+    }
+  }
+};
+
+// Q4_K's and Q5_K's 6-bit scales and minimums for their 8 groups of 32.
+inline void k_scale_min(const uint8_t* s, int group, int* sc, int* mn) {
+  if (group < 4) {
+    *sc = s[group] & 63;
+    *mn = s[group + 4] & 63;
+  } else {
+    *sc = (s[group + 4] & 15) | ((s[group - 4] >> 2) & 0x30);
+    *mn = (s[group + 4] >> 4) | ((s[group] >> 2) & 0x30);
+  }
+}
+
+struct Q4_K {  // d, dmin, scales[12], qs[128]
+  static constexpr int kSize = 256, kBytes = 144;
+  static constexpr bool kRegs = false;
+  static void decode(const uint8_t* b, float* w) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t *scales = b + 4, *qs = b + 16;
+    for (int g = 0; g < 8; ++g) {
+      int sc, mn;
+      k_scale_min(scales, g, &sc, &mn);
+      const float dg = d * static_cast<float>(sc), mg = dmin * static_cast<float>(mn);
+      const int i = g / 2, j = g % 2;
+      for (int l = 0; l < 32; ++l) w[g * 32 + l] = dg * static_cast<float>((qs[i * 32 + l] >> (4 * j)) & 15) - mg;
+    }
+  }
+};
+
+struct Q5_K {  // d, dmin, scales[12], qh[32], qs[128]
+  static constexpr int kSize = 256, kBytes = 176;
+  static constexpr bool kRegs = false;
+  static void decode(const uint8_t* b, float* w) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int g = 0; g < 8; ++g) {
+      int sc, mn;
+      k_scale_min(scales, g, &sc, &mn);
+      const float dg = d * static_cast<float>(sc), mg = dmin * static_cast<float>(mn);
+      const int i = g / 2, j = g % 2;
+      for (int l = 0; l < 32; ++l) {
+        const int q = ((qs[i * 32 + l] >> (4 * j)) & 15) | (((qh[l] >> g) & 1) << 4);
+        w[g * 32 + l] = dg * static_cast<float>(q) - mg;
+      }
+    }
+  }
+};
+
+struct Q6_K {  // ql[128], qh[64], scales[16] (int8), d; 16 groups of 16
+  static constexpr int kSize = 256, kBytes = 210;
+  static constexpr bool kRegs = false;
+  static void decode(const uint8_t* b, float* w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half(b + 208);
+    for (int e = 0; e < 256; ++e) {
+      const int i = e / 128, r = e % 128;
+      const int low = (ql[i * 64 + r % 64] >> (4 * (r / 64))) & 15, high = (qh[i * 32 + r % 32] >> (2 * (r / 32))) & 3;
+      w[e] = d * static_cast<float>(scales[e / 16]) * static_cast<float>((low | (high << 4)) - 32);
+    }
+  }
+};
+
+template <typename B>
+inline void decode(const uint8_t* b, float* w) {
+  if constexpr (B::kRegs) {
+    v16 r[2];
+    B::regs(b, r);
+    put16(w, r[0]);
+    put16(w + 16, r[1]);
+  } else {
+    B::decode(b, w);
+  }
+}
+
+// ---------------------------------------------------------------- the matmul
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // round to nearest even
+
+// out[r][n] = x row r . w row n for R rows and NB outputs: lane-wise sums over k in order, then hsum.
+template <int R, int NB, typename T>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, T* out, int64_t ldo) {
+  v16 acc[R][NB] = {};
+  for (int64_t i = 0; i < k; i += kLanes) {
+    v16 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = load16(w + n * k + i);
+    for (int r = 0; r < R; ++r) {
+      v16 xv = load16(x + r * ldx + i);
+      asm("" : "+v"(xv));  // one load per row, not one memory operand per output (loads would bound the loop)
+      for (int n = 0; n < NB; ++n) acc[r][n] += xv * wv[n];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n) store(out + r * ldo + n, hsum(acc[r][n]));
+}
+
+template <int NB, typename T, int R = kTileM>
+inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t k, T* out, int64_t ldo) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<NB, T, R - 1>(rows, x, ldx, w, k, out, ldo);
+  }
+  tile<R, NB>(x, ldx, w, k, out, ldo);
+}
+
+template <typename T>
+inline void tile_any(int64_t rows, int64_t cols, const float* x, int64_t ldx, const float* w, int64_t k, T* out,
+                     int64_t ldo) {
+  switch (cols) {
+    case 1: tile_rows<1>(rows, x, ldx, w, k, out, ldo); break;
+    case 2: tile_rows<2>(rows, x, ldx, w, k, out, ldo); break;
+    case 3: tile_rows<3>(rows, x, ldx, w, k, out, ldo); break;
+    default: tile_rows<4>(rows, x, ldx, w, k, out, ldo); break;
+  }
+}
+
+// A few rows of a 32-weight format: each block is decoded into registers and used at once, no store between. The
+// sums run in the same order as tile's.
+template <typename B, int R, int NB, typename T>
+inline void direct_tile(const float* x, int64_t ldx, const uint8_t* blocks, int64_t row_bytes, int64_t k, T* out,
+                        int64_t ldo) {
+  v16 acc[R][NB] = {};
+  for (int64_t kb = 0; kb < k / B::kSize; ++kb) {
+    v16 w[NB][2];
+    for (int n = 0; n < NB; ++n) B::regs(blocks + n * row_bytes + kb * B::kBytes, w[n]);
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) {
+        v16 xv = load16(x + r * ldx + kb * B::kSize + h * kLanes);
+        asm("" : "+v"(xv));
+        for (int n = 0; n < NB; ++n) acc[r][n] += xv * w[n][h];
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n) store(out + r * ldo + n, hsum(acc[r][n]));
+}
+
+template <typename B, int NB, typename T, int R>
+inline void direct_rows(int64_t rows, const float* x, int64_t ldx, const uint8_t* blocks, int64_t row_bytes,
+                        int64_t k, T* out, int64_t ldo) {
+  if constexpr (R > 1) {
+    if (rows < R) return direct_rows<B, NB, T, R - 1>(rows, x, ldx, blocks, row_bytes, k, out, ldo);
+  }
+  direct_tile<B, R, NB>(x, ldx, blocks, row_bytes, k, out, ldo);
+}
+
+// NB outputs at a time (a register tile of up to R rows x NB outputs, their weights' two halves beside it).
+template <typename B, int NB, int R, typename T>
+void direct(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, T* out, int64_t ldo) {
+  const int64_t row_bytes = k / B::kSize * B::kBytes;
+  at::parallel_for(0, (n + NB - 1) / NB, 64 / NB, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NB;
+      const uint8_t* src = blocks + n0 * row_bytes;
+      // The tile reads its rows side by side, block by block, which the prefetchers follow poorly: ask for the rows
+      // 16 ahead (~6-10 KB: far enough to hide a read from memory behind the tiles between).
+      if (t + 16 / NB < end)
+        for (int64_t off = 0; off < NB * row_bytes; off += 64) __builtin_prefetch(src + 16 * row_bytes + off);
+      const int64_t cols = std::min<int64_t>(NB, n - n0);
+      if (cols == NB) direct_rows<B, NB, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+      else if (cols == 1) direct_rows<B, 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+      else if (cols == 2) direct_rows<B, 2 < NB ? 2 : 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+      else direct_rows<B, 3 < NB ? 3 : 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+    }
+  });
+}
+
+// Many rows (or a K-quant): each task decodes a panel of outputs once, as many as fit in L2, then runs every row
+// tile over it.
+template <typename B, typename T>
+void panels(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, T* out, int64_t ldo) {
+  const int64_t row_bytes = k / B::kSize * B::kBytes;
+  const int64_t panel = std::max<int64_t>(kTileN, kPanelBytes / (k * 4) / kTileN * kTileN);
+  at::parallel_for(0, (n + panel - 1) / panel, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(panel * k + kLanes);
+    float* w = buffer.data() + (-reinterpret_cast<intptr_t>(buffer.data()) / 4 & (kLanes - 1));  // 64-byte aligned
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t p0 = p * panel, width = std::min(panel, n - p0);
+      const uint8_t* src = blocks + p0 * row_bytes;
+      for (int64_t b = 0; b < width * (k / B::kSize); ++b) decode<B>(src + b * B::kBytes, w + b * B::kSize);
+      for (int64_t r0 = 0; r0 < m; r0 += kTileM)
+        for (int64_t c0 = 0; c0 < width; c0 += kTileN)
+          tile_any(std::min<int64_t>(kTileM, m - r0), std::min<int64_t>(kTileN, width - c0), x + r0 * k, k,
+                   w + c0 * k, k, out + r0 * ldo + p0 + c0, ldo);
+    }
+  });
+}
+
+template <typename B, typename T>
+void matmul(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, T* out, int64_t ldo) {
+  if constexpr (B::kRegs) {
+    if (m <= 4) return direct<B, 4, 4>(x, m, k, blocks, n, out, ldo);
+    if (m <= kDirectRows) return direct<B, 2, kDirectRows>(x, m, k, blocks, n, out, ldo);
+  }
+  panels<B>(x, m, k, blocks, n, out, ldo);
+}
+
+// ggml's type ids (gguf.GGMLQuantizationType) of the block formats decoded here.
+template <typename Fn>
+void dispatch(int64_t type, Fn fn) {
+  switch (type) {
+    case 0: fn(F32{}); break;
+    case 1: fn(F16{}); break;
+    case 30: fn(BF16{}); break;
+    case 2: fn(Q4_0{}); break;
+    case 3: fn(Q4_1{}); break;
+    case 6: fn(Q5_0{}); break;
+    case 7: fn(Q5_1{}); break;
+    case 8: fn(Q8_0{}); break;
+    case 10: fn(Q2_K{}); break;
+    case 11: fn(Q3_K{}); break;
+    case 12: fn(Q4_K{}); break;
+    case 13: fn(Q5_K{}); break;
+    case 14: fn(Q6_K{}); break;
+    default: TORCH_CHECK(false, "no block decoder for ggml type ", type);
+  }
+}
+
+template <typename B>
+void check_blocks(const torch::Tensor& blocks, int64_t k) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte,
+              "blocks must be a contiguous uint8 [N, row bytes] tensor");
+  TORCH_CHECK(k % B::kSize == 0, "the input width ", k, " is not a whole number of ", B::kSize, "-weight blocks");
+  TORCH_CHECK(blocks.size(1) == k / B::kSize * B::kBytes, "blocks hold ", blocks.size(1), " bytes a row, not ",
+              k / B::kSize * B::kBytes, " for ", k, " inputs");
+}
+
+}  // namespace
+
+// out[:, :N] = x @ W^T for W in `blocks` (ggml type `type`); out may be a column slice of a wider tensor.
+void block_matmul_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 [rows, K] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == blocks.size(0) && out.stride(1) == 1 &&
+              out.scalar_type() == x.scalar_type(), "out must be [rows, N] of x's dtype with unit column stride");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  if (m == 0 || n == 0) return;
+  // bfloat16 inputs widen exactly; float32 ones are read in place.
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  dispatch(type, [&](auto block) {
+    using B = decltype(block);
+    check_blocks<B>(blocks, k);
+    const uint8_t* b = blocks.data_ptr<uint8_t>();
+    if (out.scalar_type() == at::kFloat)
+      matmul<B>(xf.data_ptr<float>(), m, k, b, n, out.data_ptr<float>(), out.stride(0));
+    else
+      matmul<B>(xf.data_ptr<float>(), m, k, b, n, out.data_ptr<at::BFloat16>(), out.stride(0));
+  });
+}
+
+// The weights the blocks hold, [N, K] float32: gguf's dequantization, bit for bit.
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t type, int64_t k) {
+  auto out = torch::empty({blocks.size(0), k}, torch::kFloat);
+  dispatch(type, [&](auto block) {
+    using B = decltype(block);
+    check_blocks<B>(blocks, k);
+    const uint8_t* b = blocks.data_ptr<uint8_t>();
+    float* w = out.data_ptr<float>();
+    at::parallel_for(0, blocks.size(0), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t kb = 0; kb < k; kb += B::kSize)
+          decode<B>(b + r * blocks.size(1) + kb / B::kSize * B::kBytes, w + r * k + kb);
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_matmul_out", &block_matmul_out, "out = x @ W^T with W as GGUF blocks (CPU, float32 sums)");
+  m.def("block_dequantize", &block_dequantize, "GGUF blocks -> float32 weights (CPU)");
+}
