@@ -25,6 +25,10 @@ def test_the_page_is_served_whole_and_fetches_nothing_from_elsewhere():
     # No script, style, font or image from another origin: the page must work offline.
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page), "the page loads something from elsewhere"
     assert "@import" not in page and "import(" not in page
+    # The API key lives in sessionStorage (this tab) unless "remember" is ticked; the other settings persist.
+    assert 'for (const id of ["system", "temperature", "max_tokens"])' in page
+    assert "sessionStorage.setItem(KEY" in page and 'id="remember_key"' in page
+    assert "localStorage.removeItem(KEY)" in page
 
 
 @pytest.fixture(scope="module")
