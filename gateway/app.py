@@ -30,6 +30,7 @@ from gateway.metrics import Metrics
 from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
 from gateway.serving import ServerState, json_response
+from gateway.special_tokens import ContentTokens
 from gateway.structured import GrammarCompiler
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
@@ -44,6 +45,7 @@ class GatewayConfig:
     max_waiting: int | None = None  # sequences queued beyond the engine's batch; None = see Admission.capacity
     metrics_need_key: bool = True  # with API keys, /metrics needs one too (its prefix-cache counters tell of prompts)
     prefix_cache_scope: Literal["key", "global"] = "key"  # with API keys: each key's cached prefixes its own, or shared
+    special_tokens_in_content: Literal["allow", "escape"] = "allow"  # chat content's "<|im_start|>": special, or text
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
     allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
@@ -79,8 +81,10 @@ def build_app(config: GatewayConfig) -> Starlette:
     metrics = Metrics()
     client = EngineClient(config.engine, metrics, config.engine_hang_timeout)
     admission = Admission(config.engine.max_num_seqs, config.max_waiting, metrics)
-    state = ServerState(client, load_gateway_tokenizer(config.engine.model), metrics, served_name(config), admission,
-                        CacheSalts(config.prefix_cache_scope), GrammarCompiler(), config.shutdown_timeout)
+    tokenizer = load_gateway_tokenizer(config.engine.model)
+    content_tokens = None if tokenizer is None else ContentTokens(tokenizer, config.special_tokens_in_content)
+    state = ServerState(client, tokenizer, metrics, served_name(config), admission,
+                        CacheSalts(config.prefix_cache_scope), GrammarCompiler(), content_tokens, config.shutdown_timeout)
     started = int(time.time())
     keyed = bool(config.api_keys)
     metrics_need_key = keyed and config.metrics_need_key

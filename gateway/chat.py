@@ -30,10 +30,11 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     plan = req.tool_plan()
     tok = state.tokenizer
     if plan.active and tok.renders_tools:
-        text = tok.apply_chat_template(req.template_messages(), tools=plan.template_tools())
+        messages, tools = req.template_messages(), plan.template_tools()
     else:
-        text = tok.apply_chat_template(req.template_messages(plan))
-    prompt = await state.encode(text)
+        messages, tools = req.template_messages(plan), None
+    prompt = await state.encode_chat(lambda: tok.apply_chat_template(messages, tools=tools),
+                                     [m["content"] for m in messages])
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
     salt = state.cache_salt(request, req.cache_salt)

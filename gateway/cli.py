@@ -103,6 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         EngineConfig(**engine_kwargs(args)), keys, args.served_model_name, max_waiting=args.max_waiting,
         metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
+        special_tokens_in_content=args.special_tokens_in_content,
         shutdown_timeout=args.shutdown_timeout,
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
         allowed_hosts=default_allowed_hosts(args.host) if args.allowed_hosts is None else tuple(args.allowed_hosts),
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                      help="browser origins that may call the API, e.g. https://chat.example.com, or * for any "
                           "(default: http://localhost:* and http://127.0.0.1:*; the flag alone: none)")
+    srv.add_argument("--special-tokens-in-content", choices=["allow", "escape"], default="allow",
+                     help="special-token text in chat messages (e.g. <|im_start|>): allow = it becomes the special "
+                          "token (default, as vLLM and llama.cpp), escape = it stays text")
     srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                      help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
                           "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any")

@@ -26,7 +26,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     limits = state.engine_limits()
     grammar = await state.grammar(req)
-    prompts = [await state.encode(p, add_special_tokens=True) for p in req.prompts]
+    prompts = await state.encode_prompts(req.prompts)
     params = req.to_sampling_params(default_max_tokens=limits.max_model_len - max(len(p) for p in prompts),
                                     grammar=grammar)
     for ids in prompts:

@@ -7,6 +7,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import jinja2
 import msgspec
 from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect, Request
@@ -21,11 +22,12 @@ from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.generation import Generation
 from gateway.guards import is_json
 from gateway.metrics import Metrics
+from gateway.special_tokens import ContentTokens
 from gateway.structured import GrammarCompiler
 from gateway.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
 
 _json = msgspec.json.Encoder()
-THREADED_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop (tiktoken frees the GIL)
+THREADED_ENCODE_CHARS = 1 << 14  # a request with more text is tokenized off the event loop (tokenizers free the GIL)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class ServerState:
     admission: Admission
     salts: CacheSalts
     grammars: GrammarCompiler
+    content_tokens: ContentTokens | None  # how chat messages' special-token text is tokenized; None: no tokenizer
     drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
@@ -63,15 +66,27 @@ class ServerState:
             raise errors.service_unavailable("The engine is not available; retry shortly.", retry_after=1)
         return ready.limits
 
-    async def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
-        """Token ids of a prompt; add_special_tokens (a completions prompt): BOS first where the tokenizer asks."""
-        if isinstance(prompt, list):
-            return prompt
-        if self.tokenizer is None:
+    async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Completions prompts as token ids: text tokenized with BOS first where the tokenizer asks for it
+        (add_special_tokens), ids as they are."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts and self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send prompts as token ids", "prompt")
-        if len(prompt) > THREADED_ENCODE_CHARS:  # a huge prompt must not stall every other stream
-            return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
-        return self.tokenizer.encode(prompt, add_special_tokens)
+        return await _off_loop(lambda: [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=True)
+                                        for p in prompts], sum(map(len, texts)))
+
+    async def encode_chat(self, render: Callable[[], str], contents: list[str]) -> list[int]:
+        """The chat prompt `render()` makes, as token ids (only what the template writes); `contents` are its
+        messages' contents, for escaping."""
+
+        def work() -> list[int]:
+            try:
+                prompt = render()
+            except jinja2.TemplateError as e:  # a template's raise_exception(): it refuses these messages
+                raise InvalidRequestError(f"the model's chat template refused the messages: {e}", "messages") from None
+            return self.content_tokens.encode(prompt, contents)
+
+        return await _off_loop(work, sum(map(len, contents)))
 
     async def grammar(self, req) -> str | None:
         """The request's output grammar (None: unconstrained), compiled in the pool with every other schema it names
@@ -101,6 +116,13 @@ class ServerState:
 
     def sse(self, events: AsyncIterator[object], on_close: Callable[[], None]) -> Response:
         return sse(events, on_close, self.drain_timeout)
+
+
+async def _off_loop(work: Callable[[], list], chars: int) -> list:
+    """`work()` here, or in a thread when the request's text is long: a huge prompt must not stall other streams."""
+    if chars > THREADED_ENCODE_CHARS:
+        return await asyncio.to_thread(work)
+    return work()
 
 
 async def read_body(request: Request) -> bytes:
