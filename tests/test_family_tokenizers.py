@@ -65,3 +65,28 @@ def test_a_trained_tokenizer_encodes_like_tokenizers(style, tmp_path):
 def test_an_unsupported_pre_tokenizer_is_named():
     with pytest.raises(ValueError, match="unsupported pre-tokenizer \\['Metaspace'\\]"):
         hf_pretokenizer_pattern({"type": "Metaspace", "replacement": "▁"})
+
+
+def test_bos_as_the_post_processor_or_the_config_asks(tmp_path):
+    from tokenizers import processors
+
+    hf = train("llama3", tmp_path)
+    hf.add_special_tokens(["<|begin|>"])
+    hf.post_processor = processors.TemplateProcessing(single="<|begin|> $A", special_tokens=[
+        ("<|begin|>", hf.token_to_id("<|begin|>"))])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin|>", "eos_token": "<|end|>"}))
+    ours = load_tokenizer(tmp_path)
+    assert ours.add_bos_token and ours.bos_token == "<|begin|>"
+    for t in corpus(50, 2):
+        assert ours.encode(t, add_special_tokens=True) == hf.encode(t).ids  # Llama 3's <|begin_of_text|> first
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin|>", "add_bos_token": False}))
+    assert load_tokenizer(tmp_path).encode("hi", add_special_tokens=True) == ours.encode("hi")
+
+
+def test_gguf_pre_tokenizers():
+    from engine.model.tokenizer.byte_level import TEKKEN_PATTERN, gguf_pretokenizer_pattern
+
+    assert gguf_pretokenizer_pattern("tekken") == TEKKEN_PATTERN and gguf_pretokenizer_pattern("smollm") is None
+    with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'deepseek-llm': supported are gpt-2, "):
+        gguf_pretokenizer_pattern("deepseek-llm")

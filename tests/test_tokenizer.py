@@ -6,10 +6,10 @@ import random
 from pathlib import Path
 
 import pytest
+from tokenizer_texts import _GLUE, FRAGMENTS, _random_text
 
 from engine.model.model_files import ModelNotFoundError, default_model_path
 from engine.model.tokenizer import Tokenizer, load_tokenizer
-from tokenizer_texts import _GLUE, FRAGMENTS, _random_text
 
 # Bytes that no token of SmolLM2's vocabulary holds; the reference drops them.
 TOKENLESS_BYTES = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])

@@ -5,7 +5,12 @@ Imports without torch: the gateway tokenizes and detokenizes.
 """
 
 from engine.model.tokenizer.byte_level import (
-    GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, TEKKEN_PATTERN, ByteLevelBPE, bytes_to_unicode,
+    GPT2_PATTERN,
+    LLAMA3_PATTERN,
+    QWEN2_PATTERN,
+    TEKKEN_PATTERN,
+    ByteLevelBPE,
+    bytes_to_unicode,
     hf_pretokenizer_pattern,
 )
 from engine.model.tokenizer.loading import load_tokenizer, tokenizer_from_gguf

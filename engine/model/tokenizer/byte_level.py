@@ -4,6 +4,7 @@ Hugging Face `tokenizers` (or mistral-common, for Tekken) encodes."""
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 
 import regex
 import tiktoken
@@ -149,7 +150,7 @@ class ByteLevelBPE(Tokenizer):
         for t, i in added.items():
             tokens[i], types[i] = t, TOKEN_TYPE_CONTROL
         merged = [vocab["".join(m.split(" ", 1) if isinstance(m, str) else m)] for m in spec["model"].get("merges", [])]
-        if any(a >= b for a, b in zip(merged, merged[1:])):
+        if any(a >= b for a, b in pairwise(merged)):
             raise ValueError("token ids are not in merge order, so they cannot serve as BPE ranks")
         return cls.from_gpt2_tokens(tokens, types, pattern=hf_pretokenizer_pattern(spec.get("pre_tokenizer")), **kwargs)
 

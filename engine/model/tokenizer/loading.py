@@ -53,9 +53,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     tokens = field("tokenizer.ggml.tokens")
     types = [int(t) for t in field("tokenizer.ggml.token_type", [1] * len(tokens))]
     sentencepiece = model == "llama"
-    common = dict(bos_token_id=int(field("tokenizer.ggml.bos_token_id", 1 if sentencepiece else 0)),
-                  eos_token_id=int(field("tokenizer.ggml.eos_token_id", 2 if sentencepiece else 0)),
-                  chat_template=field("tokenizer.chat_template"))
+    common = {"bos_token_id": int(field("tokenizer.ggml.bos_token_id", 1 if sentencepiece else 0)),
+              "eos_token_id": int(field("tokenizer.ggml.eos_token_id", 2 if sentencepiece else 0)),
+              "chat_template": field("tokenizer.chat_template")}
     if model == "gpt2":
         return ByteLevelBPE.from_gpt2_tokens(
             tokens, types, add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
@@ -106,7 +106,7 @@ def _from_tokenizer_json(file: Path, config: TokenizerConfig) -> Tokenizer:
     add_bos = config.add_bos_token
     if add_bos is None:
         add_bos = _post_processor_adds(spec.get("post_processor"), _token_text(ids, bos))
-    common = dict(bos_token_id=bos, eos_token_id=eos, add_bos_token=add_bos, chat_template=config.chat_template)
+    common = {"bos_token_id": bos, "eos_token_id": eos, "add_bos_token": add_bos, "chat_template": config.chat_template}
     try:
         if sentencepiece:
             return SentencePieceBPE(Backend.from_file(str(file)), **common)

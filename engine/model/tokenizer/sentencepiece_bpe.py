@@ -129,9 +129,8 @@ def _check_decoder(decoder: dict | None) -> None:
     kinds = set()
     for step in steps:
         kind = (step or {}).get("type")
-        if kind == "Replace" and step.get("pattern") == {"String": _SPACE} and step.get("content") == " ":
-            kinds.add("space")
-        elif kind == "Metaspace" and step.get("replacement") == _SPACE:
+        if ((kind == "Replace" and step.get("pattern") == {"String": _SPACE} and step.get("content") == " ")
+                or (kind == "Metaspace" and step.get("replacement") == _SPACE)):
             kinds.add("space")
         elif kind == "Strip" and step.get("content") == " " and step.get("start", 0) <= 1 and not step.get("stop"):
             pass  # the leading space of a text's first word: decode() drops it, a continuation keeps it
