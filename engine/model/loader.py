@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from engine.core.config import DUMMY_SHAPES, ModelShape
-from engine.model.llama import RopeScaling
+from engine.model.decoder import RopeScaling
 from engine.model.model_files import ModelNotFoundError, default_model_path
 
 

@@ -10,7 +10,8 @@ from engine.core.config import EngineConfig, FaultPlan
 from engine.core.executor import Sampled
 from engine.core.request import Failure, Request
 from engine.core.scheduler import Batch
-from engine.model.llama import LlamaModel
+from engine.model.decoder import Decoder, Rotary
+from engine.model.families import model_class
 from engine.model.quantized import use_low_bit
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
@@ -22,12 +23,12 @@ from engine.runner.model_runner import ModelRunner
 
 
 def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None,
-                shard: TensorShard = TensorShard()) -> LlamaModel:
+                shard: TensorShard = TensorShard()) -> Decoder:
     """The model (or one stage's span of it, or one rank's shard) on the configured device and dtype, with the
     checkpoint's weights."""
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     with torch.device("meta"):
-        model = LlamaModel(ckpt.shape, max_position, span, shard)
+        model = model_class(ckpt.shape)(ckpt.shape, max_position, span, shard)
     # Allocate without torch's random init: every parameter is overwritten next.
     model = model.to_empty(device=device)
     model.materialize_buffers()
@@ -39,7 +40,8 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         use_low_bit(model, dtype, config.int4_max_rows)  # from the float32 weights, before the cast below
     for p in model.parameters():
         p.data = p.data.to(dtype)
-    model.rotary.to(dtype)  # its table is computed in float32, read in the compute dtype
+    for table in {m for m in model.modules() if isinstance(m, Rotary)}:
+        table.to(dtype)  # computed in float32, read in the compute dtype
     if can_pack(device, dtype):
         pack_linears(model)
     if can_fuse(device, dtype):

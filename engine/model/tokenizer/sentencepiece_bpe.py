@@ -95,7 +95,7 @@ class SentencePieceBPE(Tokenizer):
         # first byte piece <0x20> keeps its space, where HF's Strip would take it).
         out: list[str] = []
         run = bytearray()
-        strip, stripped = self._dummy_prefix, False
+        strip = self._dummy_prefix  # nothing written yet: the next "▁..." piece loses its "▁"
         for i in ids:
             byte = self._byte_values.get(i)
             if byte is not None:
@@ -104,15 +104,15 @@ class SentencePieceBPE(Tokenizer):
             if run:
                 out.append(_utf8_per_byte(run))
                 run.clear()
-            strip = strip and not stripped and not any(out)
+                strip = False
             if i in self.special_token_ids:
-                stripped = False
                 if not skip_special_tokens:
                     out.append(self._token_bytes[i].decode())
+                    strip = False
                 continue
             piece = self._token_bytes[i].decode()
-            stripped = strip and piece.startswith(" ")
-            out.append(piece[1:] if stripped else piece)
+            out.append(piece[1:] if strip and piece.startswith(" ") else piece)
+            strip = False
         if run:
             out.append(_utf8_per_byte(run))
         return "".join(out)
