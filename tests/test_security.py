@@ -33,6 +33,15 @@ def url(server_factory, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def server_log(url, tmp_path_factory):
+    """The text the module's server has logged so far (conftest's run_server writes it under the session's tmp)."""
+    from urllib.parse import urlparse
+
+    [path] = tmp_path_factory.getbasetemp().glob(f"servers[0-9]*/server-{urlparse(url).port}.log")
+    return lambda: path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
 def http(url):
     with httpx.Client(base_url=url, timeout=120) as c:
         yield c
@@ -138,13 +147,14 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("path, content, param", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
-def test_hostile_inputs_are_400s_in_openai_shape(http, path, content, param):
+def test_hostile_inputs_are_400s_in_openai_shape(http, server_log, path, content, param):
     r = http.post(path, content=content, headers={**auth(KEY_A), "Content-Type": "application/json"})
     assert r.status_code == 400, r.text[:500]
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param, err
     assert http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1}, headers=auth(KEY_A)).status_code == 200
+    assert "Traceback" not in server_log()
 
 
 # ---------------------------------------------------------------- DNS rebinding and cross-site posts
