@@ -79,10 +79,10 @@ def test_compiled_segments_match_the_eager_ones_and_write_the_cache_in_place(com
     with torch.inference_mode():  # as the runners call them: grad mode is part of what Dynamo guards on
         for segments in (EAGER, compiled_segments):
             x, q, c = torch.zeros(n, s.hidden_size), torch.zeros(n, s.num_heads, s.head_dim), cache.clone()
-            segments.enter(model.embed_tokens, layers[0], model.rotary, ids, positions, c, slots, x, q)
-            segments.between(layers[0], layers[1], model.rotary, x, attn, positions, c, slots, q)
+            segments.enter(model, layers[0], ids, positions, c, slots, x, q)
+            segments.between(layers[0], layers[1], x, attn, positions, c, slots, q)
             results.append((x.clone(), q.clone(), c))
-            segments.leave(layers[-1], model.norm, x, attn)
+            segments.leave(model, layers[-1], x, attn)
             results[-1] += (x,)
     for want, got in zip(*results):
         torch.testing.assert_close(got, want, **TOLERANCE)

@@ -142,7 +142,7 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
 
 @pytest.mark.parametrize("case", ["qwen2 untied", "qwen2 tied", "llama 3.1 (scaled rope)"])
 def test_a_gguf_of_the_family_matches_transformers(case, tmp_path):
-    from engine.model.llama import RopeScaling
+    from engine.model.decoder import RopeScaling
 
     kind, extra = CASES[case]
     hf = build(kind, tmp_path / "hf", **extra)

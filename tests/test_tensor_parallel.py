@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.parallel import pipeline
 from engine.parallel.frames import StageBatch
 from engine.core.config import DUMMY_SHAPES, ModelShape
-from engine.model.llama import LlamaModel
+from engine.model.families.llama import LlamaModel
 from engine.model.sharding import TensorParallelError, TensorShard, check_splittable
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

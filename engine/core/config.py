@@ -8,8 +8,9 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Dimensions of a Llama-architecture decoder, and the small ways its families differ."""
+    """Dimensions of a decoder, and the small ways its families differ."""
 
+    family: str = "llama"  # the engine/model/families module that builds it (its registry key)
     vocab_size: int = 49152  # rows of the embedding and the LM head
     hidden_size: int = 576  # width of the residual stream
     intermediate_size: int = 1536  # width of the SwiGLU MLP

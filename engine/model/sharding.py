@@ -3,7 +3,7 @@
 Q/K/V and gate/up are split by output rows (column-parallel: each rank computes its own heads and its share of
 the MLP), the output and down projections by input columns (row-parallel: partial sums, one all-reduce each),
 the embedding and LM head by vocabulary rows. KV heads, and so every KV block, are split with the query heads.
-A rank's model is an ordinary LlamaModel of the local shape; these are the only places it talks to its peers.
+A rank's model is an ordinary Decoder of the local shape; these are the only places it talks to its peers.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.model.llama import LlamaModel
+from engine.model.decoder import Decoder
 from engine.runner.token_segments import EAGER, Segments
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def memory_in_use(device: torch.device) -> int:
 class CudaGraphRunner:
     """Replays the captured segments of the bucket that fits a batch; larger batches return None (run eager)."""
 
-    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], max_tokens: int, scratch_block: int,
+    def __init__(self, model: Decoder, kv_caches: list[torch.Tensor], max_tokens: int, scratch_block: int,
                  device: torch.device, dtype: torch.dtype, capture=None, segments: Segments = EAGER):
         self.model, self.kv_caches, self.segments = model, kv_caches, segments
         self.buckets = graph_buckets(max_tokens)
@@ -126,16 +126,16 @@ class CudaGraphRunner:
     def _capture_bucket(self, n: int) -> list[Callable[[], None]]:
         model, layers, caches, seg = self.model, self.model.layers, self.kv_caches, self.segments
         ids, pos, slots = self.input_ids[:n], self.positions[:n], self.slot_mapping[:n]
-        x, q, attn, rotary = self.x[:n], self.q[:n], self.attn_out[:n], model.rotary
+        x, q, attn = self.x[:n], self.q[:n], self.attn_out[:n]
 
         def first() -> None:
-            seg.enter(model.embed_tokens, layers[0], rotary, ids, pos, caches[0], slots, x, q)
+            seg.enter(model, layers[0], ids, pos, caches[0], slots, x, q)
 
         def between(i: int) -> Callable[[], None]:
-            return lambda: seg.between(layers[i - 1], layers[i], rotary, x, attn, pos, caches[i], slots, q)
+            return lambda: seg.between(layers[i - 1], layers[i], x, attn, pos, caches[i], slots, q)
 
         def last() -> None:
-            seg.leave(layers[-1], model.norm, x, attn)
+            seg.leave(model, layers[-1], x, attn)
 
         return [self.capture(f) for f in [first, *(between(i) for i in range(1, len(layers))), last]]
 
@@ -150,7 +150,7 @@ class CudaGraphRunner:
         attention: AttentionBackend,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor | None:
-        """Logits like LlamaModel.forward, or None when no bucket holds the batch."""
+        """Logits like Decoder.forward, or None when no bucket holds the batch."""
         t = input_ids.shape[0]
         bucket = self.bucket_for(t)
         if bucket is None:
@@ -164,4 +164,4 @@ class CudaGraphRunner:
             replay()
             self.attn_out[:t].copy_(attention.forward(self.q[:t], kv_cache, meta, layer.attn_params))
         replays[-1]()
-        return self.model.lm_head(self.x[logits_indices]).float()
+        return self.model.logits(self.x[logits_indices])

@@ -20,7 +20,7 @@ import time
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.model.llama import LlamaModel
+from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import bucket_for, graph_buckets, make_capture, memory_in_use
 from engine.runner.token_segments import EAGER, Segments
 
@@ -32,7 +32,7 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Decoder,
         kv_caches: list[torch.Tensor],
         attention: AttentionBackend,
         max_seqs: int,
@@ -91,16 +91,14 @@ class DecodeGraphRunner:
         )
         ids, pos, slots, logits = self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.logits[:n]
         x, q, layers, caches, seg = self.x[:n], self.q[:n], model.layers, self.kv_caches, self.segments
-        rotary = model.rotary
 
         def step() -> None:
-            seg.enter(model.embed_tokens, layers[0], rotary, ids, pos, caches[0], slots, x, q)
+            seg.enter(model, layers[0], ids, pos, caches[0], slots, x, q)
             for i in range(1, len(layers)):
                 attn = self.attention.forward_decode(q, caches[i - 1], meta, layers[i - 1].attn_params)
-                seg.between(layers[i - 1], layers[i], rotary, x, attn, pos, caches[i], slots, q)
-            seg.leave(layers[-1], model.norm, x,
-                      self.attention.forward_decode(q, caches[-1], meta, layers[-1].attn_params))
-            logits.copy_(model.lm_head(x).float())
+                seg.between(layers[i - 1], layers[i], x, attn, pos, caches[i], slots, q)
+            seg.leave(model, layers[-1], x, self.attention.forward_decode(q, caches[-1], meta, layers[-1].attn_params))
+            logits.copy_(model.logits(x))
 
         return step
 

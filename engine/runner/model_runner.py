@@ -9,7 +9,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.attention.selector import make_backend
 from engine.core.config import EngineConfig
 from engine.core.scheduler import PLACEHOLDER, Batch
-from engine.model.llama import LlamaModel
+from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.decode_graphs import DecodeGraphRunner
 from engine.runner.device import num_kv_blocks
@@ -73,7 +73,7 @@ class ModelRunner:
     block padded graph rows write to; the scheduler never hands it out.
     """
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int | None, max_model_len: int):
+    def __init__(self, config: EngineConfig, model: Decoder, num_blocks: int | None, max_model_len: int):
         self.config = config
         self.model = model
         self.device = torch.device(config.device)

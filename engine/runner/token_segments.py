@@ -23,28 +23,28 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.model.llama import DecoderLayer, LlamaModel, Rotary
+from engine.model.decoder import Decoder, DecoderLayer
 
 log = logging.getLogger(__name__)
 
 
-def enter(embed: nn.Embedding, layer: DecoderLayer, rotary: Rotary, ids: torch.Tensor, positions: torch.Tensor,
-          kv_cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor, q: torch.Tensor) -> None:
+def enter(model: Decoder, layer: DecoderLayer, ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+          slot_mapping: torch.Tensor, x: torch.Tensor, q: torch.Tensor) -> None:
     """The embedding, then the first layer's pre-attention half: x <- embed(ids), q <- its queries."""
-    x.copy_(embed(ids))
-    q.copy_(layer.pre_attention(x, positions, rotary, kv_cache, slot_mapping))
+    x.copy_(model.embed(ids))
+    q.copy_(layer.pre_attention(x, positions, kv_cache, slot_mapping))
 
 
-def between(prev: DecoderLayer, layer: DecoderLayer, rotary: Rotary, x: torch.Tensor, attn: torch.Tensor,
-            positions: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q: torch.Tensor) -> None:
+def between(prev: DecoderLayer, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor,
+            kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q: torch.Tensor) -> None:
     """prev's post-attention half, then layer's pre-attention half (its residual add and norm fuse with it)."""
     x.copy_(prev.post_attention(x, attn))
-    q.copy_(layer.pre_attention(x, positions, rotary, kv_cache, slot_mapping))
+    q.copy_(layer.pre_attention(x, positions, kv_cache, slot_mapping))
 
 
-def leave(layer: DecoderLayer, norm: nn.Module, x: torch.Tensor, attn: torch.Tensor) -> None:
+def leave(model: Decoder, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor) -> None:
     """The last layer's post-attention half and the final norm: x <- what the LM head reads."""
-    x.copy_(norm(layer.post_attention(x, attn)))
+    x.copy_(model.final_norm(layer.post_attention(x, attn)))
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _unbacked(t: torch.Tensor) -> torch.Tensor:
     return own
 
 
-def compile_segments(model: LlamaModel, kv_cache: torch.Tensor, scratch_slot: int, backend="inductor") -> Segments:
+def compile_segments(model: Decoder, kv_cache: torch.Tensor, scratch_slot: int, backend="inductor") -> Segments:
     """The compiled segments, each run once on two tokens whose K/V go to `scratch_slot` (compiling happens there,
     before any capture: a compiler must not run, nor Triton autotune, inside a CUDA graph capture)."""
     segments = Segments(*(Compiled(f, backend) for f in (enter, between, leave)))
@@ -94,15 +94,15 @@ def compile_segments(model: LlamaModel, kv_cache: torch.Tensor, scratch_slot: in
     slots = torch.full((2,), scratch_slot, dtype=torch.int64, device=device)
     start = time.perf_counter()
     with torch.inference_mode():  # as the captures run: grad mode is part of what Dynamo guards on
-        segments.enter(model.embed_tokens, layers[0], model.rotary, ids, ids, kv_cache, slots, x, q)
+        segments.enter(model, layers[0], ids, ids, kv_cache, slots, x, q)
         if len(layers) > 1:
-            segments.between(layers[0], layers[1], model.rotary, x, attn, ids, kv_cache, slots, q)
-        segments.leave(layers[-1], model.norm, x, attn)
+            segments.between(layers[0], layers[1], x, attn, ids, kv_cache, slots, q)
+        segments.leave(model, layers[-1], x, attn)
     log.info("compiled the token-wise segments (torch.compile, Inductor) in %.1f s", time.perf_counter() - start)
     return segments
 
 
-def pick_segments(mode: str, use_graphs: bool, model: LlamaModel, kv_caches: list[torch.Tensor], scratch_block: int,
+def pick_segments(mode: str, use_graphs: bool, model: Decoder, kv_caches: list[torch.Tensor], scratch_block: int,
                   backend="inductor") -> Segments:
     """EngineConfig.compile: "auto" compiles where graphs run and falls back to eager ops (with a warning) if
     compiling fails, so the server still starts; "on" raises instead, and where no graphs run; "off" never compiles."""

@@ -1,0 +1,18 @@
+"""Model families: one module each (a `Decoder` subclass and its layer), and the registry that picks one.
+
+A new family is its module and one line here; the runner, the graph runners, sharding and the pipeline stages
+know models only through `engine.model.decoder`.
+"""
+
+from __future__ import annotations
+
+from engine.core.config import ModelShape
+from engine.model.decoder import Decoder
+from engine.model.families.llama import LlamaModel
+
+# ModelShape.family -> the class that builds it.
+FAMILIES: dict[str, type[Decoder]] = {"llama": LlamaModel}
+
+
+def model_class(shape: ModelShape) -> type[Decoder]:
+    return FAMILIES[shape.family]
