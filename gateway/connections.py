@@ -1,7 +1,7 @@
 """Slow and idle clients, at the connection: uvicorn's h11 protocol with three deadlines and a cap.
 
-- A request's head (request line and headers) must arrive within `header_timeout` seconds of the connection
-  opening or of the previous response ending, or the connection is closed (with a 408 if part of a head came): a
+- A request's head (request line and headers) must arrive within `header_timeout` seconds (up to a quarter
+  more, spread at random) of the connection opening or of the previous response ending, or the connection is closed (with a 408 if part of a head came): a
   slowloris client that sends a header byte now and then holds nothing for long.
 - A connection whose client reads nothing for `send_timeout` seconds while a response waits to be written (the
   socket's buffers are full) is dropped; the app sees a disconnect, so a stream's requests are aborted and what
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import resource
 
 import msgspec
@@ -26,6 +27,7 @@ log = logging.getLogger("uvicorn.error")
 FD_TARGET = 65536  # the soft limit on open files is raised toward this (within the hard limit), as vLLM does
 FD_RESERVE = 256  # descriptors kept for everything but client connections (engine channels, logs, libraries)
 DEFAULT_MAX_CONNECTIONS = 4096
+HEAD_DEADLINE_SPREAD = 0.25  # each connection's head deadline falls at random in [timeout, 1.25 x timeout]
 
 
 def _response(status: str, code: str, message: str, extra: str = "") -> bytes:
@@ -119,7 +121,10 @@ def guarded_h11(max_connections: int, header_timeout: float, send_timeout: float
         def _await_head(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(header_timeout, self._head_deadline, self.cycle)
+            # Up to a quarter later, at random: a thousand connections opened at once are not all closed (and
+            # reopened) in one turn of the event loop, which would hold up everyone else's responses.
+            deadline = header_timeout * random.uniform(1.0, 1.0 + HEAD_DEADLINE_SPREAD)
+            self._head_timer = self.loop.call_later(deadline, self._head_deadline, self.cycle)
 
         def _head_deadline(self, cycle) -> None:
             # A new request head makes a new cycle: the same one, answered (or none), means no head came in time.

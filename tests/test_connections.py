@@ -98,8 +98,7 @@ def test_a_client_that_reads_nothing_for_the_send_timeout_is_dropped():
         stuck.pause_writing()  # the socket's buffers are full: the client is not reading
         slow, slow_t = connect(factory)
         slow.pause_writing()
-        await asyncio.sleep(0.01)
-        slow.resume_writing()  # it read in time
+        slow.resume_writing()  # it read in time (at once: no timing to race)
         await asyncio.sleep(0.3)
         return stuck_t, slow_t
 
