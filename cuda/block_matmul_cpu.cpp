@@ -31,7 +31,7 @@ typedef float v16 __attribute__((vector_size(64)));
 
 constexpr int kLanes = 16;
 constexpr int kTileN = 4;  // outputs per register tile
-constexpr int kTileM = 6;  // rows per register tile: 24 accumulators, 4 weight vectors and a row of x fill 29 of 32 registers
+constexpr int kTileM = 6;  // rows per register tile: 24 accumulators, 4 weights and a row of x: 29 of 32 registers
 constexpr int kDirectRows = 8;  // up to this many rows a 32-weight block is decoded into registers where it is used
 constexpr int64_t kPanelBytes = 128 * 1024;  // a panel of decoded weights (float32) is sized to stay in L2
 
@@ -45,7 +45,8 @@ inline v16 load16(const float* p) {
 inline float hsum(v16 v) {
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   float c0 = b[0] + b[2], c1 = b[1] + b[3];
   return c0 + c1;
@@ -398,55 +399,56 @@ inline void direct_rows(int64_t rows, const float* x, int64_t ldx, const uint8_t
   direct_tile<B, R, NB>(x, ldx, blocks, row_bytes, k, out, ldo);
 }
 
-// NB outputs at a time (a register tile of up to R rows x NB outputs, their weights' two halves beside it).
-template <typename B, int NB, int R, typename T>
-void direct(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, T* out, int64_t ldo) {
-  const int64_t row_bytes = k / B::kSize * B::kBytes;
-  at::parallel_for(0, (n + NB - 1) / NB, 64 / NB, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * NB;
-      const uint8_t* src = blocks + n0 * row_bytes;
-      // The tile reads its rows side by side, block by block, which the prefetchers follow poorly: ask for the rows
-      // 16 ahead (~6-10 KB: far enough to hide a read from memory behind the tiles between).
-      if (t + 16 / NB < end)
-        for (int64_t off = 0; off < NB * row_bytes; off += 64) __builtin_prefetch(src + 16 * row_bytes + off);
-      const int64_t cols = std::min<int64_t>(NB, n - n0);
-      if (cols == NB) direct_rows<B, NB, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
-      else if (cols == 1) direct_rows<B, 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
-      else if (cols == 2) direct_rows<B, 2 < NB ? 2 : 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
-      else direct_rows<B, 3 < NB ? 3 : 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
-    }
-  });
-}
-
-// Many rows (or a K-quant): each task decodes a panel of outputs once, as many as fit in L2, then runs every row
-// tile over it.
-template <typename B, typename T>
-void panels(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, T* out, int64_t ldo) {
-  const int64_t row_bytes = k / B::kSize * B::kBytes;
-  const int64_t panel = std::max<int64_t>(kTileN, kPanelBytes / (k * 4) / kTileN * kTileN);
-  at::parallel_for(0, (n + panel - 1) / panel, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(panel * k + kLanes);
-    float* w = buffer.data() + (-reinterpret_cast<intptr_t>(buffer.data()) / 4 & (kLanes - 1));  // 64-byte aligned
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t p0 = p * panel, width = std::min(panel, n - p0);
-      const uint8_t* src = blocks + p0 * row_bytes;
-      for (int64_t b = 0; b < width * (k / B::kSize); ++b) decode<B>(src + b * B::kBytes, w + b * B::kSize);
-      for (int64_t r0 = 0; r0 < m; r0 += kTileM)
-        for (int64_t c0 = 0; c0 < width; c0 += kTileN)
-          tile_any(std::min<int64_t>(kTileM, m - r0), std::min<int64_t>(kTileN, width - c0), x + r0 * k, k,
-                   w + c0 * k, k, out + r0 * ldo + p0 + c0, ldo);
-    }
-  });
-}
-
-template <typename B, typename T>
-void matmul(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, T* out, int64_t ldo) {
+// Outputs per unit of work: a register tile's width where blocks decode into registers (4 outputs for up to 4 rows, 2
+// for up to 8), else a panel of decoded weights sized for L2.
+template <typename B>
+int64_t unit_outputs(int64_t m, int64_t k) {
   if constexpr (B::kRegs) {
-    if (m <= 4) return direct<B, 4, 4>(x, m, k, blocks, n, out, ldo);
-    if (m <= kDirectRows) return direct<B, 2, kDirectRows>(x, m, k, blocks, n, out, ldo);
+    if (m <= 4) return 4;
+    if (m <= kDirectRows) return 2;
   }
-  panels<B>(x, m, k, blocks, n, out, ldo);
+  return std::max<int64_t>(kTileN, kPanelBytes / (k * 4) / kTileN * kTileN);
+}
+
+// NB outputs of a few rows, from registers.
+template <typename B, int NB, int R, typename T>
+void direct_unit(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, int64_t n0, T* out,
+                 int64_t ldo) {
+  const int64_t row_bytes = k / B::kSize * B::kBytes;
+  const uint8_t* src = blocks + n0 * row_bytes;
+  // A tile reads its rows side by side, block by block, which the prefetchers follow poorly: ask for the rows 16
+  // ahead (~6-10 KB: far enough to hide a read from memory behind the tiles between).
+  if (n0 + 16 + NB <= n)
+    for (int64_t off = 0; off < NB * row_bytes; off += 64) __builtin_prefetch(src + 16 * row_bytes + off);
+  const int64_t cols = std::min<int64_t>(NB, n - n0);
+  if (cols == NB) direct_rows<B, NB, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+  else if (cols == 1) direct_rows<B, 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+  else if (cols == 2) direct_rows<B, 2 < NB ? 2 : 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+  else direct_rows<B, 3 < NB ? 3 : 1, T, R>(m, x, k, src, row_bytes, k, out + n0, ldo);
+}
+
+// A panel of outputs decoded once into `w` (64-byte aligned, room for the panel), then every row tile over it.
+template <typename B, typename T>
+void panel_unit(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, int64_t p0, int64_t panel,
+                float* w, T* out, int64_t ldo) {
+  const int64_t row_bytes = k / B::kSize * B::kBytes, width = std::min(panel, n - p0);
+  const uint8_t* src = blocks + p0 * row_bytes;
+  for (int64_t b = 0; b < width * (k / B::kSize); ++b) decode<B>(src + b * B::kBytes, w + b * B::kSize);
+  for (int64_t r0 = 0; r0 < m; r0 += kTileM)
+    for (int64_t c0 = 0; c0 < width; c0 += kTileN)
+      tile_any(std::min<int64_t>(kTileM, m - r0), std::min<int64_t>(kTileN, width - c0), x + r0 * k, k, w + c0 * k,
+               k, out + r0 * ldo + p0 + c0, ldo);
+}
+
+template <typename B, typename T>
+void run_unit(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, int64_t unit, float* w, T* out,
+              int64_t ldo) {
+  const int64_t width = unit_outputs<B>(m, k);
+  if constexpr (B::kRegs) {
+    if (m <= 4) return direct_unit<B, 4, 4>(x, m, k, blocks, n, unit * width, out, ldo);
+    if (m <= kDirectRows) return direct_unit<B, 2, kDirectRows>(x, m, k, blocks, n, unit * width, out, ldo);
+  }
+  panel_unit<B>(x, m, k, blocks, n, unit * width, width, w, out, ldo);
 }
 
 // ggml's type ids (gguf.GGMLQuantizationType) of the block formats decoded here.
@@ -470,6 +472,44 @@ void dispatch(int64_t type, Fn fn) {
   }
 }
 
+// A layer's weight as one or more parts (a fused Q/K/V's three tensors, each in its own type): their rows stack.
+struct Part {
+  const uint8_t* blocks;
+  int64_t type, rows, col;  // ggml type, outputs, and the first output column it writes
+};
+
+// Below this many multiply-adds a call runs on the calling thread: a parallel region costs a thread wake-up, which
+// on a busy machine is a scheduler tick, not microseconds.
+constexpr int64_t kParallelMacs = 1 << 16;
+
+template <typename T>
+void run_parts(const float* x, int64_t m, int64_t k, const std::vector<Part>& parts, T* out, int64_t ldo) {
+  std::vector<int64_t> first(parts.size() + 1, 0);  // each part's first unit of work
+  int64_t panel_floats = 0, outputs = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    dispatch(parts[i].type, [&](auto block) {
+      const int64_t width = unit_outputs<decltype(block)>(m, k);
+      first[i + 1] = first[i] + (parts[i].rows + width - 1) / width;
+      if (width > 4) panel_floats = std::max(panel_floats, width * k);
+    });
+    outputs += parts[i].rows;
+  }
+  const int64_t units = first.back();
+  const int64_t grain = std::max<int64_t>(1, kParallelMacs * units / std::max<int64_t>(1, m * k * outputs));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(panel_floats ? panel_floats + kLanes : 0);
+    float* w = buffer.data() + (-reinterpret_cast<intptr_t>(buffer.data()) / 4 & (kLanes - 1));  // 64-byte aligned
+    size_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t u = begin; u < end; ++u) {
+      while (u >= first[i + 1]) ++i;
+      const Part& p = parts[i];
+      dispatch(p.type, [&](auto block) {
+        run_unit<decltype(block)>(x, m, k, p.blocks, p.rows, u - first[i], w, out + p.col, ldo);
+      });
+    }
+  });
+}
+
 template <typename B>
 void check_blocks(const torch::Tensor& blocks, int64_t k) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte,
@@ -481,25 +521,29 @@ void check_blocks(const torch::Tensor& blocks, int64_t k) {
 
 }  // namespace
 
-// out[:, :N] = x @ W^T for W in `blocks` (ggml type `type`); out may be a column slice of a wider tensor.
-void block_matmul_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch::Tensor out) {
+// out = x @ W^T for W the parts' rows stacked (blocks[i] of ggml type types[i]), summed in float32.
+void block_matmul_out(torch::Tensor x, std::vector<torch::Tensor> blocks, std::vector<int64_t> types,
+                      torch::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 [rows, K] tensor");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == blocks.size(0) && out.stride(1) == 1 &&
+  TORCH_CHECK(blocks.size() == types.size() && !blocks.empty(), "one type per part, and at least one part");
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<Part> parts;
+  int64_t n = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    dispatch(types[i], [&](auto block) { check_blocks<decltype(block)>(blocks[i], k); });
+    parts.push_back({blocks[i].data_ptr<uint8_t>(), types[i], blocks[i].size(0), n});
+    n += blocks[i].size(0);
+  }
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1 && out.stride(0) >= n &&
               out.scalar_type() == x.scalar_type(), "out must be [rows, N] of x's dtype with unit column stride");
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
   if (m == 0 || n == 0) return;
   // bfloat16 inputs widen exactly; float32 ones are read in place.
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
-  dispatch(type, [&](auto block) {
-    using B = decltype(block);
-    check_blocks<B>(blocks, k);
-    const uint8_t* b = blocks.data_ptr<uint8_t>();
-    if (out.scalar_type() == at::kFloat)
-      matmul<B>(xf.data_ptr<float>(), m, k, b, n, out.data_ptr<float>(), out.stride(0));
-    else
-      matmul<B>(xf.data_ptr<float>(), m, k, b, n, out.data_ptr<at::BFloat16>(), out.stride(0));
-  });
+  if (out.scalar_type() == at::kFloat)
+    run_parts(xf.data_ptr<float>(), m, k, parts, out.data_ptr<float>(), out.stride(0));
+  else
+    run_parts(xf.data_ptr<float>(), m, k, parts, out.data_ptr<at::BFloat16>(), out.stride(0));
 }
 
 // The weights the blocks hold, [N, K] float32: gguf's dequantization, bit for bit.
@@ -520,6 +564,6 @@ torch::Tensor block_dequantize(torch::Tensor blocks, int64_t type, int64_t k) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_matmul_out", &block_matmul_out, "out = x @ W^T with W as GGUF blocks (CPU, float32 sums)");
+  m.def("block_matmul_out", &block_matmul_out, "out = x @ W^T with W as GGUF blocks in parts (CPU, float32 sums)");
   m.def("block_dequantize", &block_dequantize, "GGUF blocks -> float32 weights (CPU)");
 }

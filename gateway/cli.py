@@ -15,9 +15,9 @@ from engine.core.config import EngineConfig, FaultPlan
 _ENGINE_FLAGS = {
     "model": dict(default=None, help="GGUF file, HF checkpoint dir, or dummy:NAME (default: bundled SmolLM2-135M)"),
     "device": dict(help="cuda|cpu (default: cuda when torch sees a GPU, else cpu)"),
-    "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations (default: bfloat16; float32 is exact but slower)"),
-    "weights": dict(choices=["auto", "dense", "int4"], help="int4: 4-bit copies of the projections for small batches, CPU bfloat16 only (default: int4 for a Q4_1 model there)"),
-    "int4_max_rows": dict(type=int, help="batches of up to this many rows use the int4 weights (default 16)"),
+    "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="activations (default: bfloat16 on a GPU, float32 on the CPU)"),
+    "weights": dict(choices=["auto", "dense", "gguf"], help="gguf: multiply by the GGUF file's quantized blocks as stored, CPU only (default: gguf on the CPU where the file has them)"),
+    "batch_invariant": dict(action="store_true", help="a request's tokens do not depend on the rest of the batch (CPU only)"),
     "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
     "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),
     "cuda_graph_max_tokens": dict(type=int, help="largest token bucket of the piecewise CUDA graphs (default: min(token budget, 512))"),

@@ -1,13 +1,13 @@
 """Decode tokens/s of Orcinus vs transformers `generate` (static padded batch) on the same weights and dtype.
 
 Both systems run the same prompts at each batch size, interleaved and repeated; decode time is
-(time for N tokens) - (time for 1 token), so prefill is excluded for both. Reports medians. In bfloat16,
-Orcinus runs twice: with its defaults (4-bit copies of the Q4_1 projections for small batches) and with
-`weights="dense"` (bfloat16 weights, as transformers reads them). `--compare-unfused` adds Orcinus's defaults
-with PyTorch's RMSNorm and SiLU-and-multiply in place of the fused C++ token ops, `--compare-bf16-head` its defaults
-with the bfloat16 LM head at every batch size (no 8-bit copy), each for an A/B in one run.
+(time for N tokens) - (time for 1 token), so prefill is excluded for both. Reports medians. Orcinus runs with
+its defaults in the given dtype (on the CPU: the GGUF's own blocks); in bfloat16 also with `weights="dense"`
+(bfloat16 weights, as transformers reads them). `--compare-unfused` adds Orcinus's defaults with PyTorch's RMSNorm
+and SiLU-and-multiply in place of the fused C++ token ops, `--compare-batch-invariant` its defaults with
+`batch_invariant=True`, each for an A/B in one run.
 
-    .venv/bin/python loadtest/bench_offline.py --dtype bfloat16 --out benchmarks/offline_cpu.json
+    .venv/bin/python loadtest/bench_offline.py --out benchmarks/offline_cpu.json
 """
 
 from __future__ import annotations
@@ -92,19 +92,24 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both systems' dtype")
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="both systems' dtype")
     ap.add_argument("--compare-unfused", action="store_true", help="also run without the fused CPU token ops")
-    ap.add_argument("--compare-bf16-head", action="store_true", help="also run without the 8-bit LM head")
+    ap.add_argument("--compare-batch-invariant", action="store_true", help="also run with batch_invariant=True")
+    ap.add_argument("--no-transformers", action="store_true", help="Orcinus's runs only (ratios to the first)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default="benchmarks/offline_cpu.json")
     args = ap.parse_args()
-
-    from transformers import AutoModelForCausalLM
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     ckpt = load_checkpoint(None)
     llm = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
     path = default_model_path()
     dtype = getattr(torch, args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
     pad_id = ckpt.tokenizer.eos_token_id
 
     runners = {"orcinus": lambda p, n: time_orcinus(llm, p, n)}
@@ -114,11 +119,11 @@ def main() -> None:
     if args.compare_unfused:
         unfused = unfused_llm(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
         runners["orcinus-unfused"] = lambda p, n: time_orcinus(unfused, p, n)
-    if args.compare_bf16_head:
-        bf16_head = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
-        bf16_head.engine.model.lm_head.max_rows = 0  # every batch through the dense bfloat16 head
-        runners["orcinus-bf16-head"] = lambda p, n: time_orcinus(bf16_head, p, n)
-    runners["transformers"] = lambda p, n: time_transformers(hf, p, n, pad_id)
+    if args.compare_batch_invariant:
+        invariant = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype, batch_invariant=True)
+        runners["orcinus-batch-invariant"] = lambda p, n: time_orcinus(invariant, p, n)
+    if not args.no_transformers:
+        runners["transformers"] = lambda p, n: time_transformers(hf, p, n, pad_id)
     results = {}
     for batch in args.batches:
         prompts = prompts_for(ckpt.tokenizer, batch)
@@ -130,8 +135,9 @@ def main() -> None:
                 full, first = run(prompts, args.tokens), run(prompts, 1)
                 samples[name].append(batch * (args.tokens - 1) / max(full - first, 1e-9))
         med = {name: statistics.median(v) for name, v in samples.items()}
-        results[batch] = {"samples_tok_s": samples, "median_tok_s": med, "ratio": med["orcinus"] / med["transformers"]}
-        results[batch]["ratios"] = {name: med[name] / med["transformers"] for name in med}
+        base = "orcinus" if args.no_transformers else "transformers"
+        results[batch] = {"samples_tok_s": samples, "median_tok_s": med, "ratio": med["orcinus"] / med[base]}
+        results[batch]["ratios"] = {name: med[name] / med[base] for name in med}
         print(f"batch {batch:>3}: " + "  ".join(f"{name} {v:7.1f} tok/s" for name, v in med.items())
               + "  ratios " + " ".join(f"{r:.2f}x" for r in results[batch]["ratios"].values()), flush=True)
 

@@ -26,11 +26,11 @@ def test_auto_picks_the_gpu_in_bfloat16_when_torch_sees_one(monkeypatch):
     assert (config.device, config.dtype, config.max_num_batched_tokens) == ("cuda", "bfloat16", 2048)
 
 
-def test_auto_falls_back_to_cpu_in_bfloat16(monkeypatch):
+def test_auto_falls_back_to_cpu_in_float32(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = resolve_device(EngineConfig())
     # a smaller token budget on the CPU: every stream waits for the whole step there
-    assert (config.device, config.dtype, config.max_num_batched_tokens) == ("cpu", "bfloat16", 512)
+    assert (config.device, config.dtype, config.max_num_batched_tokens) == ("cpu", "float32", 512)
     assert resolve_device(EngineConfig(max_num_batched_tokens=1024)).max_num_batched_tokens == 1024
 
 
@@ -120,5 +120,5 @@ def test_cli_prefix_caching_and_weights_flags():
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     assert engine_kwargs(p.parse_args(["--no-prefix-caching"])) == {"prefix_caching": False}
-    assert engine_kwargs(p.parse_args(["--weights", "dense", "--int4-max-rows", "8"])) == {"weights": "dense",
-                                                                                         "int4_max_rows": 8}
+    assert engine_kwargs(p.parse_args(["--weights", "dense", "--batch-invariant"])) == {"weights": "dense",
+                                                                                      "batch_invariant": True}

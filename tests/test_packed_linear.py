@@ -1,5 +1,5 @@
 """oneDNN-packed projections (engine/model/packed_linear.py): bit-identical to F.linear at every row count, swapped
-in for every linear layer of a bfloat16 CPU model (the int4 layers' dense fallbacks too), and only there."""
+in for every dense linear layer of a bfloat16 CPU model, and only there."""
 
 import pytest
 import torch
@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import LLM
-from engine.model.quantized import Int4Linear
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 
 
@@ -30,17 +29,12 @@ def test_packed_is_bit_identical_to_f_linear(rows, threads):
 
 def test_pack_linears_swaps_every_linear_and_keeps_ties():
     model = nn.ModuleDict({"embed": nn.Embedding(50, 64), "proj": nn.Linear(64, 64, bias=False),
-                           "biased": nn.Linear(64, 64),
-                           "int4": Int4Linear(torch.randn(32, 64), torch.bfloat16, max_rows=4),
-                           "head": nn.Linear(64, 50, bias=False)}).bfloat16()
+                           "biased": nn.Linear(64, 64), "head": nn.Linear(64, 50, bias=False)}).bfloat16()
     model["head"].weight = model["embed"].weight
     pack_linears(model)
     assert isinstance(model["proj"], PackedLinear) and isinstance(model["head"], PackedLinear)
     assert type(model["biased"]) is nn.Linear  # a fused bias would round differently
-    assert isinstance(model["int4"], Int4Linear) and isinstance(model["int4"].dense, PackedLinear)
     assert model["head"].weight is model["embed"].weight
-    x = torch.randn(9, 64).bfloat16()  # > max_rows: the dense path
-    assert torch.equal(model["int4"](x), F.linear(x, model["int4"].weight))
 
 
 def test_only_bfloat16_on_the_cpu_is_packed():
@@ -52,5 +46,5 @@ def test_only_bfloat16_on_the_cpu_is_packed():
 def test_a_bfloat16_engine_runs_packed_and_a_float32_one_does_not(checkpoint):
     bf16 = LLM(checkpoint=checkpoint, dtype="bfloat16", weights="dense").engine.model
     assert isinstance(bf16.layers[0].qkv_proj, PackedLinear) and isinstance(bf16.lm_head, PackedLinear)
-    fp32 = LLM(checkpoint=checkpoint, dtype="float32").engine.model
+    fp32 = LLM(checkpoint=checkpoint, dtype="float32", weights="dense").engine.model
     assert type(fp32.layers[0].qkv_proj) is nn.Linear and type(fp32.lm_head) is nn.Linear

@@ -1,100 +1,145 @@
-"""Low-bit weights (engine/model/quantized.py): Q4_1 codes come back exactly, the 4-bit matmul equals the dense one
-within bfloat16's error, the 8-bit LM head is within its rounding of the dense one and shares its weight, and only a
-Q4_1 model in bfloat16 on the CPU gets them by default."""
+"""The GGUF block weights (engine/model/quantized.py, cuda/block_matmul_cpu.cpp): every block type decodes to gguf's own
+dequantization bit for bit, the matmul is the float32 product of those weights, a row's bits do not depend on the batch
+or the threads, the bundled model's blocks are its float32 weights, and the CPU default runs on them."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 from engine.core.config import EngineConfig
-from engine.model.quantized import GROUP, Int4Linear, Int8Linear, quantize_groups
-from engine.runner.device import DeviceError, int4_weights
+from engine.model.quantized import QUANTIZED_TYPES, BlockLinear, Blocks, dequantize
+from engine.runner.device import DeviceError, block_weights
+
+TYPES = [GGMLQuantizationType(t) for t in QUANTIZED_TYPES]
+# Where each type keeps its float16 scale (and minimum) in a block: random bytes there could be infinities or NaNs.
+SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+                 "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
-def q4_1_weight(n: int, k: int, seed: int = 0):
-    """Weights as llama.cpp's Q4_1 stores them: codes 0..15 (each group reaching 0 and 15), float16 scale and min."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=g, dtype=torch.int32)
-    codes[..., 0], codes[..., 1] = 0, 15
-    scale = (torch.rand(n, k // GROUP, 1, generator=g) * 0.01 + 1e-4).half().float()
-    low = (-torch.rand(n, k // GROUP, 1, generator=g) * 0.1).half().float()
-    return (codes * scale + low).view(n, k), codes.view(n, k), scale.squeeze(-1), low.squeeze(-1)
+def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Blocks:
+    """Random codes (every bit pattern a block may hold) with finite float16 scales of either sign, zeros included."""
+    rng = np.random.default_rng(seed)
+    size, nbytes = GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[kind.name]:
+        scales = (rng.standard_normal((rows, cols // size)) * 0.02).astype(np.float16)
+        scales[:, 0], scales[:, -1] = 0.0, -0.0  # zero scales (or minimums) of both signs
+        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // size, 2)
+    return Blocks(int(kind), torch.from_numpy(data.reshape(rows, -1)), cols)
 
 
-def test_q4_1_codes_scales_and_minimums_come_back_exactly():
-    w, codes, scale, low = q4_1_weight(48, 128)
-    got_codes, got_scale, got_low = quantize_groups(w)
-    assert torch.equal(got_codes, codes)
-    assert torch.equal(got_low, low)
-    torch.testing.assert_close(got_scale, scale, rtol=1e-6, atol=0)
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_every_block_type_decodes_to_ggufs_own_dequantization_bit_for_bit(kind):
+    blocks = random_blocks(kind, 37, 512)
+    want = gguf_dequantize(blocks.data.numpy(), kind).reshape(37, 512)
+    assert torch.equal(dequantize(blocks).view(torch.int32), torch.from_numpy(want).view(torch.int32))
 
 
-def test_a_constant_group_is_all_code_zero():
-    codes, scale, low = quantize_groups(torch.full((2, GROUP), 0.25))
-    assert codes.eq(0).all() and low.eq(0.25).all() and scale.eq(1).all()
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_the_matmul_is_the_float32_product_of_those_weights(kind):
+    blocks = random_blocks(kind, 70, 512, seed=1)
+    w = dequantize(blocks).double()
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(2))
+    layer = BlockLinear([blocks])
+    for rows in (1, 3, 4, 5, 8, 9, 13):  # the register path (up to 8 rows) and the decoded panels
+        want = x[:rows].double() @ w.t()
+        # float32 sums of 512 products: each within 512 ulps of the sum of magnitudes, far looser than what occurs
+        bound = 512 * 2**-24 * (x[:rows].double().abs() @ w.abs().t())
+        assert ((layer(x[:rows]).double() - want).abs() <= bound).all()
+    # bfloat16 activations: the same float32 sums of the bfloat16 inputs, rounded once to bfloat16 at the end
+    xb = x.bfloat16()
+    got, want = layer(xb), (xb.double() @ w.t())
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 512 * 2**-24 * (xb.double().abs() @ w.abs().t())).all()
 
 
-def test_small_batches_read_the_4_bit_copy_and_large_ones_the_dense_weight():
-    w, *_ = q4_1_weight(96, 256, seed=1)
-    layer = Int4Linear(w, torch.bfloat16, max_rows=8)
-    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    want = x.float() @ w.t()
-    got = layer(x).float()
-    assert got.dtype == torch.float32 and got.shape == (8, 96)
-    # bfloat16 output and scales: a few parts in a thousand of the output's scale
-    assert (got - want).abs().max() < 1e-2 * want.abs().max()
-    big = torch.cat([x, x[:1]])  # 9 rows > max_rows
-    assert torch.equal(layer(big), F.linear(big, w.to(torch.bfloat16)))
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K],
+                         ids=lambda t: t.name)
+def test_a_rows_bits_are_the_same_alone_in_any_batch_and_on_any_number_of_threads(kind):
+    layer = BlockLinear([random_blocks(kind, 203, 768, seed=3)])  # 203 outputs: ragged tiles and panels
+    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = layer(x)
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), full)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in range(1, 17):
+        assert torch.equal(layer(x[:rows]), full[:rows])
+        assert torch.equal(layer(x[rows : rows + 1]), full[rows : rows + 1])
 
 
-def test_the_8_bit_head_serves_small_batches_and_keeps_the_dense_weight_for_large_ones():
-    g = torch.Generator().manual_seed(3)
-    dense = torch.nn.Linear(64, 300, bias=False)
-    with torch.no_grad():
-        dense.weight.copy_(torch.randn(300, 64, generator=g) * torch.rand(300, 1, generator=g))  # rows of all sizes
-    dense = dense.to(torch.bfloat16)
-    head = Int8Linear(dense, torch.bfloat16, max_rows=4)
-    assert head.weight is dense.weight and head.codes.dtype == torch.int8 and head.codes.abs().max() == 127
-    # Each row's codes times its (stored) scale give the row back within half a scale; a row's largest weight,
-    # whose code may be clamped to 127 when the stored scale rounded down, within one.
-    scale = head.scales.float()[:, None]
-    back = head.codes.float() * scale
-    err = (back - dense.weight.float()).abs()
-    clamped = head.codes.abs() == 127
-    assert (err[~clamped] <= (0.5 * scale).expand_as(err)[~clamped] * (1 + 1e-6)).all()
-    assert (err[clamped] <= scale.expand_as(err)[clamped]).all()
-    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
-    exact = x.float() @ back.t()
-    assert torch.allclose(head(x).float(), exact, rtol=2e-2, atol=2e-2)  # bfloat16 accumulation and output
-    big = torch.randn(5, 64, generator=g).to(torch.bfloat16)
-    assert torch.equal(head(big), dense(big))
+def test_parts_of_different_types_make_one_output_and_a_bias_is_added():
+    q, k = random_blocks(GGMLQuantizationType.Q4_K, 64, 512, seed=5), random_blocks(GGMLQuantizationType.Q6_K, 32, 512)
+    bias = torch.randn(96)
+    x = torch.randn(5, 512)
+    got = BlockLinear([q, k], bias)(x)
+    assert torch.equal(got, torch.cat([BlockLinear([q])(x), BlockLinear([k])(x)], dim=1) + bias)
 
 
-def test_an_input_width_off_the_group_grid_is_refused():
-    with pytest.raises(ValueError, match="divisible by 32"):
-        Int4Linear(torch.zeros(4, 40), torch.bfloat16, 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_weights_as_blocks_share_their_memory_and_give_the_float32_product(dtype):
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(6)).to(dtype)
+    blocks = Blocks.of_dense(w)
+    assert blocks.data.data_ptr() == w.data_ptr()
+    assert torch.equal(dequantize(blocks), w.float())
+    x = torch.randn(6, 96, dtype=dtype if dtype != torch.float16 else torch.float32)
+    torch.testing.assert_close(BlockLinear([blocks])(x).float(), F.linear(x.float(), w.float()),
+                               rtol=1e-5 if x.dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
-@pytest.mark.parametrize("device, dtype, weights, quantization, want", [
-    ("cpu", "bfloat16", "auto", "q4_1", True),
-    ("cpu", "float32", "auto", "q4_1", False),  # float32 stays the exact reference
-    ("cpu", "bfloat16", "auto", None, False),  # requantizing other weights would lose accuracy: only on request
-    ("cuda", "bfloat16", "auto", "q4_1", False),
-    ("cpu", "bfloat16", "int4", None, True),
-    ("cpu", "bfloat16", "dense", "q4_1", False),
+def test_an_input_width_off_the_block_grid_is_refused():
+    blocks = random_blocks(GGMLQuantizationType.Q4_K, 4, 256)
+    with pytest.raises(RuntimeError, match="whole number of 256-weight blocks"):
+        dequantize(Blocks(blocks.type, blocks.data, 200))
+
+
+def test_the_bundled_models_blocks_are_its_float32_weights(checkpoint):
+    """Q4_1 projections and the Q8_0 embedding (the tied LM head), Q and K rows un-permuted like the float weights."""
+    kinds = {b.type for b in checkpoint.blocks.values()}
+    assert kinds == {int(GGMLQuantizationType.Q4_1), int(GGMLQuantizationType.Q8_0)}
+    assert len(checkpoint.blocks) == 30 * 7 + 1
+    for name, blocks in checkpoint.blocks.items():
+        assert torch.equal(dequantize(blocks).view(torch.int32), checkpoint.weights[name].view(torch.int32)), name
+
+
+@pytest.mark.parametrize("device, dtype, weights, has_blocks, want", [
+    ("cpu", "float32", "auto", True, True),
+    ("cpu", "bfloat16", "auto", True, True),  # the same weights, bfloat16 activations
+    ("cpu", "float16", "auto", True, False),  # the op takes float32 or bfloat16 activations
+    ("cpu", "float32", "auto", False, False),  # a Hugging Face checkpoint or a dummy: dense weights
+    ("cpu", "float32", "dense", True, False),
+    ("cpu", "float32", "gguf", True, True),
+    ("cuda", "bfloat16", "auto", True, False),
 ])
-def test_which_configs_get_int4_weights(device, dtype, weights, quantization, want):
-    assert int4_weights(EngineConfig(device=device, dtype=dtype, weights=weights), quantization) is want
+def test_which_configs_get_the_block_weights(device, dtype, weights, has_blocks, want):
+    assert block_weights(EngineConfig(device=device, dtype=dtype, weights=weights), has_blocks) is want
 
 
-@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cuda", "bfloat16")])
-def test_int4_where_the_kernel_is_missing_is_a_clear_error(device, dtype):
-    with pytest.raises(DeviceError, match="int4 weights run on the CPU in bfloat16 only"):
-        int4_weights(EngineConfig(device=device, dtype=dtype, weights="int4"), "q4_1")
+@pytest.mark.parametrize("device, dtype, has_blocks, error", [
+    ("cuda", "bfloat16", True, "on the CPU in float32 or bfloat16 only"),
+    ("cpu", "float16", True, "on the CPU in float32 or bfloat16 only"),
+    ("cpu", "float32", False, "needs a GGUF file with quantized tensors")])
+def test_gguf_weights_where_they_cannot_be_are_a_clear_error(device, dtype, has_blocks, error):
+    with pytest.raises(DeviceError, match=error):
+        block_weights(EngineConfig(device=device, dtype=dtype, weights="gguf"), has_blocks)
 
 
-def test_the_bundled_gguf_is_recognised_as_q4_1_and_a_dummy_is_not():
-    from engine.model.loader import load_checkpoint
+def test_the_cpu_default_is_float32_on_the_files_blocks(checkpoint):
+    from engine import LLM
+    from engine.model.token_ops import CpuRMSNorm
 
-    assert load_checkpoint(None, weights=False).quantization == "q4_1"
-    assert load_checkpoint("dummy:smollm2-135m").quantization is None
+    llm = LLM(checkpoint=checkpoint)
+    model = llm.engine.model
+    assert llm.engine.config.dtype == "float32"
+    layer = model.layers[0]
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert getattr(layer, name).types == [int(GGMLQuantizationType.Q4_1)] * len(getattr(layer, name).types)
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.types == [int(GGMLQuantizationType.Q8_0)]
+    assert isinstance(layer.input_layernorm, CpuRMSNorm)  # the fused token ops, in float32 here
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # no dense copy kept beside the blocks

@@ -73,7 +73,7 @@ def test_bfloat16_cpu_models_get_the_fused_ops_and_float32_keeps_pytorchs(checkp
     assert type(layer.act) is CpuSiluAndMul
     assert layer.input_layernorm.weight.dtype == torch.bfloat16
     assert layer.input_layernorm.weight is dict(bf16.named_parameters())["layers.0.input_layernorm.weight"]
-    fp32 = LLM(checkpoint=checkpoint, dtype="float32").engine.model
+    fp32 = LLM(checkpoint=checkpoint, dtype="float32", weights="dense").engine.model  # the reference (blocks fuse)
     assert type(fp32.norm) is RMSNorm and type(fp32.layers[0].act) is SiluAndMul
     assert not can_fuse(torch.device("cuda"), torch.bfloat16) and not can_fuse(torch.device("cpu"), torch.float32)
 

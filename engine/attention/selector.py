@@ -28,9 +28,16 @@ def _auto_backend(device_type: str) -> AttentionBackend:
     return _cpu_backend() if cpu_kernel_available() else TorchAttention()
 
 
+def _cpu_invariant_backend():
+    from engine.attention.invariant import BatchInvariantAttention  # lazy: builds a C++ op on first use
+
+    return BatchInvariantAttention()
+
+
 # "auto": the kernel for the engine's device (CuPy on a GPU, the C++ op on the CPU) when it builds and runs,
-# else the PyTorch reference.
-BACKENDS = {"torch": TorchAttention, "cuda": _cuda_backend, "cpu": _cpu_backend}
+# else the PyTorch reference. "cpu-invariant" is --batch-invariant's (engine/runner/device.py sets it).
+BACKENDS = {"torch": TorchAttention, "cuda": _cuda_backend, "cpu": _cpu_backend,
+            "cpu-invariant": _cpu_invariant_backend}
 
 
 def make_backend(name: str, device_type: str = "cpu") -> AttentionBackend:

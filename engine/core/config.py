@@ -98,12 +98,14 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file, HF checkpoint dir, or "dummy:NAME"; None = bundled default
     device: str = "auto"  # torch device the model runs on; "auto" = cuda when torch sees a GPU, else cpu
-    dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 (GPU and CPU)
+    dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 on a GPU, float32 on the CPU
     block_size: int = 16  # tokens per KV cache block
-    # "int4": 4-bit copies of the projections (and 8-bit of the LM head) for small batches (CPU, bfloat16);
-    # auto = int4 for a Q4_1 model there
-    weights: Literal["auto", "dense", "int4"] = "auto"
-    int4_max_rows: int = 16  # batches of up to this many rows read the int4 weights, larger ones the dense copy
+    # "gguf": the projections multiply by a GGUF file's quantized blocks as stored (CPU only; exactly the float32
+    # model's weights); "dense": by float weights in the compute dtype; auto = gguf on the CPU where the file has them
+    weights: Literal["auto", "dense", "gguf"] = "auto"
+    # a request's tokens and logprobs do not depend on what else is in the batch: one GEMM path for every row count
+    # and attention one query at a time (CPU only)
+    batch_invariant: bool = False
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
     enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +13,7 @@ from tqdm import tqdm
 from engine.core.config import DUMMY_SHAPES, ModelShape
 from engine.model.decoder import RopeScaling
 from engine.model.model_files import ModelNotFoundError, default_model_path
+from engine.model.quantized import QUANTIZED_TYPES, Blocks
 
 
 @dataclass
@@ -23,7 +24,9 @@ class Checkpoint:
     shape: ModelShape
     weights: dict[str, torch.Tensor]
     tokenizer: object | None
-    quantization: str | None = None  # "q4_1" when the file stores every decoder projection in Q4_1
+    # A GGUF's quantized tensors as the file stores them (the types engine/model/quantized.py decodes), under the
+    # same names as their float32 dequantizations in `weights`
+    blocks: dict[str, Blocks] = field(default_factory=dict)
 
 
 def load_checkpoint(model: str | None, seed: int = 0, weights: bool = True) -> Checkpoint:
@@ -61,15 +64,10 @@ def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
 
     reader = gguf.GGUFReader(path)
     shape = shape_from_gguf(reader)
-    return Checkpoint(path.name, shape, gguf_weights(reader, shape) if weights else {}, tokenizer_from_gguf(reader),
-                      quantization=gguf_quantization(reader))
-
-
-def gguf_quantization(reader) -> str | None:
-    """"q4_1" when every decoder projection is stored in Q4_1: the format the int4 weights repack losslessly."""
-    kinds = {t.tensor_type.name for t in reader.tensors
-             if t.name.startswith("blk.") and not t.name.split(".")[2].endswith("norm")}
-    return "q4_1" if kinds == {"Q4_1"} else None
+    ckpt = Checkpoint(path.name, shape, {}, tokenizer_from_gguf(reader))
+    if weights:
+        ckpt.weights, ckpt.blocks = gguf_weights(reader, shape)
+    return ckpt
 
 
 # GGUF architectures and what sets each apart; llama.cpp writes Mistral as "llama".
@@ -109,29 +107,33 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader, shape: ModelShape) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 under its Hugging Face name."""
+def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], dict[str, Blocks]]:
+    """Every tensor dequantized to float32 under its Hugging Face name, and the quantized ones' blocks as stored."""
     from gguf.quants import dequantize
 
-    out = {}
+    out, blocks = {}, {}
     # llama.cpp interleaves the RoPE halves of Llama's Q/K rows (not Qwen2's, which it rotates NeoX-style).
     permuted = reader.fields["general.architecture"].contents() == "llama"
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False):
         if t.name == "rope_freqs.weight":
             continue  # part of the shape (rope_freq_factors)
         w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        raw = t.data if int(t.tensor_type) in QUANTIZED_TYPES and len(t.shape) == 2 else None
         parts = t.name.split(".")
         if parts[0] == "blk":
             kind, suffix = parts[2], parts[3]
-            if permuted and kind == "attn_q":
-                w = _unpermute(w, shape.num_heads)
-            elif permuted and kind == "attn_k":
-                w = _unpermute(w, shape.num_kv_heads)
+            heads = {"attn_q": shape.num_heads, "attn_k": shape.num_kv_heads}.get(kind) if permuted else None
+            if heads is not None:  # the same permutation of whole rows, for the blocks too
+                w = _unpermute(w, heads)
+                raw = _unpermute(raw, heads) if raw is not None else None
             name = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.{suffix}"
         else:
             name = _GGUF_TOP_NAMES[parts[0]] + ".weight"
         out[name] = torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
-    return out
+        if raw is not None:
+            blocks[name] = Blocks(int(t.tensor_type), torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")),
+                                  int(t.shape[0]))
+    return out, blocks
 
 
 # ---------------------------------------------------------------- Hugging Face checkpoint directory

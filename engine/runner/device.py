@@ -20,38 +20,48 @@ class DeviceError(ValueError):
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
     """Replace "auto" device and dtype (and a missing token budget) with concrete ones: a GPU in bfloat16
-    when torch sees one."""
+    when torch sees one, else the CPU in float32."""
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device {device!r} was asked for, but torch sees no CUDA GPU here; use --device cpu")
+    on_gpu = torch.device(device).type == "cuda"
     dtype = config.dtype
     if dtype == "auto":
-        # bfloat16 on the CPU too: a decode step reads every weight, and half the bytes decoded 1.6-2.4x
-        # faster on the 2-core AVX2 machine (benchmarks/cpu_dtype.json); float32 stays exact on request.
-        dtype = "bfloat16"
+        # float32 on the CPU: the model's own answers. bfloat16 activations flipped greedy choices whose float32
+        # margin was up to 0.31 nats (tests/test_fidelity.py), and with the GGUF blocks (weights="auto") the weights
+        # a decode step reads stay 4-8 bits; only the small activations are float32.
+        dtype = "bfloat16" if on_gpu else "float32"
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise DeviceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    on_gpu = torch.device(device).type == "cuda"
     budget = config.max_num_batched_tokens or (GPU_TOKEN_BUDGET if on_gpu else CPU_TOKEN_BUDGET)
-    return config.with_(device=device, dtype=dtype, max_num_batched_tokens=budget)
+    config = config.with_(device=device, dtype=dtype, max_num_batched_tokens=budget)
+    return batch_invariant_attention(config) if config.batch_invariant else config
 
 
-def int4_weights(config: EngineConfig, quantization: str | None) -> bool:
-    """Whether the projections get 4-bit copies and the LM head 8-bit (engine/model/quantized.py) on this config.
+def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
+    """--batch-invariant runs on the CPU, its attention one query at a time (engine/attention/invariant.py)."""
+    if torch.device(config.device).type != "cpu":
+        raise DeviceError("--batch-invariant runs on the CPU only")
+    if config.attention_backend not in ("auto", "cpu-invariant"):
+        raise DeviceError(f"--batch-invariant brings its own attention; not --attention-backend "
+                          f"{config.attention_backend}")
+    return config.with_(attention_backend="cpu-invariant")
 
-    "auto" takes them only where they cost no accuracy and run fast: a Q4_1 checkpoint (its own format) in
-    bfloat16 on the CPU, where torch's int4 matmul lives. Decode steps ran 1.9x / 1.4x / 1.2x faster with them at
-    batches of 1 / 8 / 16 on the 2-core machine; from ~24 rows the gain is gone (benchmarks/int4_rows.json).
-    The 8-bit head costs a little: teacher-forced logits 0.138 from float32's on average, 0.123 without it.
+
+def block_weights(config: EngineConfig, has_blocks: bool) -> bool:
+    """Whether the projections keep the GGUF file's quantized blocks (engine/model/quantized.py) on this config.
+
+    "auto" takes them on the CPU wherever the file has them: they are the float32 model's weights bit for bit, a
+    quarter to a half of bfloat16's bytes, and the same sums at every batch size.
     """
-    on_cpu_bf16 = torch.device(config.device).type == "cpu" and config.dtype == "bfloat16"
-    if config.weights == "int4" and not on_cpu_bf16:
-        raise DeviceError("int4 weights run on the CPU in bfloat16 only; use --weights dense")
-    if config.weights == "auto":
-        return on_cpu_bf16 and quantization == "q4_1"
-    return config.weights == "int4"
+    here = torch.device(config.device).type == "cpu" and config.dtype in ("float32", "bfloat16")
+    if config.weights == "gguf" and not here:
+        raise DeviceError("the GGUF block weights run on the CPU in float32 or bfloat16 only; use --weights dense")
+    if config.weights == "gguf" and not has_blocks:
+        raise DeviceError("--weights gguf needs a GGUF file with quantized tensors")
+    return config.weights != "dense" and here and has_blocks
 
 
 def activation_reserve(config: EngineConfig, shape: ModelShape, dtype: torch.dtype) -> int:

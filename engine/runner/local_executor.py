@@ -12,13 +12,13 @@ from engine.core.request import Failure, Request
 from engine.core.scheduler import Batch
 from engine.model.decoder import Decoder, Rotary
 from engine.model.families import model_class
-from engine.model.quantized import use_low_bit
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
-from engine.model.sharding import TensorShard
+from engine.model.quantized import can_use_blocks, use_block_weights
 from engine.model.sampler import DeviceSample, Sampler
+from engine.model.sharding import TensorShard
 from engine.model.token_ops import can_fuse, fuse_token_ops
-from engine.runner.device import int4_weights
+from engine.runner.device import DeviceError, block_weights
 from engine.runner.model_runner import ModelRunner
 
 
@@ -36,16 +36,26 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         model.load_weights(ckpt.weights)
     else:
         model.init_random(config.seed)
-    if int4_weights(config, ckpt.quantization):
-        use_low_bit(model, dtype, config.int4_max_rows)  # from the float32 weights, before the cast below
+    blocks = block_weights(config, bool(ckpt.blocks)) and shard.size == 1 and can_use_blocks(device)
+    if blocks:
+        use_block_weights(model, ckpt.blocks)  # the dense projections they replace are freed
     for p in model.parameters():
         p.data = p.data.to(dtype)
     for table in {m for m in model.modules() if isinstance(m, Rotary)}:
         table.to(dtype)  # computed in float32, read in the compute dtype
-    if can_pack(device, dtype):
+    if config.batch_invariant:
+        if not can_use_blocks(device):
+            raise DeviceError("--batch-invariant needs the CPU block matmul (cuda/block_matmul_cpu.cpp) to build")
+        use_block_weights(model, {}, dense_too=True)  # every other linear layer through the same row-wise sums
+    elif can_pack(device, dtype):
         pack_linears(model)
-    if can_fuse(device, dtype):
+    # The token ops fuse in float32 too where the block weights run (PyTorch's float32 ops stay with dense weights,
+    # the reference): one pass per row, which no batch changes. can_fuse asks about bfloat16, as it only knows it.
+    if can_fuse(device, torch.bfloat16 if blocks or config.batch_invariant else dtype) and dtype != torch.float16:
         fuse_token_ops(model)
+    elif config.batch_invariant:
+        raise DeviceError("--batch-invariant needs the fused CPU token ops (cuda/token_ops_cpu.cpp) in float32 or "
+                          "bfloat16")
     return model.eval().requires_grad_(False)
 
 

@@ -1,0 +1,31 @@
+"""Attention for --batch-invariant: every query, prefill tokens included, through the paged C++ decode op.
+
+The C++ op sums one query's keys in one fixed order whatever else is in the batch. SDPA, which the CPU backend runs
+for prefills, splits a chunk's keys into blocks whose size follows the chunk's context length, so a prompt token's
+output would depend on where the scheduler cut the prompt (which depends on the other requests' tokens) and on
+whether its prefix came from the cache. Here a prompt token at position p is a decode query against the p + 1 keys
+up to it: the same sums however the prompt was split, alone or in any batch. Costlier for long prompts (no blocked
+matmul over a chunk's queries), which is the mode's price.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionParams
+from engine.attention.cpu_backend import CpuAttention
+
+
+class BatchInvariantAttention(CpuAttention):
+    """Each query row against its own request's keys up to its own position, through the paged decode op."""
+
+    def forward(self, q, kv_cache, meta, params: AttentionParams | None = None):
+        params = params or AttentionParams.plain(q.shape[-1])
+        counts = torch.tensor(meta.query_lens_cpu)
+        request = torch.repeat_interleave(torch.arange(meta.num_requests), counts)  # [T]: each row's request
+        # Row j of request i (n queries, ctx keys once written) sits at position ctx - n + j: it sees ctx - n + j + 1.
+        starts = torch.tensor(meta.context_lens_cpu) - counts
+        within = torch.arange(len(request)) - torch.repeat_interleave(torch.tensor(meta.query_starts_cpu[:-1]), counts)
+        lens = (starts[request] + within + 1).to(torch.int32)
+        tables = meta.block_tables.index_select(0, request.to(meta.block_tables.device))
+        return self._decode(q, kv_cache, tables, lens.to(q.device), params)
