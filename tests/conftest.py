@@ -22,6 +22,8 @@ torch.set_num_threads(2)
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run the GPU tests (marked `gpu`) on the GPU, and only them")
     parser.addoption("--screenshots", default=None, help="also save the browser tests' screenshots in this folder")
+    parser.addoption("--require-browser", action="store_true",
+                     help="fail, rather than skip, the browser tests where Chromium or its driver is missing (CI)")
 
 
 def pytest_configure(config):
@@ -156,8 +158,8 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--max-num-seqs", "64",
-             "--dtype", "float32", *args],
+            # The served defaults (float32 on the GGUF's own blocks, on the CPU): what a user runs.
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--max-num-seqs", "64", *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"

@@ -32,12 +32,17 @@ def test_the_page_is_served_whole_and_fetches_nothing_from_elsewhere():
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(request):
+    # Skipped where the browser is missing, with the reason; under --require-browser (.ci/run) a failure instead.
+    missing = pytest.fail if request.config.getoption("--require-browser") else pytest.skip
     if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip("no Chromium and chromedriver here (Debian: apt-get install chromium chromium-driver; "
-                    ".ci/run installs them)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
+        missing("no Chromium and chromedriver here (Debian: apt-get install chromium chromium-driver; "
+                ".ci/run installs them)")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError as e:
+        missing(f"selenium is not installed (pip install -e '.[test]'): {e}")
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM

@@ -37,7 +37,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint=checkpoint, dtype="float32")  # the servers run float32 too (conftest)
+    return LLM(checkpoint=checkpoint)  # the servers' defaults (conftest): float32 on the file's blocks
 
 
 def complete(http: httpx.Client, **body) -> dict:
