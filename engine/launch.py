@@ -61,4 +61,6 @@ def grammar_compiler(engine: EngineCore) -> Callable[[str], object] | None:
         return None
     from engine.model.grammar import GrammarCompiler
 
-    return GrammarCompiler(engine.tokenizer).compile
+    compiler = GrammarCompiler(engine.tokenizer)
+    compiler.warm_up()
+    return compiler.compile

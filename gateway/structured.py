@@ -8,8 +8,6 @@ everyone else. A schema past MAX_SCHEMA_BYTES or MAX_JSON_DEPTH, or one that doe
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +23,6 @@ MAX_SCHEMA_BYTES = 512 * 1024  # one schema's JSON; OpenAI's strict schemas are 
 MAX_GRAMMAR_BYTES = 2 * 1024 * 1024  # a request's grammar, which the engine's 4 MiB inbound ring must carry
 MAX_JSON_DEPTH = 64  # nested arrays and objects in a schema or a call's arguments (json.dumps and jinja recurse)
 COMPILE_THREADS = 2
-COMPILE_NICE = 10  # compile threads yield the CPU to the event loop (and the engine) where cores are short
 CACHE_BYTES = 32 * 1024 * 1024  # schemas and grammars kept: clients resend the same schemas
 
 
@@ -70,14 +67,6 @@ def compile_schema(text: str) -> tuple[str, str | None]:
     return grammar, None
 
 
-def _background() -> None:
-    """A compile thread's initializer: a lower priority for this thread only (Linux nices threads one by one)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-    except (AttributeError, OSError):
-        pass
-
-
 def json_schema_grammar(schema: dict, param: str = "response_format") -> str:
     """The grammar of JSON documents matching `schema`, compiled here and now (offline use, tests)."""
     grammar, error = compile_schema(schema_text(schema, param))
@@ -91,7 +80,7 @@ class GrammarCompiler:
     bytes); one compiling now is waited for, not compiled twice."""
 
     def __init__(self, threads: int = COMPILE_THREADS, cache_bytes: int = CACHE_BYTES):
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="schema", initializer=_background)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="schema")
         self._cache_bytes = cache_bytes
         self._done: OrderedDict[str, tuple[str, str | None]] = OrderedDict()  # schema text -> compile_schema()
         self._held = 0  # bytes of keys and grammars in _done

@@ -7,8 +7,6 @@ it wait here, and once it has compiled each enters the engine with its own copy 
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,15 +14,6 @@ from dataclasses import dataclass, field
 from engine.ipc.messages import AddGrammar, AddRequest
 
 COMPILE_THREADS = 2  # grammars compiled at once; more wait their turn
-COMPILE_NICE = 10  # compile threads yield the CPU to the step (and the gateway) where cores are short
-
-
-def _background() -> None:
-    """A compile thread's initializer: a lower priority for this thread only (Linux nices threads one by one)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-    except (AttributeError, OSError):
-        pass
 
 
 @dataclass
@@ -51,7 +40,7 @@ class GrammarGate:
     def __init__(self, compile: Callable[[str], object], wake: Callable[[], None], threads: int = COMPILE_THREADS):
         self._compile = compile
         self._wake = wake
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar", initializer=_background)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._grammars: dict[str, _Grammar] = {}
 
     @property

@@ -71,13 +71,13 @@ class EngineWorker:
         c = e.config  # resolved: the device and dtype are what "auto" became
         summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
                                 c.prefix_caching, c.pipeline_stages, c.tensor_parallel_size)
+        compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
+        self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
         self.outbox.send(EngineReady(e.model_name, e.limits, summary))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.memory, self.memory_sampled_at = Memory(0, 0), 0.0
         self.faults = c.faults or FaultPlan()
-        compile_grammar = grammar_compiler(e)
-        self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
 
     def run(self) -> None:
         while os.getppid() == self.parent:

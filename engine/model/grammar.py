@@ -48,11 +48,16 @@ class GrammarCompiler:
         self._ll: llguidance.LLTokenizer | None = None  # built on first use (~0.25 s for a 49k vocabulary)
         self._lock = threading.Lock()
 
-    def compile(self, grammar: str) -> llguidance.LLMatcher:
-        """A matcher in its start state; in error (is_error) when the grammar is invalid, never raising for that."""
+    def warm_up(self) -> None:
+        """Build the token table now. It holds the GIL (a quarter of a second for 49k tokens): an engine process
+        does it at startup rather than in a compile thread beside its first constrained step."""
         with self._lock:
             if self._ll is None:
                 self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(self._tokenizer)))
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """A matcher in its start state; in error (is_error) when the grammar is invalid, never raising for that."""
+        self.warm_up()
         return llguidance.LLMatcher(self._ll, grammar, log_level=0)
 
 
