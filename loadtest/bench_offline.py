@@ -41,8 +41,12 @@ SEED_TEXTS = [
 ]
 
 
-def prompts_for(tokenizer, batch: int) -> list[list[int]]:
-    return [tokenizer.encode(f"{SEED_TEXTS[i % len(SEED_TEXTS)]} (note {i})") for i in range(batch)]
+def prompts_for(tokenizer, batch: int, length: int | None = None) -> list[list[int]]:
+    """`batch` prompts, each of about ten tokens or of `length` (its seed text repeated)."""
+    texts = [f"{SEED_TEXTS[i % len(SEED_TEXTS)]} (note {i})" for i in range(batch)]
+    if length is None:
+        return [tokenizer.encode(t) for t in texts]
+    return [(tokenizer.encode(t) * length)[:length] for t in texts]
 
 
 def time_orcinus(llm: LLM, prompts: list[list[int]], num_tokens: int) -> float:
@@ -97,13 +101,17 @@ def main() -> None:
     ap.add_argument("--compare-batch-invariant", action="store_true", help="also run with batch_invariant=True")
     ap.add_argument("--no-transformers", action="store_true", help="Orcinus's runs only (ratios to the first)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default: ~10-token prompts)")
     ap.add_argument("--out", default="benchmarks/offline_cpu.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     ckpt = load_checkpoint(None)
-    llm = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
+    # Long prompts time their prefill too (the first token's time): none may come from the cache of a run before.
+    common = dict(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype,
+                  prefix_caching=args.prompt_tokens is None)
+    llm = LLM(**common)
     path = default_model_path()
     dtype = getattr(torch, args.dtype)
     if not args.no_transformers:
@@ -114,37 +122,42 @@ def main() -> None:
 
     runners = {"orcinus": lambda p, n: time_orcinus(llm, p, n)}
     if args.dtype == "bfloat16":
-        dense = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype, weights="dense")
+        dense = LLM(**common, weights="dense")
         runners["orcinus-dense"] = lambda p, n: time_orcinus(dense, p, n)
     if args.compare_unfused:
-        unfused = unfused_llm(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype)
+        unfused = unfused_llm(**common)
         runners["orcinus-unfused"] = lambda p, n: time_orcinus(unfused, p, n)
     if args.compare_batch_invariant:
-        invariant = LLM(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype, batch_invariant=True)
+        invariant = LLM(**common, batch_invariant=True)
         runners["orcinus-batch-invariant"] = lambda p, n: time_orcinus(invariant, p, n)
     if not args.no_transformers:
         runners["transformers"] = lambda p, n: time_transformers(hf, p, n, pad_id)
     results = {}
     for batch in args.batches:
-        prompts = prompts_for(ckpt.tokenizer, batch)
+        prompts = prompts_for(ckpt.tokenizer, batch, args.prompt_tokens)
         for run in runners.values():  # warm-up
             run(prompts, 2)
         samples = {name: [] for name in runners}
+        firsts = {name: [] for name in runners}  # prefill and the first token
         for _ in range(args.repeats):
             for name, run in runners.items():  # interleaved, so drift hits both alike
                 full, first = run(prompts, args.tokens), run(prompts, 1)
                 samples[name].append(batch * (args.tokens - 1) / max(full - first, 1e-9))
+                firsts[name].append(first)
         med = {name: statistics.median(v) for name, v in samples.items()}
         base = "orcinus" if args.no_transformers else "transformers"
         results[batch] = {"samples_tok_s": samples, "median_tok_s": med, "ratio": med["orcinus"] / med[base]}
         results[batch]["ratios"] = {name: med[name] / med[base] for name in med}
+        results[batch]["first_token_s"] = {name: statistics.median(v) for name, v in firsts.items()}
         print(f"batch {batch:>3}: " + "  ".join(f"{name} {v:7.1f} tok/s" for name, v in med.items())
               + "  ratios " + " ".join(f"{r:.2f}x" for r in results[batch]["ratios"].values()), flush=True)
 
     report = {
         "command": "python " + " ".join(sys.argv),
         "machine": machine(),
-        "what": f"decode tokens/s, greedy, {args.dtype}, prefill excluded; median of interleaved repeats",
+        "what": f"decode tokens/s, greedy, {args.dtype}, prefill excluded; median of interleaved repeats "
+                "(first_token_s: the prefill and first token's time, median)",
+        "prompt_tokens": args.prompt_tokens,
         "tokens_per_request": args.tokens,
         "results": results,
     }

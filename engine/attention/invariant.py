@@ -12,20 +12,31 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionParams
+from engine.attention.backend import AttentionMetadata, AttentionParams
 from engine.attention.cpu_backend import CpuAttention
 
 
 class BatchInvariantAttention(CpuAttention):
     """Each query row against its own request's keys up to its own position, through the paged decode op."""
 
+    def __init__(self):
+        super().__init__()
+        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None  # this step's, for every layer
+
     def forward(self, q, kv_cache, meta, params: AttentionParams | None = None):
         params = params or AttentionParams.plain(q.shape[-1])
+        if self._rows is None or self._rows[0] is not meta:
+            self._rows = (meta, *self._query_rows(meta))
+        _, tables, lens = self._rows
+        return self._decode(q, kv_cache, tables, lens.to(q.device), params)
+
+    @staticmethod
+    def _query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query row's block table (its request's) and context length (its position + 1)."""
         counts = torch.tensor(meta.query_lens_cpu)
         request = torch.repeat_interleave(torch.arange(meta.num_requests), counts)  # [T]: each row's request
         # Row j of request i (n queries, ctx keys once written) sits at position ctx - n + j: it sees ctx - n + j + 1.
         starts = torch.tensor(meta.context_lens_cpu) - counts
         within = torch.arange(len(request)) - torch.repeat_interleave(torch.tensor(meta.query_starts_cpu[:-1]), counts)
         lens = (starts[request] + within + 1).to(torch.int32)
-        tables = meta.block_tables.index_select(0, request.to(meta.block_tables.device))
-        return self._decode(q, kv_cache, tables, lens.to(q.device), params)
+        return meta.block_tables.index_select(0, request.to(meta.block_tables.device)), lens
