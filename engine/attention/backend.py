@@ -67,6 +67,7 @@ class AttentionBackend(Protocol):
     a request's sliding window are never read: their blocks may already belong to someone else."""
 
     graph_safe_decode: bool  # whether whole decode steps around forward_decode should be captured as CUDA graphs
+    label: str  # what runs, in the server's startup block
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 params: AttentionParams | None = None) -> torch.Tensor:

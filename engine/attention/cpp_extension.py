@@ -1,4 +1,4 @@
-"""Builds and loads the C++ ops under cuda/*.cpp for the CPU with torch's extension builder.
+"""Builds and loads the C++ ops under cuda/*.cpp (engine/kernels/ once installed) with torch's extension builder.
 
 Each is compiled on first use (~20 s, then cached under ~/.cache/torch_extensions, keyed by the source) on the
 machine that runs it, so it may use that machine's vector instructions.
@@ -13,7 +13,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-SOURCES = Path(__file__).resolve().parents[2] / "cuda"
+# In the package (a plain `pip install .` copies them there); in the repository a link to the top-level cuda/.
+SOURCES = Path(__file__).parents[1] / "kernels"
 # -march=native: built where it runs. -ffast-math lets the exp and reduction loops vectorize; the ops keep
 # every value finite, so nothing it assumes away occurs.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -25,6 +25,8 @@ def cpu_kernel_available() -> bool:
 class CpuAttention(TorchAttention):
     """The reference's prefill path (SDPA per chunk) with decoding requests through the paged C++ op."""
 
+    label = "C++ paged decode, SDPA prefill"
+
     def __init__(self):
         self._op = _kernels().paged_decode_attention
 

@@ -25,10 +25,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata, AttentionParams
+from engine.attention.cpp_extension import SOURCES
 from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "paged_decode_attention.cu"
+KERNEL_SOURCE = SOURCES / "paged_decode_attention.cu"
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true and the device's -arch (tests/test_cuda_kernels.py mirrors them)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 WARPS = 4  # kWarps in the kernel: threads per block = 128
@@ -72,6 +73,7 @@ class CudaAttention:
     """
 
     graph_safe_decode = True  # forward_decode reads only device tensors: whole decode steps may be captured
+    label = "CuPy paged decode, flash varlen prefill"
     _module = None  # the compiled RawModule, shared by every instance (NVRTC runs once per process)
 
     def __init__(self) -> None:

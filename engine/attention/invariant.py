@@ -19,6 +19,8 @@ from engine.attention.cpu_backend import CpuAttention
 class BatchInvariantAttention(CpuAttention):
     """Each query row against its own request's keys up to its own position, through the paged decode op."""
 
+    label = "C++ paged, one query at a time (batch-invariant)"
+
     def __init__(self):
         super().__init__()
         self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None  # this step's, for every layer

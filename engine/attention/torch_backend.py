@@ -13,6 +13,7 @@ class TorchAttention:
 
     # Capturable, but a captured forward_decode gathers every request's whole window: not worth it on a GPU.
     graph_safe_decode = False
+    label = "PyTorch reference"
 
     def forward(self, q, kv_cache, meta, params: AttentionParams | None = None):
         params = params or AttentionParams.plain(q.shape[-1])
