@@ -13,8 +13,10 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-# In the package (a plain `pip install .` copies them there); in the repository a link to the top-level cuda/.
-SOURCES = Path(__file__).parents[1] / "kernels"
+# In the package (a plain `pip install .` copies them there); in the repository a link to the top-level cuda/, which
+# is looked at directly where a copy of the tree dropped the link (the lent GPU machine's is one).
+SOURCES = next((d for d in (Path(__file__).parents[1] / "kernels", Path(__file__).resolve().parents[2] / "cuda")
+                if d.is_dir()), Path(__file__).parents[1] / "kernels")
 # -march=native: built where it runs. -ffast-math lets the exp and reduction loops vectorize; the ops keep
 # every value finite, so nothing it assumes away occurs.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
