@@ -22,6 +22,8 @@ class Completion:
     text: str
     finish_reason: str  # 'stop' | 'length'
     logprobs: list[TokenLogprobs] | None = field(default=None)
+    # With params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None)
 
 
 class LLM:
@@ -70,4 +72,5 @@ class LLM:
         return Completion(
             req.prompt_token_ids, list(req.output_token_ids), text, req.finish_reason,
             list(req.output_logprobs) if req.params.logprobs is not None else None,
+            [None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None,
         )

@@ -86,9 +86,9 @@ class EngineCore:
         if not self.executor.num_in_flight:
             self.last_batch_size = self.last_batch_tokens = 0
             return []
-        batch, sampled = self.executor.collect()
+        batch, sampled, prompt_logprobs = self.executor.collect()
         self.num_iterations += 1
-        updated = self.scheduler.update(batch, sampled)
+        updated = self.scheduler.update(batch, sampled, prompt_logprobs)
         self.executor.release([r.request_id for r in updated if r.status.finished])
         return updated
 

@@ -9,6 +9,8 @@ from engine.core.scheduler import Batch
 
 # Every request of a batch that samples gets a token or a Failure; one that only computed gets a Failure or nothing.
 Sampled = dict[str, tuple[int, TokenLogprobs | None] | Failure]
+# Every request of a batch whose chunk asked for prompt logprobs (ScheduledRequest.prompt_logprobs): one per row.
+PromptLogprobs = dict[str, list[TokenLogprobs]]
 
 
 class Executor(Protocol):
@@ -23,8 +25,8 @@ class Executor(Protocol):
     def submit(self, batch: Batch, sampling: list[Request]) -> None:
         """Start `batch`; `sampling` are the requests of its rows that sample, in batch order."""
 
-    def collect(self) -> tuple[Batch, Sampled]:
-        """The oldest submitted batch and its sampled tokens (blocks until they are there)."""
+    def collect(self) -> tuple[Batch, Sampled, PromptLogprobs]:
+        """The oldest submitted batch, its sampled tokens and its prompt logprobs (blocks until they are there)."""
 
     def release(self, request_ids: list[str]) -> None:
         """These requests are gone: drop any state kept for them."""

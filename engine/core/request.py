@@ -40,6 +40,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's place in the distribution (1: the most likely); given for prompt tokens
 
 
 @dataclass(eq=False)
@@ -54,6 +55,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Logprobs of prompt tokens 1, 2, ... (as params.prompt_logprobs asks), each computed by its prefill chunk.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_logprob_rows: int = 0  # prompt positions whose row of logprobs is scheduled (computed or in flight)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_in_flight_tokens: int = 0  # tokens in batches submitted but not yet updated (computed, or being)
     num_pending_outputs: int = 0  # tokens being sampled in those batches: the host learns them at update
@@ -90,6 +94,12 @@ class Request:
         still masking eos): such a request is never scheduled ahead of a token it has yet to see."""
         p = self.params
         return p.has_penalties or p.grammar is not None or self.num_output_tokens < p.min_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and are not all computed: its prompt must run through the model,
+        so it takes nothing from the prefix cache (a cached block holds K/V, not the logits its positions need)."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprob_rows < self.num_prompt_tokens - 1
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole history."""

@@ -33,6 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end the request
     ignore_eos: bool = False  # keep generating past eos
     logprobs: int | None = None  # return this many top logprobs per token (and the chosen one's)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (the first has none) and this many top ones
     grammar: str | None = None  # an llguidance grammar the output must match (from a JSON schema, Lark or a regex)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
+                f"must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
                 f"must be between 0 and {MAX_LOGPROBS}",
             ),
             (

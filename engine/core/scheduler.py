@@ -16,6 +16,15 @@ from engine.core.request import Failure, Request, RequestStatus, TokenLogprobs
 PLACEHOLDER = -1
 
 
+class PromptLogprobRows(msgspec.Struct, array_like=True):
+    """The rows of a chunk whose next prompt token's logprob its request asked for: rows first_row, first_row + 1,
+    ... predict targets[0], targets[1], ..."""
+
+    first_row: int  # within the chunk
+    targets: list[int]  # the prompt tokens those rows predict
+    num_top: int  # top alternatives per row
+
+
 class ScheduledRequest(msgspec.Struct, array_like=True):
     """One request's share of an iteration: compute `token_ids` starting at `num_computed_tokens`."""
 
@@ -24,6 +33,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     num_computed_tokens: int  # the chunk's first position (tokens computed, or in a batch ahead of it)
     block_table: list[int]
     sample: bool  # these tokens reach the end of what is known: sample the next one
+    prompt_logprobs: PromptLogprobRows | None = None  # rows whose prompt logprobs the LM head computes too
 
 
 class Batch(msgspec.Struct):
@@ -147,7 +157,7 @@ class Scheduler:
             and self.admission.may_admit(num_running_at_start, budget)
         ):
             req = self.waiting[0]
-            req.num_computed_tokens = self.kv.take_cached_prefix(req)
+            req.num_computed_tokens = 0 if req.needs_prompt_logprobs else self.kv.take_cached_prefix(req)
             # A running request may be computing the next block of this prompt (a sibling choice of an n > 1
             # request, a shared system prompt): then wait an iteration or two and take it from the cache.
             following = len(req.block_table)
@@ -202,8 +212,21 @@ class Scheduler:
         known = req.num_tokens
         token_ids = req.token_ids(start, min(end, known)) + [PLACEHOLDER] * (end - max(start, known))
         return ScheduledRequest(
-            req.request_id, token_ids, start, list(req.block_table), end == known + req.num_pending_outputs
+            req.request_id, token_ids, start, list(req.block_table), end == known + req.num_pending_outputs,
+            self._prompt_logprob_rows(req, start, end),
         )
+
+    @staticmethod
+    def _prompt_logprob_rows(req: Request, start: int, end: int) -> PromptLogprobRows | None:
+        """Rows of the chunk [start, end) that give prompt logprobs not yet asked of an earlier chunk (a request
+        computed again after a preemption has its earlier ones)."""
+        if req.params.prompt_logprobs is None:
+            return None
+        lo, hi = max(start, req.num_prompt_logprob_rows), min(end, req.num_prompt_tokens - 1)
+        if hi <= lo:
+            return None
+        req.num_prompt_logprob_rows = hi
+        return PromptLogprobRows(lo - start, req.prompt_token_ids[lo + 1:hi + 1], req.params.prompt_logprobs)
 
     def _preempt_newest(self) -> Request | None:
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
@@ -221,9 +244,11 @@ class Scheduler:
         return victim
 
     def update(
-        self, batch: Batch, sampled: dict[str, tuple[int, TokenLogprobs | None] | Failure]
+        self, batch: Batch, sampled: dict[str, tuple[int, TokenLogprobs | None] | Failure],
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[Request]:
-        """Account computed tokens, append sampled ones, retire finished requests; returns those that got a token."""
+        """Account computed tokens, append sampled ones (and the prompt logprobs of chunks that asked for them),
+        retire finished requests; returns those that got a token."""
         updated = []
         for sr in batch.requests:
             self.in_flight[sr.request_id] -= 1
@@ -241,6 +266,8 @@ class Scheduler:
                 updated.append(req)
                 continue
             req.num_computed_tokens += len(sr.token_ids)
+            if sr.prompt_logprobs is not None:
+                req.prompt_logprobs += prompt_logprobs[sr.request_id]
             self.kv.cache_full_blocks(req)
             if self.kv_window:  # the next query (at num_computed_tokens) sees keys from here on
                 self.kv.release_before(req, req.num_computed_tokens - self.kv_window + 1)

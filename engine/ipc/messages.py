@@ -72,6 +72,15 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True):
     logprobs: list | None = None  # [[chosen_id, chosen_logprob, [[id, lp], ...]], ...] per token
 
 
+class PromptLogprobsPart(msgspec.Struct, tag=True, array_like=True):
+    """Prompt logprobs of a request that asked for them, sent in parts before its first TokenDelta (a long prompt's
+    would not fit in one frame): positions start, start + 1, ... (position 0, the first token, has none)."""
+
+    request_id: str
+    start: int
+    logprobs: list  # [[token_id, logprob, rank, [[id, lp], ...]], ...]
+
+
 class RequestError(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     message: str
@@ -101,4 +110,4 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
 
 
 ToEngine = Union[AddGrammar, ReleaseGrammar, AddRequest, Abort, Shutdown]
-FromEngine = Union[EngineReady, TokenDelta, RequestError, EngineStats]
+FromEngine = Union[EngineReady, PromptLogprobsPart, TokenDelta, RequestError, EngineStats]

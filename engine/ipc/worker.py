@@ -31,6 +31,7 @@ from engine.ipc.messages import (
     EngineSummary,
     EngineStats,
     FromEngine,
+    PromptLogprobsPart,
     ReleaseGrammar,
     RequestError,
     Shutdown,
@@ -38,6 +39,7 @@ from engine.ipc.messages import (
     TokenDelta,
 )
 
+PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
 
@@ -136,6 +138,8 @@ class EngineWorker:
                 self.outbox.send(RequestError(req.request_id, req.error, internal=True))
                 continue
             try:
+                if req.params.prompt_logprobs is not None and req.num_output_tokens == 1:
+                    self.send_prompt_logprobs(req)
                 self.outbox.send(self.delta(req))
             except Exception as e:  # noqa: BLE001 - one request's bad delta must not take the others down
                 self.engine.abort_request(req.request_id)
@@ -150,6 +154,12 @@ class EngineWorker:
             last = req.output_logprobs[-1]
             lp = [[last.token_id, last.logprob, [list(x) for x in last.top]]]
         return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp)
+
+    def send_prompt_logprobs(self, req) -> None:
+        """A request's prompt logprobs, all computed by its first token, in parts (positions 1, 2, ...)."""
+        rows = [[t.token_id, t.logprob, t.rank, [list(x) for x in t.top]] for t in req.prompt_logprobs]
+        for start in range(0, len(rows), PROMPT_LOGPROBS_PART):
+            self.outbox.send(PromptLogprobsPart(req.request_id, start + 1, rows[start:start + PROMPT_LOGPROBS_PART]))
 
     def publish_stats(self, iteration_seconds: float) -> None:
         e = self.engine

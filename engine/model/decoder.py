@@ -111,16 +111,20 @@ class Decoder(nn.Module):
         kv_caches: list[torch.Tensor],  # one per layer of this span
         meta: AttentionMetadata,
         attention: AttentionBackend,
-        logits_indices: torch.Tensor,  # rows whose next token is sampled
+        logits_indices: torch.Tensor | None,  # rows whose next token is sampled
         hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage
     ) -> torch.Tensor:
-        """Logits [num_sampled, vocab] from the last span; the hidden states [T, hidden] from any other."""
+        """Logits [num_sampled, vocab] from the last span; the hidden states [T, hidden] from any other. With
+        logits_indices None the last span returns every row final-normed [T, hidden], for a caller that takes the
+        logits of more rows than it samples (prompt logprobs) a few at a time."""
         x = self.embed(input_ids) if self.is_first else hidden
         for layer, kv_cache in zip(self.layers, kv_caches):
             q = layer.pre_attention(x, positions, kv_cache, meta.slot_mapping)
             x = layer.post_attention(x, attention.forward(q, kv_cache, meta, layer.attn_params))
         if not self.is_last:
             return x
+        if logits_indices is None:
+            return self.final_norm(x)
         return self.logits(self.final_norm(x[logits_indices]))
 
     def materialize_buffers(self) -> None:

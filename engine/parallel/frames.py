@@ -59,6 +59,8 @@ class StageResult(msgspec.Struct, tag=True):
     batch_id: int
     token_ids: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen logprob, top pairs) where asked
+    # Per request whose chunk asked for prompt logprobs, one (token, logprob, rank, top pairs) per row.
+    prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = {}
 
 
 class StageShutdown(msgspec.Struct, tag=True):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.core.config import EngineConfig
-from engine.core.executor import Sampled
+from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Request, TokenLogprobs
 from engine.core.scheduler import Batch
 from engine.parallel.frames import (
@@ -154,7 +154,7 @@ class PipelineExecutor:
         self.in_flight.append((self.next_batch_id, batch, [r.request_id for r in sampling]))
         self.next_batch_id += 1
 
-    def collect(self) -> tuple[Batch, Sampled]:
+    def collect(self) -> tuple[Batch, Sampled, PromptLogprobs]:
         result = self.results.get()
         if isinstance(result, BaseException):
             raise result
@@ -164,7 +164,9 @@ class PipelineExecutor:
         sampled: Sampled = {}
         for request_id, token, lp in zip(sampling_ids, result.token_ids, result.logprobs):
             sampled[request_id] = (token, None if lp is None else TokenLogprobs(token, lp[0], [tuple(p) for p in lp[1]]))
-        return batch, sampled
+        prompt = {request_id: [TokenLogprobs(t, lp, [tuple(p) for p in top], rank) for t, lp, rank, top in rows]
+                  for request_id, rows in result.prompt_logprobs.items()}
+        return batch, sampled, prompt
 
     def release(self, request_ids: list[str]) -> None:
         gone = [r for r in request_ids if r in self.known]

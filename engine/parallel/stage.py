@@ -144,7 +144,10 @@ class Stage:
             req.output_token_ids.append(token)  # the penalties and min_tokens of its next sample see it
             token_ids.append(token)
             logprobs.append(None if lp is None else (lp.logprob, lp.top))
-        send_frame(StageResult(frame.batch_id, token_ids, logprobs), DRIVER, self.pending)
+        prompt = self.runner.prompt_logprobs
+        prompt_logprobs = {} if prompt is None else {
+            request_id: [(t.token_id, t.logprob, t.rank, t.top) for t in rows] for request_id, rows in prompt.finish().items()}
+        send_frame(StageResult(frame.batch_id, token_ids, logprobs, prompt_logprobs), DRIVER, self.pending)
 
 
 def _request(state: SamplingState) -> Request:

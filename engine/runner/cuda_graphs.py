@@ -148,9 +148,10 @@ class CudaGraphRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         attention: AttentionBackend,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """Logits like Decoder.forward, or None when no bucket holds the batch."""
+        """Logits like Decoder.forward (every row final-normed for logits_indices None), or None when no bucket
+        holds the batch."""
         t = input_ids.shape[0]
         bucket = self.bucket_for(t)
         if bucket is None:
@@ -164,4 +165,6 @@ class CudaGraphRunner:
             replay()
             self.attn_out[:t].copy_(attention.forward(self.q[:t], kv_cache, meta, layer.attn_params))
         replays[-1]()
+        if logits_indices is None:
+            return self.x[:t]  # read before the next replay overwrites it
         return self.model.logits(self.x[logits_indices])

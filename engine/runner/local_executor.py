@@ -7,7 +7,7 @@ from collections import deque
 import torch
 
 from engine.core.config import EngineConfig, FaultPlan
-from engine.core.executor import Sampled
+from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Failure, Request
 from engine.core.scheduler import Batch
 from engine.model.decoder import Decoder, Rotary
@@ -20,6 +20,7 @@ from engine.model.sharding import TensorShard
 from engine.model.token_ops import can_fuse, fuse_token_ops
 from engine.runner.device import DeviceError, block_weights
 from engine.runner.model_runner import ModelRunner
+from engine.runner.prompt_logprobs import DevicePromptLogprobs
 
 
 def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None,
@@ -73,7 +74,7 @@ class LocalExecutor:
         self.num_blocks = self.runner.num_blocks
         self.max_in_flight = 2 if config.async_scheduling == "on" else 1
         self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
-        self.done: deque[tuple[Batch, DeviceSample | Sampled]] = deque()
+        self.done: deque[tuple[Batch, DeviceSample | Sampled, DevicePromptLogprobs | None]] = deque()
         # The newest batch's sampled ids on the device, and each request's row in them: what rows scheduled ahead
         # of their token read.
         self.previous: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -94,7 +95,8 @@ class LocalExecutor:
         except Exception as e:
             if self.runner.device.type == "cuda":
                 raise  # a failed kernel may leave the device or the KV cache in doubt: the engine restarts
-            self.done.append((batch, {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}))
+            failed = {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}
+            self.done.append((batch, failed, None))
             return
         result = self._sample_isolated(logits, sampling)
         if isinstance(result, DeviceSample):
@@ -103,7 +105,7 @@ class LocalExecutor:
             ids = [result[r.request_id] for r in sampling]
             tokens = torch.tensor([t[0] if isinstance(t, tuple) else 0 for t in ids], device=self.runner.device)
         self.previous = tokens, {r.request_id: i for i, r in enumerate(sampling)}
-        self.done.append((batch, result))
+        self.done.append((batch, result, self.runner.prompt_logprobs))
 
     def _sample_isolated(self, logits: torch.Tensor, sampling: list[Request]) -> DeviceSample | Sampled:
         restore = self.sampler.save_rng(sampling)
@@ -125,9 +127,10 @@ class LocalExecutor:
         self.faults.at_sampling([r.prompt_token_ids for r in sampling])  # after the generators moved
         return sample
 
-    def collect(self) -> tuple[Batch, Sampled]:
-        batch, result = self.done.popleft()
-        return batch, self.sampler.finish(result) if isinstance(result, DeviceSample) else result
+    def collect(self) -> tuple[Batch, Sampled, PromptLogprobs]:
+        batch, result, prompt = self.done.popleft()
+        sampled = self.sampler.finish(result) if isinstance(result, DeviceSample) else result
+        return batch, sampled, prompt.finish() if prompt is not None else {}
 
     def release(self, request_ids: list[str]) -> None:
         pass  # the sampler keeps nothing per request here: it reads the scheduler's own Request objects

@@ -13,6 +13,7 @@ from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.decode_graphs import DecodeGraphRunner
 from engine.runner.device import num_kv_blocks
+from engine.runner.prompt_logprobs import DevicePromptLogprobs, PromptRows, reduce_rows
 from engine.runner.token_segments import pick_segments
 
 DEFAULT_GRAPH_TOKENS = 512  # 67 token buckets: with L + 1 graphs each, llama-1b captures ~1.1k graphs
@@ -44,6 +45,8 @@ class StepInputs:
             "logits_indices": buf(max_seqs, torch.int64),
             "ahead_rows": buf(max_seqs, torch.int64),
             "ahead_sources": buf(max_seqs, torch.int64),
+            "prompt_rows": buf(max_tokens, torch.int64),
+            "prompt_targets": buf(max_tokens, torch.int64),
         }
         self.arrays = {name: t.numpy() for name, t in self.bufs.items()}
 
@@ -93,6 +96,8 @@ class ModelRunner:
                         device=self.device)
             for _ in model.layers  # a pipeline stage caches only its own layers
         ]
+        # The last run's prompt logprobs (rows its chunks asked for), their host copy started; None if none asked.
+        self.prompt_logprobs: DevicePromptLogprobs | None = None
         self.graphs: CudaGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         segments = pick_segments(config.compile, use_graphs, model, self.kv_caches, self.scratch_block)
@@ -110,9 +115,14 @@ class ModelRunner:
 
         A pipeline stage takes the previous stage's `hidden` states and, unless it is the last,
         returns its own for the next. `previous` is the batch before's sampled ids on the device and each
-        request's row in them: a PLACEHOLDER input reads its request's id there.
+        request's row in them: a PLACEHOLDER input reads its request's id there. Rows that asked for prompt
+        logprobs get them from the same pass, left in `self.prompt_logprobs`.
         """
         input_ids, positions, meta, logits_indices = self.prepare(batch, previous)
+        self.prompt_logprobs = None
+        prompt = PromptRows.of(batch) if self.model.is_last else None
+        if prompt is not None:
+            return self._run_with_prompt_rows(input_ids, positions, meta, logits_indices, hidden, prompt)
         logits = None
         if self.decode_graphs is not None and batch.num_tokens == len(batch.requests) and all(
                 r.sample for r in batch.requests):
@@ -122,6 +132,20 @@ class ModelRunner:
         if logits is not None:
             return logits
         return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
+
+    def _run_with_prompt_rows(self, input_ids, positions, meta, logits_indices, hidden, prompt: PromptRows):
+        """The forward to the final norm for every row; then the sampled rows' logits and the prompt rows' logprobs,
+        the latter in bounded chunks."""
+        normed = None
+        if self.graphs is not None:
+            normed = self.graphs.forward(input_ids, positions, meta, self.attention, None)
+        if normed is None:
+            normed = self.model(input_ids, positions, self.kv_caches, meta, self.attention, None, hidden)
+        inputs = self.inputs[(self.num_steps - 1) % 2]  # the buffers prepare() just filled
+        rows, targets = inputs.put("prompt_rows", prompt.rows), inputs.put("prompt_targets", prompt.targets)
+        packed = reduce_rows(self.model, normed.index_select(0, rows), targets, prompt.num_top)
+        self.prompt_logprobs = DevicePromptLogprobs(packed, prompt)
+        return self.model.logits(normed[logits_indices])
 
     def prepare(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None = None):
         bs = self.config.block_size
