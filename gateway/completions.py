@@ -11,10 +11,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.detokenizer import token_text
+from gateway.detokenizer import IncrementalDetokenizer, token_text
 from gateway.generation import ChoiceEvent
 from gateway.protocol import (
-    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, decode_request,
+    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob, Usage,
+    decode_request,
 )
 from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
@@ -22,8 +23,6 @@ from gateway.serving import ServerState, json_response, read_body, until_done_or
 async def create_completion(request: Request, state: ServerState) -> Response:
     req = decode_request(await read_body(request), CompletionRequest)
     state.check_model(req.model)
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     limits = state.engine_limits()
     grammar = await state.grammar(req)
     prompts = await state.encode_prompts(req.prompts)
@@ -36,17 +35,25 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             for text, ids in zip(req.prompts, prompts)]
     salt = state.cache_salt(request, req.cache_salt)
     gen = state.generation(prompts, params, req.n, req.stop_strings, salt)  # admitted from here: close() it
+    gen.prompt_only = req.prompt_only
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     top_n = req.logprobs
 
     def choice(event: ChoiceEvent, text_before: int) -> CompletionChoice:
-        prompt_echo = echo[event.index // req.n]
+        p = event.index // req.n
+        prompt_echo = echo[p]
         prefix = prompt_echo if text_before == 0 else ""
         logprobs = None
         if top_n is not None:
             logprobs = _logprobs(state, event, top_n, len(prompt_echo))
-        return CompletionChoice(index=event.index, text=prefix + event.text, logprobs=logprobs,
-                                finish_reason=event.finish_reason)
+            if req.echo and event.prompt_logprobs is not None:
+                logprobs = _join(_echoed_logprobs(state, req.prompts[p], prompts[p], event.prompt_logprobs, top_n),
+                                 logprobs)
+        c = CompletionChoice(index=event.index, text=prefix + event.text, logprobs=logprobs,
+                             finish_reason=event.finish_reason)
+        if req.prompt_logprobs is not None and event.prompt_logprobs is not None:
+            c.prompt_logprobs = _vllm_prompt_logprobs(state, event.prompt_logprobs, req.prompt_logprobs)
+        return c
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -76,8 +83,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             prev.text += c.text
             prev.finish_reason = c.finish_reason
             if prev.logprobs is not None:
-                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(prev.logprobs, name).extend(getattr(c.logprobs, name))
+                _join(prev.logprobs, c.logprobs)
         return json_response(CompletionResponse(
             id=rid, created=created, model=state.model_name, choices=[merged[i] for i in sorted(merged)],
             usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens),
@@ -98,3 +104,49 @@ def _logprobs(state: ServerState, event: ChoiceEvent, top_n: int, base_offset: i
         top_logprobs=[{text(i): v for i, v in top[:top_n]} for _, _, top in event.logprobs],
         text_offset=[base_offset + o for o in event.token_offsets],
     )
+
+
+def _join(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    """`then`'s tokens appended to `first`'s (in place); returns `first`."""
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(first, name).extend(getattr(then, name))
+    return first
+
+
+def _echoed_logprobs(state: ServerState, sent: str | list[int], ids: list[int], rows: list,
+                     top_n: int) -> CompletionLogprobs:
+    """The prompt's part of an echoed choice's logprobs: its first token's logprob and alternatives null (nothing
+    predicts it), offsets into the echoed text."""
+    tok = state.tokenizer
+    text = (lambda i: token_text(tok, i)) if tok is not None else str
+    return CompletionLogprobs(
+        tokens=[text(t) for t in ids],
+        token_logprobs=[None, *(row[1] for row in rows)],
+        top_logprobs=[None, *({text(i): v for i, v in row[3][:top_n]} for row in rows)],
+        text_offset=_prompt_offsets(tok, sent, ids),
+    )
+
+
+def _prompt_offsets(tok, sent: str | list[int], ids: list[int]) -> list[int]:
+    """Where each prompt token's text starts in the echo: the text as sent, or the ids' text (special tokens shown).
+    A BOS the tokenizer put before a text prompt is not in the echo: it starts at 0."""
+    if tok is None:
+        return [0] * len(ids)
+    added = isinstance(sent, str) and tok.add_bos_token and ids[:1] == [tok.bos_token_id] and not sent.startswith(
+        tok.bos_token)
+    detok = IncrementalDetokenizer(tok, (), skip_special_tokens=False)
+    detok.push(ids[1:] if added else ids)
+    return [0] * added + detok.token_offsets
+
+
+def _vllm_prompt_logprobs(state: ServerState, rows: list, top_n: int) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: null, then per prompt token its own entry and the top `top_n` alternatives."""
+    tok = state.tokenizer
+    text = (lambda i: token_text(tok, i)) if tok is not None else str
+    out: list[dict[int, PromptLogprob] | None] = [None]
+    for token, logprob, rank, top in rows:
+        entry = {token: PromptLogprob(logprob=logprob, rank=rank, decoded_token=text(token))}
+        for k, (i, v) in enumerate(top[:top_n]):
+            entry.setdefault(i, PromptLogprob(logprob=v, rank=k + 1, decoded_token=text(i)))
+        out.append(entry)
+    return out

@@ -15,7 +15,8 @@ import time
 
 from engine.core.config import EngineConfig
 from engine.ipc.messages import (
-    Abort, AddGrammar, AddRequest, EngineReady, EngineStats, ReleaseGrammar, RequestError, TokenDelta,
+    Abort, AddGrammar, AddRequest, EngineReady, EngineStats, PromptLogprobsPart, ReleaseGrammar, RequestError,
+    TokenDelta,
 )
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
@@ -213,6 +214,10 @@ class EngineClient:
                 queue.put_nowait((msg.request_id, msg))
                 if msg.finish_reason is not None:
                     self.routes.pop(msg.request_id, None)
+        elif isinstance(msg, PromptLogprobsPart):
+            queue = self.routes.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait((msg.request_id, msg))
         elif isinstance(msg, EngineStats):
             self.stats = msg
             self.metrics.observe_stats(msg)

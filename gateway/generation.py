@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.core.sampling_params import SamplingParams
-from engine.ipc.messages import TokenDelta
+from engine.ipc.messages import PromptLogprobsPart, TokenDelta
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import EngineClient
@@ -28,6 +28,9 @@ class ChoiceEvent:
     logprobs: list
     token_offsets: list[int]  # where each new token's text starts in the choice's text
     finish_reason: str | None
+    # On a choice's first event when the request asked for them: `[id, logprob, rank, [[id, lp], ...]]` for each
+    # prompt token after the first.
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -40,6 +43,7 @@ class _Choice:
     num_tokens: int = 0
     finished: bool = False
     offsets: list[int] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # PromptLogprobsParts' rows, gathered before the first token
 
 
 class _Deltas(asyncio.Queue):
@@ -53,7 +57,8 @@ class _Deltas(asyncio.Queue):
 
     def put_nowait(self, item) -> None:
         request_id, msg = item
-        if request_id is not None and (isinstance(msg, Exception) or msg.finish_reason is not None):
+        if request_id is not None and (isinstance(msg, Exception) or
+                                       (isinstance(msg, TokenDelta) and msg.finish_reason is not None)):
             self._sequence_done(request_id)
         super().put_nowait(item)
 
@@ -71,6 +76,7 @@ class Generation:
     stop: list[str]
     ticket: Ticket  # the admitted sequences; one is given back as each choice ends
     cache_salt: bytes = b""  # opaque to the engine: only requests with the same salt share cached prefixes
+    prompt_only: bool = False  # max_tokens 0: the engine's one sampled token is dropped, the choice ends "length"
     choices: dict[str, _Choice] = field(default_factory=dict)
     _released: set[str] = field(default_factory=set, repr=False)  # sequences whose admission was given back
     _queue: asyncio.Queue | None = field(default=None, repr=False)  # events() reads its deltas here
@@ -117,6 +123,9 @@ class Generation:
                 choice = self.choices[rid]
                 if choice.finished:
                     continue  # a delta already in flight when a stop string ended this choice
+                if isinstance(item, PromptLogprobsPart):
+                    choice.prompt_logprobs += item.logprobs
+                    continue
                 event = self._advance(rid, choice, item)
                 if event.finish_reason is not None:
                     pending -= 1
@@ -153,6 +162,16 @@ class Generation:
         else:
             self.metrics.itl.observe(now - choice.last_token_at)
         choice.last_token_at = now
+        prompt = None
+        if self.params.prompt_logprobs is not None and choice.num_tokens == 0:
+            prompt, choice.prompt_logprobs = choice.prompt_logprobs, []
+        if self.prompt_only:
+            if delta.finish_reason is None:
+                self.client.abort(rid)
+            choice.finished = True
+            self._release(rid)
+            self.metrics.finished.labels("length").inc()
+            return ChoiceEvent(choice.index, "", [], [], [], "length", prompt)
         choice.num_tokens += len(delta.token_ids)
         self.metrics.generation_tokens.inc(len(delta.token_ids))
 
@@ -169,4 +188,4 @@ class Generation:
             choice.finished = True
             self._release(rid)
             self.metrics.finished.labels(finish).inc()
-        return ChoiceEvent(choice.index, text, list(delta.token_ids), delta.logprobs or [], offsets, finish)
+        return ChoiceEvent(choice.index, text, list(delta.token_ids), delta.logprobs or [], offsets, finish, prompt)

@@ -14,14 +14,16 @@ from gateway.structured import ANY_OBJECT
 from gateway.tools import FunctionCall, Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
 
 MAX_N = 16  # choices per prompt (`n`)
-MAX_STOP = 4  # stop strings per request, as OpenAI
+# Stop strings per request (OpenAI allows 4; vLLM and llama.cpp any number). Each token costs the detokenizer a
+# search per string over its last MAX_STOP_LEN characters: at 64 strings of 256 characters, under 0.1 ms a token.
+MAX_STOP = 64
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_BODY_BYTES = 4 * 1024 * 1024  # request body size; larger is a 413
 MAX_DRAIN_BYTES = 256 * 1024 * 1024  # of a refused body, read and dropped so that the client sees its 413
 BODY_TIMEOUT = 60.0  # seconds a whole body may take to arrive (4 MiB at 70 KB/s); then a 408
 MAX_CACHE_SALT = 1024  # characters of `cache_salt`
-MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, as OpenAI
+MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS  # completions `logprobs` (OpenAI's legacy API took 5; vLLM 20)
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat `top_logprobs` (20, the engine's limit)
 # The engine samples in float32 (bf16 on a GPU): a tinier positive top_p or repetition penalty rounds
 # to 0 or overflows `logit / factor` to inf, and the sampler fails on the NaNs.
@@ -152,9 +154,13 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     # str, list[str], list[int] or list[list[int]]
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]
-    max_tokens: MaxTokens | None = 16  # null: up to the context window
+    # null: up to the context window; 0 (with echo or prompt_logprobs): score the prompt, generate nothing
+    max_tokens: Annotated[int, Meta(ge=0)] | None = 16
+    # With echo, the prompt's tokens come first in `logprobs` too (the first one's logprob null), as OpenAI's did.
     logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = False
+    # vLLM's: each choice's `prompt_logprobs`, every prompt token's logprob and rank with this many top alternatives
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None  # only 1 is supported
     suffix: str | None = None  # not supported
 
@@ -166,10 +172,25 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             return [p]
         return [p] if isinstance(p[0], int) else list(p)
 
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: the engine computes the prompt (and samples one token, which is dropped)."""
+        return self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """How many top alternatives each prompt token's logprobs need (vLLM: `prompt_logprobs`, else with echo the
+        `logprobs`); None: the prompt's logprobs are not asked for."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs if self.echo and self.logprobs is not None else 0)
+        return self.logprobs if self.echo else None
+
     def to_sampling_params(self, *, default_max_tokens: int | None = None, grammar: str | None = None) -> SamplingParams:
         """`default_max_tokens` stands in for `max_tokens: null` (the gateway passes the room left in the
         context window); without it SamplingParams' default applies. `grammar`: output_schema()'s, compiled."""
-        return self._sampling(self.max_tokens, self.logprobs, default_max_tokens, grammar)
+        params = self._sampling(1 if self.prompt_only else self.max_tokens, self.logprobs, default_max_tokens, grammar)
+        prompt = self.num_prompt_logprobs
+        return params if prompt is None else msgspec.structs.replace(params, prompt_logprobs=prompt)
 
     def validate(self) -> None:
         p = self.prompt
@@ -187,6 +208,10 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             raise InvalidRequestError("best_of is not supported (only 1)", "best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
+        if self.prompt_only and not (self.echo or self.prompt_logprobs is not None):
+            raise InvalidRequestError("max_tokens 0 returns nothing without echo or prompt_logprobs", "max_tokens")
+        if self.prompt_only and self.min_tokens:
+            raise InvalidRequestError("min_tokens must be between 0 and max_tokens", "min_tokens")
         self._validate_common()
         self.to_sampling_params(default_max_tokens=max(self.min_tokens, 1))
 
@@ -306,11 +331,22 @@ class CompletionLogprobs(Struct, kw_only=True):
     text_offset: list[int]
 
 
+class PromptLogprob(Struct, kw_only=True):
+    """vLLM's Logprob: one token at one prompt position."""
+
+    logprob: float
+    rank: int  # 1: the most likely token there
+    decoded_token: str
+
+
 class CompletionChoice(Struct, kw_only=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # With `prompt_logprobs` (vLLM's shape): per prompt token, null for the first, else {token id: PromptLogprob} for
+    # the prompt's token and the top alternatives. In a stream, on each choice's first chunk.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class CompletionResponse(Struct, kw_only=True):

@@ -220,6 +220,32 @@ def test_echo(client):
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + plain
 
 
+def test_echo_with_logprobs_scores_the_prompt(http, llm):
+    """lm-eval's loglikelihood request: the prompt's logprobs from the prefill, the first one null, equal to the
+    engine's own prompt logprobs; max_tokens 0 scores without generating; vLLM's prompt_logprobs shape too."""
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    [ref] = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    want = [t.logprob for t in ref.prompt_logprobs[1:]]
+    body = complete(http, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+
+    zero = complete(http, prompt=ids, max_tokens=0, logprobs=1, echo=True)
+    [choice] = zero["choices"]
+    assert choice["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0
+    assert choice["text"] == llm.tokenizer.decode(ids)
+    assert choice["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
+
+    vllm = complete(http, prompt=ids, max_tokens=0, prompt_logprobs=2)["choices"][0]["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(ids)
+    for token, entry, logprob in zip(ids[1:], vllm[1:], want):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
+        assert len(entry) in (2, 3) and sorted(e["rank"] for e in entry.values())[0] == 1
+
+
 def test_stream_include_usage(client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
                                             stream_options={"include_usage": True},

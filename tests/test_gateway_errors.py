@@ -56,10 +56,11 @@ CASES = [
     ("presence_penalty 5", "POST", CMPL, {**P, "presence_penalty": 5}, 400, INVALID, "presence_penalty", None),
     ("min_tokens over max_tokens", "POST", CMPL, {**P, "min_tokens": 10}, 400, INVALID, "min_tokens", None),
     ("seed beyond int64", "POST", CMPL, {**P, "seed": 2**64}, 400, INVALID, "seed", None),
-    ("logprobs 6", "POST", CMPL, {**P, "logprobs": 6}, 400, INVALID, "logprobs", None),
+    ("logprobs 21", "POST", CMPL, {**P, "logprobs": 21}, 400, INVALID, "logprobs", None),
+    ("prompt_logprobs 21", "POST", CMPL, {**P, "prompt_logprobs": 21}, 400, INVALID, "prompt_logprobs", None),
     ("top_logprobs 30", "POST", CHAT, {**M, "logprobs": True, "top_logprobs": 30}, 400, INVALID, "top_logprobs", None),
     ("top_logprobs without logprobs", "POST", CHAT, {**M, "top_logprobs": 2}, 400, INVALID, "top_logprobs", None),
-    ("stop list of 5", "POST", CMPL, {**P, "stop": ["a", "b", "c", "d", "e"]}, 400, INVALID, "stop", None),
+    ("stop list of 65", "POST", CMPL, {**P, "stop": [f"s{i}" for i in range(65)]}, 400, INVALID, "stop", None),
     ("empty stop string", "POST", CMPL, {**P, "stop": [""]}, 400, INVALID, "stop", None),
     ("stream_options without stream", "POST", CMPL, {**P, "stream_options": {"include_usage": True}}, 400, INVALID,
      "stream_options", None),
@@ -85,7 +86,11 @@ CASES = [
     # unsupported
     ("best_of 2", "POST", CMPL, {**P, "best_of": 2}, 400, INVALID, "best_of", None),
     ("suffix", "POST", CMPL, {**P, "suffix": "x"}, 400, INVALID, "suffix", None),
-    ("echo with logprobs", "POST", CMPL, {**P, "echo": True, "logprobs": 1}, 400, INVALID, "echo", None),
+    ("max_tokens 0 with min_tokens", "POST", CMPL, {**P, "max_tokens": 0, "echo": True, "min_tokens": 1}, 400, INVALID,
+     "min_tokens", None),
+    # compiled in the gateway's pool after decoding, still a 400 naming the field
+    ("schema that does not compile", "POST", CHAT, {**M, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": 3}}}}, 400, INVALID, "response_format", None),
     ("tool without a function", "POST", CHAT, {**M, "tools": [{"type": "function"}]}, 400, INVALID,
      "tools[0].function", None),
     ("unknown tool_choice", "POST", CHAT, {**M, "tools": [{"type": "function", "function": {"name": "f"}}],
