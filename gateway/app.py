@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from engine.core.config import EngineConfig
 from gateway import errors
-from gateway.admission import Admission
+from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS, Admission
 from gateway.auth import APIKeyMiddleware, CacheSalts
 from gateway.banner import startup_block
 from gateway.chat import create_chat_completion
@@ -43,7 +43,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()  # when any, every /v1 route needs `Authorization: Bearer <one of them>`
     served_model_name: str | None = None  # the `model` clients send; None = derived from the model path
     engine_start_timeout: float = 300.0  # seconds to wait for the model to load
-    max_waiting: int | None = None  # sequences queued beyond the engine's batch; None = see Admission.capacity
+    max_waiting: int | None = None  # sequences queued beyond the engine's batch; None: admission's default (4096)
+    max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS  # prompt tokens admitted at once (each choice counts its own)
     metrics_need_key: bool = True  # with API keys, /metrics needs one too (its prefix-cache counters tell of prompts)
     prefix_cache_scope: Literal["key", "global"] = "key"  # with API keys: each key's cached prefixes its own, or shared
     special_tokens_in_content: Literal["allow", "escape"] = "allow"  # chat content's "<|im_start|>": special, or text
@@ -81,7 +82,7 @@ def load_gateway_tokenizer(model: str | None):
 def build_app(config: GatewayConfig) -> Starlette:
     metrics = Metrics()
     client = EngineClient(config.engine, metrics, config.engine_hang_timeout)
-    admission = Admission(config.engine.max_num_seqs, config.max_waiting, metrics)
+    admission = Admission(config.engine.max_num_seqs, config.max_waiting, metrics, config.max_queued_tokens)
     tokenizer = load_gateway_tokenizer(config.engine.model)
     content_tokens = None if tokenizer is None else ContentTokens(tokenizer, config.special_tokens_in_content)
     state = ServerState(client, tokenizer, metrics, served_name(config), admission,

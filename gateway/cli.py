@@ -10,6 +10,7 @@ from dataclasses import fields
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
+from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS
 
 # Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields.
 _ENGINE_FLAGS = {
@@ -78,6 +79,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """--api-key (repeated) and --api-key-file; neither given: $ORCINUS_API_KEY, if set."""
     from gateway.auth import check_key, read_keys_file
@@ -102,6 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.exit(f"orcinus serve: {e}")
     config = GatewayConfig(
         EngineConfig(**engine_kwargs(args)), keys, args.served_model_name, max_waiting=args.max_waiting,
+        max_queued_tokens=args.max_queued_tokens,
         metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
         special_tokens_in_content=args.special_tokens_in_content,
         shutdown_timeout=args.shutdown_timeout,
@@ -167,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                           "share them")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
     srv.add_argument("--max-waiting", type=_non_negative, default=None,
-                     help="sequences queued beyond the batch before new requests get 429 "
-                          "(default: min(max-num-seqs, KV blocks))")
+                     help="sequences queued beyond the batch before new requests get 429 (default 4096)")
+    srv.add_argument("--max-queued-tokens", type=_positive, default=DEFAULT_MAX_QUEUED_TOKENS,
+                     help="prompt tokens of the admitted sequences before new requests get 429 (default 4M)")
     srv.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                      help="browser origins that may call the API, e.g. https://chat.example.com, or * for any "
                           "(default: http://localhost:* and http://127.0.0.1:*; the flag alone: none)")

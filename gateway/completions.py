@@ -10,7 +10,6 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.core.sampling_params import InvalidRequestError
 from gateway.detokenizer import IncrementalDetokenizer, token_text
 from gateway.generation import ChoiceEvent
 from gateway.protocol import (

@@ -108,8 +108,8 @@ class ServerState:
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
                    cache_salt: bytes = b"") -> Generation:
-        """Admit the request's sequences (429 at capacity); the caller must `close()` the Generation."""
-        ticket = self.admission.admit(len(prompts) * n, self.engine_limits())
+        """Admit the request's sequences (429 past the queue's bound); the caller must `close()` the Generation."""
+        ticket = self.admission.admit(len(prompts) * n, n * sum(map(len, prompts)))
         gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, cache_salt)
         self.live.add(gen)
         return gen

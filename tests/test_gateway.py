@@ -246,6 +246,20 @@ def test_echo_with_logprobs_scores_the_prompt(http, llm):
         assert len(entry) in (2, 3) and sorted(e["rank"] for e in entry.values())[0] == 1
 
 
+def test_a_burst_of_a_thousand_sdk_requests_queues_and_all_succeed(server):
+    """Issue 29: 1,000 at once through the SDK (no retries) are queued, not refused, with the served defaults."""
+
+    async def burst():
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="x", timeout=600, max_retries=0,
+                                      http_client=httpx.AsyncClient(limits=limits, timeout=600)) as sdk:
+            return await asyncio.gather(*(sdk.completions.create(
+                model=MODEL, prompt=f"Count {i}:", max_tokens=1, temperature=0) for i in range(1000)))
+
+    results = asyncio.run(burst())
+    assert len(results) == 1000 and all(r.usage.completion_tokens == 1 for r in results)
+
+
 def test_stream_include_usage(client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
                                             stream_options={"include_usage": True},

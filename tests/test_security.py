@@ -344,7 +344,6 @@ def test_admission_comes_back_when_the_engine_finishes_unread():
     each sequence, or its error, gives its slot back as it arrives, once."""
     import asyncio
 
-    from engine.core.request_limits import RequestLimits
     from engine.core.sampling_params import SamplingParams
     from engine.ipc.messages import TokenDelta
     from gateway.admission import Admission
@@ -353,7 +352,7 @@ def test_admission_comes_back_when_the_engine_finishes_unread():
 
     admission = Admission(4, 4, Metrics())
     gen = Generation(None, Metrics(), None, [[1]], SamplingParams(), 3, [],
-                     admission.admit(3, RequestLimits(100, 100, 100, 16)))
+                     admission.admit(3, 3))
 
     async def run():
         deltas = _Deltas(gen._release)

@@ -183,8 +183,7 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
 
     metrics = Metrics()
     admission = Admission(8, 8, metrics)
-    from engine.core.request_limits import RequestLimits
-    ticket = admission.admit(6, RequestLimits(100, 100, 100, 16))
+    ticket = admission.admit(6, 9)
     params = SamplingParams(max_tokens=4, seed=5, grammar="start: /[0-9]+/")
     gen = Generation(Client(), metrics, None, [[1, 2], [3]], params, 3, [], ticket)
 
