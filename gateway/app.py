@@ -121,6 +121,12 @@ def build_app(config: GatewayConfig) -> Starlette:
     async def models(request: Request) -> Response:
         return json_response(ModelList(data=[ModelCard(id=state.model_name, created=started)]))
 
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != state.model_name:
+            raise errors.model_not_found(name)
+        return json_response(ModelCard(id=state.model_name, created=started))
+
     async def health(request: Request) -> Response:
         if state.client.healthy:
             return JSONResponse({"status": "ok"})
@@ -140,6 +146,7 @@ def build_app(config: GatewayConfig) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),

@@ -14,7 +14,7 @@ import msgspec
 from gateway.errors import ErrorResponse
 from gateway.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest,
-    CompletionResponse, ModelList,
+    CompletionResponse, ModelCard, ModelList,
 )
 
 _REF = "#/components/schemas/{name}"
@@ -95,6 +95,10 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
     models = {"summary": "The served model", "responses": {
         "200": {"description": "One model.", "content": {"application/json": {"schema": _ref(ModelList)}}},
         **unauthorized}}
+    model = {"summary": "One model by its id", "parameters": [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}], "responses": {
+        "200": {"description": "The model.", "content": {"application/json": {"schema": _ref(ModelCard)}}},
+        "404": _error(404), **unauthorized}}
     metrics = {"summary": "Prometheus metrics", "responses": {
         "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **(unauthorized if metrics_need_key else {})}}
@@ -103,7 +107,7 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
             "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}},
         "503": _error(503)}}
     if api_key:
-        models["security"] = [{"bearer": []}]
+        models["security"] = model["security"] = [{"bearer": []}]
         if metrics_need_key:
             metrics["security"] = [{"bearer": []}]
     doc = {
@@ -116,6 +120,7 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
             "/v1/chat/completions": _generate("Chat completion", ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionChunk, _CHAT_EXAMPLES, api_key),
             "/v1/models": {"get": models},
+            "/v1/models/{model}": {"get": model},
             "/health": {"get": health},
             "/metrics": {"get": metrics},
         },

@@ -6,6 +6,8 @@ A non-200 status, an error event or a stream without `[DONE]` is a failure.
 
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 2 -t 60s --csv out
+
+A server started with an API key needs it: set ORCINUS_API_KEY (as for the README's examples).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from locust import HttpUser, between, task
 
 MODEL = os.environ.get("ORCINUS_MODEL", "SmolLM2-135M-Instruct")  # what to put in the `model` field
+API_KEY = os.environ.get("ORCINUS_API_KEY")  # sent as `Authorization: Bearer ...` when set
 
 SUBJECTS = ["the ocean", "a lighthouse keeper", "bread", "the moon landing", "a chess game", "autumn", "a robot",
             "volcanoes", "a city at night", "honeybees", "the printing press", "a long train ride"]
@@ -34,6 +37,8 @@ class OpenAIStreamingUser(HttpUser):
 
     def on_start(self) -> None:
         self.rng = random.Random()
+        if API_KEY:
+            self.client.headers["Authorization"] = f"Bearer {API_KEY}"
 
     @task(2)
     def completion(self) -> None:

@@ -119,6 +119,12 @@ def test_health_and_models(server, client, http):
     assert models.data[0].object == "model"
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and raw["data"][0]["id"] == MODEL
+    one = client.models.retrieve(MODEL)
+    assert (one.id, one.object) == (MODEL, "model") and http.get(f"/v1/models/{MODEL}").json() == raw["data"][0]
+    r = http.get("/v1/models/gpt-4o")
+    assert r.status_code == 404 and r.json() == {"error": {
+        "message": "The model `gpt-4o` does not exist.", "type": "not_found_error", "param": "model",
+        "code": "model_not_found"}}
 
 
 def test_completion_non_streaming_and_streaming_agree(client):
