@@ -73,7 +73,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                                                  finish_reason=event.finish_reason)])
             if include_usage:
                 yield ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
-                                          usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens))
+                                          usage=Usage.of(*gen.token_counts))
 
         return state.sse(chunks(), on_close=gen.close)
 
@@ -96,7 +96,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                                       logprobs=ChatLogprobs(content=content.get(i, [])) if top_n is not None else None))
         return json_response(ChatCompletionResponse(
             id=rid, created=created, model=state.model_name, choices=choices,
-            usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens),
+            usage=Usage.of(*gen.token_counts),
         ))
 
     try:

@@ -67,7 +67,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                                       usage=None if include_usage else msgspec.UNSET)
             if include_usage:
                 yield CompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
-                                      usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens))
+                                      usage=Usage.of(*gen.token_counts))
 
         return state.sse(chunks(), on_close=gen.close)
 
@@ -85,7 +85,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                 _join(prev.logprobs, c.logprobs)
         return json_response(CompletionResponse(
             id=rid, created=created, model=state.model_name, choices=[merged[i] for i in sorted(merged)],
-            usage=Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens),
+            usage=Usage.of(*gen.token_counts),
         ))
 
     try:

@@ -44,6 +44,7 @@ class _Choice:
     finished: bool = False
     offsets: list[int] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)  # PromptLogprobsParts' rows, gathered before the first token
+    num_cached_tokens: int = 0  # of its prompt, found in the engine's prefix cache
 
 
 class _Deltas(asyncio.Queue):
@@ -85,6 +86,21 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         """Each prompt counts once, however many choices it has (as OpenAI's and vLLM's usage)."""
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def token_counts(self) -> tuple[int, int, int]:
+        """Prompt, completion and cached prompt tokens so far: what usage reports."""
+        return self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, each prompt once: its least-cached choice's (siblings find the
+        blocks the first one computed)."""
+        per_prompt: dict[int, int] = {}
+        for c in self.choices.values():
+            p = c.index // self.n
+            per_prompt[p] = min(per_prompt.get(p, c.num_cached_tokens), c.num_cached_tokens)
+        return sum(per_prompt.values())
 
     @property
     def num_completion_tokens(self) -> int:
@@ -162,6 +178,8 @@ class Generation:
         else:
             self.metrics.itl.observe(now - choice.last_token_at)
         choice.last_token_at = now
+        if delta.num_cached_tokens is not None:
+            choice.num_cached_tokens = delta.num_cached_tokens
         prompt = None
         if self.params.prompt_logprobs is not None and choice.num_tokens == 0:
             prompt, choice.prompt_logprobs = choice.prompt_logprobs, []

@@ -313,15 +313,21 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 # --- responses (encode with msgspec.json.encode) ---
 
 
+class PromptTokensDetails(Struct, kw_only=True):
+    cached_tokens: int  # of the prompt tokens, those found in the prefix cache (not computed again)
+
+
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+        details = UNSET if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class CompletionLogprobs(Struct, kw_only=True):

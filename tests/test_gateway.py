@@ -266,6 +266,23 @@ def test_a_burst_of_a_thousand_sdk_requests_queues_and_all_succeed(server):
     assert len(results) == 1000 and all(r.usage.completion_tokens == 1 for r in results)
 
 
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client):
+    """usage.prompt_tokens_details.cached_tokens, whole and streamed (issue 29; aiperf reads it)."""
+    prompt = "Cache me: " + " ".join(f"word{i}" for i in range(60))  # several 16-token blocks
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}, n=2))
+    chunks += list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}, n=2))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
 def test_stream_include_usage(client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
                                             stream_options={"include_usage": True},

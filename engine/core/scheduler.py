@@ -169,6 +169,8 @@ class Scheduler:
                 break  # FCFS: nobody overtakes a request that waits or does not fit
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += req.num_computed_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

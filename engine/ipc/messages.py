@@ -70,6 +70,7 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True):
     token_ids: list[int]
     finish_reason: str | None  # None while the request runs
     logprobs: list | None = None  # [[chosen_id, chosen_logprob, [[id, lp], ...]], ...] per token
+    num_cached_tokens: int | None = None  # on a request's first delta: its prompt tokens found in the prefix cache
 
 
 class PromptLogprobsPart(msgspec.Struct, tag=True, array_like=True):

@@ -153,7 +153,8 @@ class EngineWorker:
         if req.params.logprobs is not None:
             last = req.output_logprobs[-1]
             lp = [[last.token_id, last.logprob, [list(x) for x in last.top]]]
-        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp)
+        cached = req.num_cached_tokens if req.num_output_tokens == 1 else None
+        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp, cached)
 
     def send_prompt_logprobs(self, req) -> None:
         """A request's prompt logprobs, all computed by its first token, in parts (positions 1, 2, ...)."""
