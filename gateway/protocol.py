@@ -10,7 +10,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from gateway.errors import request_too_large
-from gateway.structured import ANY_OBJECT
+from gateway.structured import ANY_OBJECT, strict_schema
 from gateway.tools import FunctionCall, Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
 
 MAX_N = 16  # choices per prompt (`n`)
@@ -69,7 +69,8 @@ class ResponseFormat(Struct, kw_only=True):
             return ANY_OBJECT
         if self.json_schema is None:
             raise InvalidRequestError("response_format type 'json_schema' needs `json_schema`", "response_format")
-        return self.json_schema.schema or ANY_OBJECT
+        schema = self.json_schema.schema or ANY_OBJECT
+        return strict_schema(schema) if self.json_schema.strict else schema
 
 
 class _SamplingFields(Struct, kw_only=True):

@@ -44,6 +44,35 @@ def check_depth(value: object, param: str, what: str) -> None:
         raise InvalidRequestError(f"{what} nests arrays and objects deeper than {MAX_JSON_DEPTH} levels", param)
 
 
+# Keywords whose value is a schema or a list of schemas, and those whose value maps names to schemas.
+_SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "not", "if", "then", "else", "contains", "anyOf",
+               "oneOf", "allOf", "additionalItems", "propertyNames", "unevaluatedItems")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: dict) -> dict:
+    """OpenAI's strict mode: a copy of `schema` in which every object schema that leaves `additionalProperties`
+    unset forbids undeclared keys (a small model otherwise invents keys until max_tokens)."""
+    check_depth(schema, "response_format", "the JSON schema")
+    out = msgspec.json.decode(msgspec.json.encode(schema))
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node) and \
+                "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for k in _SUBSCHEMAS:
+            value = node.get(k)
+            stack.extend(value if isinstance(value, list) else [value])
+        for k in _MAPS:
+            if isinstance(node.get(k), dict):
+                stack.extend(node[k].values())
+    return out
+
+
 def schema_text(schema: dict, param: str) -> str:
     """The schema as JSON text; InvalidRequestError if it nests too deep or is too large."""
     check_depth(schema, param, "the JSON schema")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from msgspec import Struct
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.structured import check_depth
+from gateway.structured import check_depth, strict_schema
 
 SYSTEM_PROMPT = (
     "You can call these functions:\n{tools}\n"
@@ -32,6 +32,7 @@ class FunctionDef(Struct, kw_only=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # OpenAI's strict mode: undeclared argument keys are forbidden
 
 
 class Tool(Struct, kw_only=True):
@@ -63,7 +64,9 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 def _parameters(f: FunctionDef) -> dict:
-    return f.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
+    if not f.parameters:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return strict_schema(f.parameters) if f.strict else f.parameters
 
 
 def _call_schema(f: FunctionDef) -> dict:

@@ -9,7 +9,9 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from gateway.protocol import JsonSchemaFormat, ResponseFormat
 from gateway.structured import ANY_OBJECT, json_schema_grammar
+from gateway.tools import FunctionDef, _parameters
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 16}
 INT = {"type": "integer", "minimum": -1000, "maximum": 1000}
@@ -107,14 +109,33 @@ def test_the_last_of_two_pipeline_stages_constrains_alike(llm):
 # ---------------------------------------------------------------- through the OpenAI SDK
 
 
-def schema_format(name: str) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": name.replace(" ", "_"), "schema": SCHEMAS[name],
-                                                   "strict": True}}
+def opened(schema):
+    """The schema with every `additionalProperties` left unset, as most clients write them."""
+    if isinstance(schema, dict):
+        return {k: opened(v) for k, v in schema.items() if k != "additionalProperties"}
+    return [opened(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def schema_format(name: str, strict: bool = True) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name.replace(" ", "_"), "schema": opened(SCHEMAS[name]),
+                                                   "strict": strict}}
+
+
+def test_strict_forbids_undeclared_keys_everywhere_and_only_when_asked():
+    for name, closed in SCHEMAS.items():
+        assert ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(**schema_format(name)["json_schema"])
+                              ).schema() == closed, name
+    loose = schema_format("nested", strict=False)["json_schema"]
+    assert ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(**loose)).schema() == loose["schema"]
+    tool = FunctionDef(name="f", parameters=opened(SCHEMAS["nested"]), strict=True)
+    assert _parameters(tool) == SCHEMAS["nested"]
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_chat_json_schema_streamed_and_whole_agree_and_validate(client, model, name):
-    kw = dict(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=150, temperature=0,
+    """OpenAI's strict mode on schemas that leave additionalProperties unset (issue 29): at max_tokens 200 each
+    output ends by itself and validates against the closed schema."""
+    kw = dict(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=200, temperature=0,
               response_format=schema_format(name))
     whole = client.chat.completions.create(**kw)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
