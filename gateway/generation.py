@@ -180,6 +180,8 @@ class Generation:
         choice.last_token_at = now
         if delta.num_cached_tokens is not None:
             choice.num_cached_tokens = delta.num_cached_tokens
+        if delta.queue_seconds is not None:
+            self.metrics.queue_time.observe(delta.queue_seconds)
         prompt = None
         if self.params.prompt_logprobs is not None and choice.num_tokens == 0:
             prompt, choice.prompt_logprobs = choice.prompt_logprobs, []
@@ -206,4 +208,7 @@ class Generation:
             choice.finished = True
             self._release(rid)
             self.metrics.finished.labels(finish).inc()
+            self.metrics.e2e.observe(now - choice.started)
+            self.metrics.request_prompt_tokens.observe(choice.num_prompt_tokens)
+            self.metrics.request_generation_tokens.observe(choice.num_tokens)
         return ChoiceEvent(choice.index, text, list(delta.token_ids), delta.logprobs or [], offsets, finish, prompt)

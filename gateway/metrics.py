@@ -9,6 +9,7 @@ from engine.ipc.messages import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def _private_bytes() -> int:
@@ -58,6 +59,15 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("orcinus_inter_token_latency_seconds", "Time between tokens", registry=r,
                              buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("orcinus_e2e_request_latency_seconds", "From arrival to the last token, per sequence",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.queue_time = Histogram("orcinus_request_queue_time_seconds", "Time waiting for the engine's admission",
+                                    registry=r, buckets=_LATENCY_BUCKETS)
+        self.request_prompt_tokens = Histogram("orcinus_request_prompt_tokens", "Prompt tokens per sequence",
+                                               registry=r, buckets=_TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram("orcinus_request_generation_tokens",
+                                                   "Generated tokens per finished sequence", registry=r,
+                                                   buckets=_TOKEN_BUCKETS)
         self.iteration_seconds = Histogram("orcinus_iteration_seconds", "Engine iteration time", registry=r,
                                            buckets=_LATENCY_BUCKETS)
         self.batch_size = Histogram("orcinus_iteration_batch_size", "Requests per engine iteration", registry=r,

@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -546,3 +547,25 @@ def test_metrics_exposition(http):
                  "orcinus_requests_waiting", "orcinus_iteration_batch_size_bucket", "orcinus_generation_tokens_total",
                  "orcinus_time_to_first_token_seconds_count", "orcinus_inter_token_latency_seconds_count"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? ", text, re.MULTILINE), name
+
+
+def test_request_histograms_move_with_a_request(http):
+    """vLLM-style per-request histograms (issue 29 item 7): one finished 3-token request adds one observation to
+    each, with its token counts in the sums."""
+    names = ("orcinus_e2e_request_latency_seconds", "orcinus_request_queue_time_seconds",
+             "orcinus_request_prompt_tokens", "orcinus_request_generation_tokens")
+    before = parse_metrics(http.get("/metrics").text)
+    body = complete(http, prompt=[1, 2, 3, 4, 5], max_tokens=3, temperature=0, ignore_eos=True)
+    assert body["usage"]["completion_tokens"] == 3
+    after = parse_metrics(http.get("/metrics").text)
+    for name in names:
+        assert after[f"{name}_count"] - before.get(f"{name}_count", 0) >= 1, name
+    # Other tests may run beside this one on the session server: only a lower bound on the sums.
+    assert after["orcinus_request_prompt_tokens_sum"] - before.get("orcinus_request_prompt_tokens_sum", 0) >= 5
+    assert after["orcinus_request_generation_tokens_sum"] - before.get("orcinus_request_generation_tokens_sum", 0) >= 3
+    # The Grafana dashboard shipped in docs/ reads only series the server exports.
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exported = {key.split("{")[0] for key in after}
+    for name in set(re.findall(r"orcinus_\w+", " ".join(exprs))):
+        assert name in exported, name

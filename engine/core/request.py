@@ -67,6 +67,7 @@ class Request:
     num_released_blocks: int = 0  # leading blocks of block_table given back: before every layer's sliding window
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission (usage reports them)
+    queue_seconds: float | None = None  # from arrival to its first admission (the queue-time histogram)
     generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
     matcher: object | None = None  # a constrained request's llguidance matcher (made by the engine process or the sampler)
     cache_salt: bytes = b""  # opaque; mixed into its first block's name, so only requests with the same salt share blocks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 
 import msgspec
@@ -171,6 +172,7 @@ class Scheduler:
             self.prefix_hit_tokens += req.num_computed_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
+                req.queue_seconds = time.monotonic() - req.arrival_time
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -71,6 +71,7 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True):
     finish_reason: str | None  # None while the request runs
     logprobs: list | None = None  # [[chosen_id, chosen_logprob, [[id, lp], ...]], ...] per token
     num_cached_tokens: int | None = None  # on a request's first delta: its prompt tokens found in the prefix cache
+    queue_seconds: float | None = None  # on a request's first delta: how long it waited for admission
 
 
 class PromptLogprobsPart(msgspec.Struct, tag=True, array_like=True):

@@ -153,8 +153,10 @@ class EngineWorker:
         if req.params.logprobs is not None:
             last = req.output_logprobs[-1]
             lp = [[last.token_id, last.logprob, [list(x) for x in last.top]]]
-        cached = req.num_cached_tokens if req.num_output_tokens == 1 else None
-        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp, cached)
+        if req.num_output_tokens == 1:
+            return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp, req.num_cached_tokens,
+                              req.queue_seconds)
+        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp)
 
     def send_prompt_logprobs(self, req) -> None:
         """A request's prompt logprobs, all computed by its first token, in parts (positions 1, 2, ...)."""
