@@ -33,6 +33,7 @@ from gateway.protocol import ModelCard, ModelList
 from gateway.serving import ServerState, json_response
 from gateway.special_tokens import ContentTokens
 from gateway.structured import GrammarCompiler
+from gateway.tokenize import detokenize, tokenize, tokenizer_info
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
@@ -118,6 +119,12 @@ def build_app(config: GatewayConfig) -> Starlette:
     async def chat(request: Request) -> Response:
         return await create_chat_completion(request, state)
 
+    def handler(route):
+        """A route of gateway/tokenize.py bound to this server's state."""
+        async def run(request: Request) -> Response:
+            return await route(request, state)
+        return run
+
     async def models(request: Request) -> Response:
         return json_response(ModelList(data=[ModelCard(id=state.model_name, created=started)]))
 
@@ -147,6 +154,9 @@ def build_app(config: GatewayConfig) -> Starlette:
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/tokenize", handler(tokenize), methods=["POST"]),
+            Route("/detokenize", handler(detokenize), methods=["POST"]),
+            Route("/tokenizer_info", handler(tokenizer_info), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),

@@ -26,6 +26,9 @@ def check_key(key: str) -> str:
     return key
 
 
+_TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's, outside /v1: they need the key too
+
+
 class APIKeyMiddleware:
     """Pure ASGI, so streams pass through untouched. /health, /openapi.json and the chat page stay open.
 
@@ -38,7 +41,7 @@ class APIKeyMiddleware:
         self.protect_metrics = protect_metrics
 
     def _protected(self, path: str) -> bool:
-        return path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
+        return path.startswith("/v1/") or path in _TOKENIZER_ROUTES or (self.protect_metrics and path == "/metrics")
 
     def match(self, given: bytes) -> bytes | None:
         found = None

@@ -12,6 +12,7 @@ from importlib import metadata
 import msgspec
 
 from gateway.errors import ErrorResponse
+from gateway.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from gateway.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest,
     CompletionResponse, ModelCard, ModelList,
@@ -19,7 +20,8 @@ from gateway.protocol import (
 
 _REF = "#/components/schemas/{name}"
 _STRUCTS = (CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-            ChatCompletionChunk, ModelList, ErrorResponse)
+            ChatCompletionChunk, ModelList, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
+            DetokenizeResponse)
 
 # Which error statuses each kind of route can answer, and why.
 _ERRORS = {
@@ -99,6 +101,21 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
         {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}], "responses": {
         "200": {"description": "The model.", "content": {"application/json": {"schema": _ref(ModelCard)}}},
         "404": _error(404), **unauthorized}}
+    def tokenizer_op(summary: str, request: type, response: type) -> dict:
+        op = {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _ref(request)}}}, "responses": {
+            "200": {"description": summary, "content": {"application/json": {"schema": _ref(response)}}},
+            **{str(s): _error(s) for s in (400, 404, 408, 413, 415, 503)}, **unauthorized}}
+        if api_key:
+            op["security"] = [{"bearer": []}]
+        return {"post": op}
+
+    info = {"summary": "The tokenizer's configuration (vLLM's /tokenizer_info)", "responses": {
+        "200": {"description": "Tokenizer class, special tokens, chat template, context length.",
+                "content": {"application/json": {"schema": {"type": "object"}}}},
+        "503": _error(503), **unauthorized}}
+    if api_key:
+        info["security"] = [{"bearer": []}]
     metrics = {"summary": "Prometheus metrics", "responses": {
         "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **(unauthorized if metrics_need_key else {})}}
@@ -121,6 +138,9 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
                                               ChatCompletionChunk, _CHAT_EXAMPLES, api_key),
             "/v1/models": {"get": models},
             "/v1/models/{model}": {"get": model},
+            "/tokenize": tokenizer_op("Token ids of a prompt or chat messages", TokenizeRequest, TokenizeResponse),
+            "/detokenize": tokenizer_op("The text of token ids", DetokenizeRequest, DetokenizeResponse),
+            "/tokenizer_info": {"get": info},
             "/health": {"get": health},
             "/metrics": {"get": metrics},
         },

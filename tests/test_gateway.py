@@ -284,6 +284,28 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
 
 
+def test_tokenize_detokenize_and_tokenizer_info_use_the_servers_tokenizer(http, llm):
+    """vLLM's tokenizer routes: the ids the engine gets for a prompt (BOS as the tokenizer asks) and for chat
+    messages (the template), back to text, and the tokenizer's configuration."""
+    tok = llm.tokenizer
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    ids = tok.encode(PROMPT, add_special_tokens=True)
+    assert r == {"count": len(ids), "max_model_len": r["max_model_len"], "tokens": ids,
+                 "token_strs": [token_text(tok, i) for i in ids]} and r["max_model_len"] >= 2048
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages)) and chat["token_strs"] is None
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tok.decode(ids)}
+    info = http.get("/tokenizer_info").json()
+    assert (info["eos_token_id"], info["vocab_size"]) == (tok.eos_token_id, tok.vocab_size)
+    assert info["chat_template"] == tok.chat_template
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [10**7]}, "tokens"),
+                              ("/tokenize", {"model": "gpt-4o", "prompt": "a"}, "model")):
+        r = http.post(path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
 def test_stream_include_usage(client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
                                             stream_options={"include_usage": True},
