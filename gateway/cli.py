@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import msgspec
 
@@ -54,6 +55,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields given on the command line."""
     names = {f.name for f in fields(EngineConfig)}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    """Hugging Face tokenizer files that encode as the server does, for clients' `--tokenizer DIR`."""
+    from engine.model.loader import load_checkpoint
+    from engine.model.tokenizer.export import export_tokenizer
+
+    checkpoint = load_checkpoint(args.model, weights=False)
+    if checkpoint.tokenizer is None:
+        sys.exit("orcinus export-tokenizer: this model has no tokenizer")
+    try:
+        paths = export_tokenizer(checkpoint.tokenizer, Path(args.dir), checkpoint.shape.max_position)
+    except ValueError as e:
+        sys.exit(f"orcinus export-tokenizer: {e}")
+    print("\n".join(map(str, paths)))
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -200,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds in-flight requests may take to finish after SIGTERM")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
+
+    export = sub.add_parser("export-tokenizer", help="write the model's tokenizer as Hugging Face files into DIR")
+    export.add_argument("dir")
+    export.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M)")
+    export.set_defaults(func=cmd_export_tokenizer)
 
     args = parser.parse_args(argv)
     return args.func(args)
