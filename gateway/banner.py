@@ -20,6 +20,8 @@ def startup_block(ready: EngineReady, model_name: str, url: str | None, api_key:
         f"  batch           up to {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens per iteration",
         f"  prefix caching  {'on' if s.prefix_caching else 'off'}",
     ]
+    if s.kernels:
+        lines.append(f"  kernels         {s.kernels}")
     if url is not None:
         lines += [f"  API             {url}/v1{' (API key required)' if api_key else ''}", f"  chat page       {url}/"]
     return "\n".join(lines)

@@ -35,3 +35,11 @@ def test_a_tensor_parallel_grid_is_said():
     one_stage = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 1, 4)
     text = startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), one_stage), "x", None, api_key=False)
     assert "  engine          cpu, float32, 4 tensor-parallel ranks" in text
+
+
+def test_the_kernels_the_executor_built_are_said_when_known():
+    summary = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 1, 1, "C++ paged decode; BlockLinear; fused CpuRMSNorm")
+    text = startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), summary), "x", None, api_key=False)
+    assert "  kernels         C++ paged decode; BlockLinear; fused CpuRMSNorm" in text
+    unknown = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 2)
+    assert "kernels" not in startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), unknown), "x", None, False)

@@ -55,6 +55,7 @@ class EngineSummary(msgspec.Struct, frozen=True, array_like=True):
     prefix_caching: bool
     pipeline_stages: int
     tensor_parallel_size: int = 1
+    kernels: str = ""  # what the executor built (attention, linear layers, token ops, graphs); "" when not known
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

@@ -72,7 +72,8 @@ class EngineWorker:
         e = self.engine
         c = e.config  # resolved: the device and dtype are what "auto" became
         summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
-                                c.prefix_caching, c.pipeline_stages, c.tensor_parallel_size)
+                                c.prefix_caching, c.pipeline_stages, c.tensor_parallel_size,
+                                getattr(e.executor, "describe", lambda: "")())
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
         self.outbox.send(EngineReady(e.model_name, e.limits, summary))

@@ -135,5 +135,8 @@ class LocalExecutor:
     def release(self, request_ids: list[str]) -> None:
         pass  # the sampler keeps nothing per request here: it reads the scheduler's own Request objects
 
+    def describe(self) -> str:
+        return self.runner.describe()
+
     def close(self) -> None:
         pass

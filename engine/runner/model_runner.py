@@ -108,6 +108,17 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, self.attention, config.max_num_seqs,
                                                    self.scratch_block, self.device, self.graphs.capture, segments)
 
+    def describe(self) -> str:
+        """What really runs, from the modules built (a fused op that failed to build shows as its fallback)."""
+        names = {type(m).__name__ for m in self.model.modules()}
+        linears = sorted(n for n in names if n.endswith("Linear"))
+        fused = sorted(n for n in names if n.startswith("Cpu"))  # the C++ token ops (engine/model/token_ops.py)
+        parts = [self.attention.label, " + ".join(linears) or "no linear layers",
+                 f"fused {', '.join(fused)}" if fused else "PyTorch token ops"]
+        if self.graphs is not None:
+            parts.append("CUDA graphs" + (" with decode graphs" if self.decode_graphs is not None else ""))
+        return "; ".join(parts)
+
     @torch.inference_mode()
     def run(self, batch: Batch, hidden: torch.Tensor | None = None,
             previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor:
