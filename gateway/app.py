@@ -113,14 +113,8 @@ def build_app(config: GatewayConfig) -> Starlette:
             await state.client.stop()
             state.grammars.close()
 
-    async def completions(request: Request) -> Response:
-        return await create_completion(request, state)
-
-    async def chat(request: Request) -> Response:
-        return await create_chat_completion(request, state)
-
     def handler(route):
-        """A route of gateway/tokenize.py bound to this server's state."""
+        """A route handler that takes the server's state (completions, chat, tokenize...), bound to it."""
         async def run(request: Request) -> Response:
             return await route(request, state)
         return run
@@ -129,9 +123,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         return json_response(ModelList(data=[ModelCard(id=state.model_name, created=started)]))
 
     async def model(request: Request) -> Response:
-        name = request.path_params["model"]
-        if name != state.model_name:
-            raise errors.model_not_found(name)
+        state.check_model(request.path_params["model"])
         return json_response(ModelCard(id=state.model_name, created=started))
 
     async def health(request: Request) -> Response:
@@ -150,8 +142,8 @@ def build_app(config: GatewayConfig) -> Starlette:
 
     app = Starlette(
         routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", handler(create_completion), methods=["POST"]),
+            Route("/v1/chat/completions", handler(create_chat_completion), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/tokenize", handler(tokenize), methods=["POST"]),

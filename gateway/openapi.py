@@ -101,21 +101,18 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
         {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}], "responses": {
         "200": {"description": "The model.", "content": {"application/json": {"schema": _ref(ModelCard)}}},
         "404": _error(404), **unauthorized}}
-    def tokenizer_op(summary: str, request: type, response: type) -> dict:
-        op = {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
+    tokenize, detokenize = (
+        {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
             "schema": _ref(request)}}}, "responses": {
             "200": {"description": summary, "content": {"application/json": {"schema": _ref(response)}}},
             **{str(s): _error(s) for s in (400, 404, 408, 413, 415, 503)}, **unauthorized}}
-        if api_key:
-            op["security"] = [{"bearer": []}]
-        return {"post": op}
-
+        for summary, request, response in (
+            ("Token ids of a prompt or chat messages", TokenizeRequest, TokenizeResponse),
+            ("The text of token ids", DetokenizeRequest, DetokenizeResponse)))
     info = {"summary": "The tokenizer's configuration (vLLM's /tokenizer_info)", "responses": {
         "200": {"description": "Tokenizer class, special tokens, chat template, context length.",
                 "content": {"application/json": {"schema": {"type": "object"}}}},
         "503": _error(503), **unauthorized}}
-    if api_key:
-        info["security"] = [{"bearer": []}]
     metrics = {"summary": "Prometheus metrics", "responses": {
         "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **(unauthorized if metrics_need_key else {})}}
@@ -124,7 +121,8 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
             "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}},
         "503": _error(503)}}
     if api_key:
-        models["security"] = model["security"] = [{"bearer": []}]
+        for op in (models, model, tokenize, detokenize, info):
+            op["security"] = [{"bearer": []}]
         if metrics_need_key:
             metrics["security"] = [{"bearer": []}]
     doc = {
@@ -138,8 +136,8 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
                                               ChatCompletionChunk, _CHAT_EXAMPLES, api_key),
             "/v1/models": {"get": models},
             "/v1/models/{model}": {"get": model},
-            "/tokenize": tokenizer_op("Token ids of a prompt or chat messages", TokenizeRequest, TokenizeResponse),
-            "/detokenize": tokenizer_op("The text of token ids", DetokenizeRequest, DetokenizeResponse),
+            "/tokenize": {"post": tokenize},
+            "/detokenize": {"post": detokenize},
             "/tokenizer_info": {"get": info},
             "/health": {"get": health},
             "/metrics": {"get": metrics},

@@ -154,10 +154,9 @@ class EngineWorker:
         if req.params.logprobs is not None:
             last = req.output_logprobs[-1]
             lp = [[last.token_id, last.logprob, [list(x) for x in last.top]]]
-        if req.num_output_tokens == 1:
-            return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp, req.num_cached_tokens,
-                              req.queue_seconds)
-        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp)
+        first = req.num_output_tokens == 1  # the first delta also says what admission found
+        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp,
+                          req.num_cached_tokens if first else None, req.queue_seconds if first else None)
 
     def send_prompt_logprobs(self, req) -> None:
         """A request's prompt logprobs, all computed by its first token, in parts (positions 1, 2, ...)."""
