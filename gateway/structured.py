@@ -15,6 +15,7 @@ import llguidance
 import msgspec
 
 from engine.core.sampling_params import InvalidRequestError
+from engine.ipc.grammar_gate import background_thread
 
 # Compact JSON with single spaces: a flexible-whitespace grammar lets a small model emit newlines forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -109,7 +110,7 @@ class GrammarCompiler:
     bytes); one compiling now is waited for, not compiled twice."""
 
     def __init__(self, threads: int = COMPILE_THREADS, cache_bytes: int = CACHE_BYTES):
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="schema")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="schema", initializer=background_thread)
         self._cache_bytes = cache_bytes
         self._done: OrderedDict[str, tuple[str, str | None]] = OrderedDict()  # schema text -> compile_schema()
         self._held = 0  # bytes of keys and grammars in _done

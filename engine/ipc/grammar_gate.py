@@ -7,6 +7,8 @@ it wait here, and once it has compiled each enters the engine with its own copy 
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,6 +16,15 @@ from dataclasses import dataclass, field
 from engine.ipc.messages import AddGrammar, AddRequest
 
 COMPILE_THREADS = 2  # grammars compiled at once; more wait their turn
+BACKGROUND_NICE = 19  # compile threads' niceness: on a 2-core machine they would otherwise stretch every step
+
+
+def background_thread() -> None:
+    """A pool initializer: the calling thread yields the CPU to decoding (Linux sets niceness per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at normal priority
+        pass
 
 
 @dataclass
@@ -40,7 +51,7 @@ class GrammarGate:
     def __init__(self, compile: Callable[[str], object], wake: Callable[[], None], threads: int = COMPILE_THREADS):
         self._compile = compile
         self._wake = wake
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar", initializer=background_thread)
         self._grammars: dict[str, _Grammar] = {}
 
     @property
