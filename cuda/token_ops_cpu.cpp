@@ -1,5 +1,5 @@
-// Token-wise ops of a decoder layer fused for the CPU: RMSNorm (optionally after the residual add) and
-// SiLU-and-multiply, one pass over each row instead of PyTorch's chain of small ops. On the CPU those ops
+// Token-wise ops of a decoder layer fused for the CPU: RMSNorm (optionally after the residual add),
+// SiLU-and-multiply, and RoPE with the K/V cache write, one pass over each row instead of PyTorch's chain of small ops. On the CPU those ops
 // cost ~5-35 us each at decode batch sizes (F.rms_norm runs as pow, mean, add, rsqrt, mul, mul, casts),
 // which adds up to a tenth of a decode step of SmolLM2-135M at small batches.
 //
@@ -87,6 +87,38 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
   });
 }
 
+// RoPE in the rotate-half convention on a fused QKV row's queries and keys (out = x * cos + swap_halves(x) * sin, the
+// table's sin half already signed), queries into q, rotated keys and the values into the cache's slots. Each product
+// and the sum round to T as PyTorch's three ops do; no multiply-add contracts them (the pragma), so float32 gives
+// PyTorch's bits.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, const T* table, T* q, T* cache,
+                        int64_t num_slots, const int64_t* slots, int64_t rows, int64_t hq, int64_t hkv, int64_t d) {
+  const int64_t half = d / 2;
+  T* values = cache + hkv * num_slots * d;
+  at::parallel_for(0, rows, grain((hq + 2 * hkv) * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* cos = table + positions[r] * 2 * d;
+      const T* sin = cos + d;
+      const T* row = qkv + r * ld;
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        const T* x = row + h * d;
+        T* out = h < hq ? q + (r * hq + h) * d : cache + ((h - hq) * num_slots + slots[r]) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float a = rounded(load(x[i]) * load(cos[i]), T{});
+          const float b = rounded(load(x[i < half ? i + half : i - half]) * load(sin[i]), T{});
+          store(out + i, a + b);
+        }
+      }
+      for (int64_t h = 0; h < hkv; ++h)
+        std::memcpy(values + (h * num_slots + slots[r]) * d, row + (hq + hkv + h) * d, d * sizeof(T));
+    }
+  });
+}
+#pragma GCC pop_options
+
 // Runs fn with a null pointer of the element type: float, or uint16_t for bfloat16 (the dtypes check_rows lets in).
 template <typename Fn>
 void dispatch(const torch::Tensor& x, Fn fn) {
@@ -151,8 +183,43 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// qkv [T, (hq + 2 hkv) * D] (rows may be strided), positions and slot_mapping [T] int64, table [positions, 2, D] (cos,
+// then signed sin), kv_cache [2, hkv, blocks, block_size, D] -> rotated queries [T, hq, D]; rotated keys and the
+// values go into the cache at their slots.
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor table, torch::Tensor kv_cache,
+                            torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && (qkv.scalar_type() == at::kFloat ||
+              qkv.scalar_type() == at::kBFloat16), "qkv must be a float32 or bfloat16 [T, width] tensor, rows dense");
+  const int64_t rows = qkv.size(0), d = kv_cache.size(-1);
+  TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv is not ", num_heads, " + 2 x ",
+              num_kv_heads, " heads of ", d);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == num_kv_heads &&
+              kv_cache.is_contiguous() && kv_cache.scalar_type() == qkv.scalar_type(),
+              "kv_cache must be a contiguous [2, kv heads, blocks, block size, D] tensor of qkv's dtype");
+  TORCH_CHECK(table.dim() == 3 && table.size(1) == 2 && table.size(2) == d && table.is_contiguous() &&
+              table.scalar_type() == qkv.scalar_type(), "table must be a contiguous [positions, 2, D] tensor of qkv's dtype");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous() && slot_mapping.dim() == 1 && slot_mapping.size(0) == rows &&
+              slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "positions and slot_mapping must be contiguous int64 [T] tensors");
+  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0) && slots[r] >= 0 && slots[r] < num_slots,
+                "a position or slot out of range");
+  auto q = torch::empty({rows, num_heads, d}, qkv.options());
+  dispatch(qkv, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    rope_write_kv_rows<T>(data<T>(qkv), qkv.stride(0), pos, data<T>(table), data<T>(q), data<T>(kv_cache),
+                          num_slots, slots, rows, num_heads, num_kv_heads, d);
+  });
+  return q;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU of the first half times the second (CPU)");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on queries and keys, keys and values into the paged cache (CPU)");
 }

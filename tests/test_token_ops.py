@@ -1,5 +1,5 @@
-"""The fused CPU token ops (cuda/token_ops_cpu.cpp): RMSNorm, residual add + RMSNorm and SiLU-and-multiply give
-PyTorch's results (float32 to rounding, bfloat16 to the bit but for rare last-place differences); they replace
+"""The fused CPU token ops (cuda/token_ops_cpu.cpp): RMSNorm, residual add + RMSNorm, SiLU-and-multiply and RoPE with
+the K/V cache write give PyTorch's results (float32 to rounding, bfloat16 to the bit but for rare last-place differences); they replace
 the modules in bfloat16 CPU models only, sharing their weights; a machine that cannot build them keeps
 PyTorch's ops with a warning."""
 
@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from engine import LLM
 from engine.model import token_ops
-from engine.model.token_ops import CpuRMSNorm, CpuSiluAndMul, RMSNorm, SiluAndMul, can_fuse, fuse_token_ops
+from engine.model.token_ops import (CpuRMSNorm, CpuRotary, CpuSiluAndMul, RMSNorm, Rotary, SiluAndMul, can_fuse,
+                                    fuse_token_ops)
 
 SHAPES = [(1, 576), (3, 7), (32, 576), (600, 64), (5, 2048)]  # odd widths exercise the vector loops' tails
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16
@@ -49,6 +50,27 @@ def test_the_fused_activation_gives_pytorchs(dtype, rows, width):
     assert close(CpuSiluAndMul()(gate_up), SiluAndMul()(gate_up), dtype, ulps=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,kv_heads,strided", [(1, 9, 3, False), (7, 4, 4, True), (40, 8, 2, False)])
+def test_the_fused_rope_and_cache_write_give_pytorchs_bits(dtype, rows, heads, kv_heads, strided):
+    gen = torch.Generator().manual_seed(rows * heads)
+    d, blocks, block_size = 64, 6, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d + 8 * strided, generator=gen).mul(3).to(dtype)
+    qkv = qkv[:, : (heads + 2 * kv_heads) * d]  # rows strided, as a view of a wider output would be
+    positions = torch.randint(0, 500, (rows,), generator=gen)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+    rotary = Rotary(d, 10000.0, 512).to(dtype)
+    fused = CpuRotary.__new__(CpuRotary)
+    torch.nn.Module.__init__(fused)
+    fused.register_buffer("table", rotary.table, persistent=False)
+    caches = [torch.randn(2, kv_heads, blocks, block_size, d, generator=gen).to(dtype) for _ in range(2)]
+    caches[1].copy_(caches[0])
+    want = rotary.rope_write_kv(qkv, positions, caches[0], slots, heads, kv_heads)
+    got = fused.rope_write_kv(qkv, positions, caches[1], slots, heads, kv_heads)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert torch.equal(caches[1], caches[0])  # rotated keys and the values in their slots, nothing else touched
+
+
 def test_what_the_ops_cannot_take_goes_to_pytorch_or_is_refused():
     x = torch.randn(4, 8, 16)  # 3-d: the module hands it to PyTorch
     norm = CpuRMSNorm(16, 1e-6)
@@ -64,6 +86,11 @@ def test_what_the_ops_cannot_take_goes_to_pytorch_or_is_refused():
         ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="side by side"):
         ops.silu_mul(torch.randn(2, 7))
+    table, cache = Rotary(8, 10000.0, 4).table, torch.zeros(2, 1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="out of range"):  # a position past the table, or a slot past the cache
+        ops.rope_write_kv(torch.randn(1, 24), torch.tensor([4]), table, cache, torch.tensor([0]), 1, 1)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rope_write_kv(torch.randn(1, 24), torch.tensor([0]), table, cache, torch.tensor([8]), 1, 1)
 
 
 def test_bfloat16_cpu_models_get_the_fused_ops_and_float32_keeps_pytorchs(checkpoint):
@@ -71,6 +98,7 @@ def test_bfloat16_cpu_models_get_the_fused_ops_and_float32_keeps_pytorchs(checkp
     layer = bf16.layers[0]
     assert type(layer.input_layernorm) is type(layer.post_attention_layernorm) is type(bf16.norm) is CpuRMSNorm
     assert type(layer.act) is CpuSiluAndMul
+    assert type(layer.rotary) is CpuRotary and layer.rotary is bf16.layers[1].rotary  # still one shared table
     assert layer.input_layernorm.weight.dtype == torch.bfloat16
     assert layer.input_layernorm.weight is dict(bf16.named_parameters())["layers.0.input_layernorm.weight"]
     fp32 = LLM(checkpoint=checkpoint, dtype="float32", weights="dense").engine.model  # the reference (blocks fuse)
@@ -85,6 +113,6 @@ def test_a_machine_that_cannot_build_them_keeps_pytorchs_ops(monkeypatch):
     monkeypatch.setattr(token_ops, "_ops", no_compiler)
     with pytest.warns(UserWarning, match="fused CPU token ops are unusable here"):
         assert not can_fuse(torch.device("cpu"), torch.bfloat16)
-    model = torch.nn.Sequential(RMSNorm(8, 1e-6), SiluAndMul())
+    model = torch.nn.Sequential(RMSNorm(8, 1e-6), SiluAndMul(), Rotary(8, 10000.0, 4))
     fuse_token_ops(model)  # swapping needs no build; can_fuse is what build_model asks first
-    assert [type(m) for m in model] == [CpuRMSNorm, CpuSiluAndMul]
+    assert [type(m) for m in model] == [CpuRMSNorm, CpuSiluAndMul, CpuRotary]

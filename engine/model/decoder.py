@@ -19,7 +19,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams
 from engine.core.config import ModelShape
 from engine.model.sharding import TensorShard
-from engine.model.token_ops import RMSNorm
+from engine.model.token_ops import RMSNorm, Rotary, base_frequencies
 
 
 class DecoderLayer(Protocol):
@@ -195,33 +195,7 @@ class Decoder(nn.Module):
             p.copy_(self.shard.take(name, full, self.full_shape))
 
 
-# ---------------------------------------------------------------------- RoPE, shared by the families
-
-
-class Rotary(nn.Module):
-    """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
-
-    def __init__(self, head_dim: int, theta: float, max_position: int, freq_factors: tuple[float, ...] | None = None):
-        super().__init__()
-        inv_freq = base_frequencies(head_dim, theta)
-        if freq_factors is not None:
-            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
-        # [positions, 2, D]: cos for both halves, then -sin and sin, so a call is one gather and
-        # x * cos + swap_halves(x) * sin. build_model casts it to the compute dtype once: the same values a
-        # cast per call gave.
-        table = torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)), dim=1)
-        self.register_buffer("table", table, persistent=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] (queries and keys together) rotated by each row's position."""
-        cos, sin = self.table[positions].to(x.dtype).unsqueeze(2).unbind(1)  # [T, 1, D] each
-        return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin  # the halves swapped: no cat
-
-
-def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+# ---------------------------------------------------------------------- RoPE scaling, shared by the families
 
 
 @dataclass(frozen=True)

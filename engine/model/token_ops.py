@@ -1,4 +1,5 @@
-"""The decoder's token-wise ops as modules, RMSNorm and SiLU-and-multiply, and their fused C++ versions for the CPU.
+"""The decoder's token-wise ops as modules, RMSNorm, SiLU-and-multiply and RoPE (with the K/V cache write), and their
+fused C++ versions for the CPU.
 
 On the CPU each of PyTorch's small ops costs microseconds whatever its size (F.rms_norm alone runs as ~7 of
 them), so at decode batch sizes the norms and the activation cost a tenth of a step; cuda/token_ops_cpu.cpp
@@ -6,6 +7,8 @@ does each in one pass over the rows. They replace the modules in bfloat16 only (
 they give PyTorch's bits but for rare last-place differences (float32 sums in another order, another exp);
 float32, the reference the tests compare with transformers, keeps PyTorch's ops. Measured on the 2-core
 machine (benchmarks/offline_cpu_token_ops.json): decode 1.15x / 1.08x / 1.05x at batch 1 / 8 / 32.
+RoPE and the cache write were a dozen small ops a layer (gather the table, multiply, swap halves, add, stack,
+scatter): a third of a batch-1 decode step's host time before they fused.
 Under torch.compile they take PyTorch's formula, which Inductor fuses itself (their C++ call would break the graph).
 """
 
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.backend import write_kv
 from engine.attention.cpp_extension import builds, load_cpu_extension
 
 
@@ -42,6 +46,43 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class Rotary(nn.Module):
+    """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
+
+    def __init__(self, head_dim: int, theta: float, max_position: int, freq_factors: tuple[float, ...] | None = None):
+        super().__init__()
+        inv_freq = base_frequencies(head_dim, theta)
+        if freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        # [positions, 2, D]: cos for both halves, then -sin and sin, so a call is one gather and
+        # x * cos + swap_halves(x) * sin. build_model casts it to the compute dtype once: the same values a
+        # cast per call gave.
+        table = torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)), dim=1)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] (queries and keys together) rotated by each row's position."""
+        cos, sin = self.table[positions].to(x.dtype).unsqueeze(2).unbind(1)  # [T, 1, D] each
+        return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin  # the halves swapped: no cat
+
+    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """A fused QKV [T, (Hq + 2 Hkv) * D] -> rotated queries [T, Hq, D]; rotated keys and the values go into
+        the cache at slot_mapping. Views of the QKV throughout: q goes to attention strided."""
+        d = self.table.shape[-1]
+        qk, v = qkv.split([(num_heads + num_kv_heads) * d, num_kv_heads * d], dim=-1)
+        # Queries and keys rotate in one call: half the small ops of a RoPE per tensor.
+        q, k = self(qk.view(-1, num_heads + num_kv_heads, d), positions).split([num_heads, num_kv_heads], dim=1)
+        write_kv(k, v.view(-1, num_kv_heads, d), kv_cache, slot_mapping)
+        return q
+
+
+def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 def _ops():
     return load_cpu_extension("orcinus_cpu_token_ops", "token_ops_cpu.cpp")
 
@@ -65,14 +106,28 @@ class CpuSiluAndMul(SiluAndMul):
         return _ops().silu_mul(gate_up)
 
 
+class CpuRotary(Rotary):
+    """RoPE and the cache write in one C++ pass (the same table buffer as the module it replaced)."""
+
+    def rope_write_kv(self, qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
+        if (torch.compiler.is_compiling() or qkv.dim() != 2 or qkv.stride(1) != 1 or not kv_cache.is_contiguous()
+                or kv_cache.dtype != qkv.dtype or self.table.dtype != qkv.dtype
+                or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64):
+            return super().rope_write_kv(qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads)
+        return _ops().rope_write_kv(qkv, positions.contiguous(), self.table, kv_cache, slot_mapping.contiguous(),
+                                    num_heads, num_kv_heads)
+
+
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     """Fused token ops here: bfloat16 on the CPU, where the op builds (a warning says why not, if it cannot)."""
     return device.type == "cpu" and dtype == torch.bfloat16 and builds(
         _ops, "the fused CPU token ops are unusable here, using PyTorch's")
 
 
-def fuse_token_ops(module: nn.Module) -> None:
-    """Swap every RMSNorm and SiluAndMul under `module` for its C++ version (after the final dtype cast)."""
+def fuse_token_ops(module: nn.Module, _tables: dict[int, CpuRotary] | None = None) -> None:
+    """Swap every RMSNorm, SiluAndMul and Rotary under `module` for its C++ version (after the final dtype cast);
+    layers that shared a RoPE table share its replacement."""
+    tables = {} if _tables is None else _tables
     for name, child in list(module.named_children()):
         if type(child) is RMSNorm:
             fused = CpuRMSNorm.__new__(CpuRMSNorm)
@@ -81,5 +136,11 @@ def fuse_token_ops(module: nn.Module) -> None:
             setattr(module, name, fused)
         elif type(child) is SiluAndMul:
             setattr(module, name, CpuSiluAndMul())
+        elif type(child) is Rotary:
+            if id(child) not in tables:
+                tables[id(child)] = fused = CpuRotary.__new__(CpuRotary)
+                nn.Module.__init__(fused)
+                fused.register_buffer("table", child.table, persistent=False)
+            setattr(module, name, tables[id(child)])
         else:
-            fuse_token_ops(child)
+            fuse_token_ops(child, tables)

@@ -10,14 +10,14 @@ from engine.core.config import EngineConfig, FaultPlan
 from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Failure, Request
 from engine.core.scheduler import Batch
-from engine.model.decoder import Decoder, Rotary
+from engine.model.decoder import Decoder
 from engine.model.families import model_class
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.quantized import can_use_blocks, use_block_weights
 from engine.model.sampler import DeviceSample, Sampler
 from engine.model.sharding import TensorShard
-from engine.model.token_ops import can_fuse, fuse_token_ops
+from engine.model.token_ops import Rotary, can_fuse, fuse_token_ops
 from engine.runner.device import DeviceError, block_weights
 from engine.runner.model_runner import ModelRunner
 from engine.runner.prompt_logprobs import DevicePromptLogprobs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.attention.backend import AttentionParams, write_kv
+from engine.attention.backend import AttentionParams
 from engine.core.config import ModelShape
 from engine.model.decoder import Decoder, Source
 from engine.model.sharding import TensorShard
@@ -36,15 +36,9 @@ class LlamaLayer(nn.Module):
 
     def pre_attention(self, x, positions, kv_cache, slot_mapping):
         """Norm, fused QKV, RoPE, and this iteration's K/V into the cache: [T, hidden] -> q [T, Hq, D]."""
-        s = self.shape
         qkv = self.qkv_proj(self.input_layernorm(x))
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Queries and keys rotate in one call: half the small ops of a decode step's RoPE. Views of the QKV
-        # output throughout: the write reads k and v where they are, and q goes to attention strided.
-        q, k = self.rotary(qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim), positions).split(
-            [s.num_heads, s.num_kv_heads], dim=1)
-        write_kv(k, v.view(-1, s.num_kv_heads, s.head_dim), kv_cache, slot_mapping)
-        return q
+        return self.rotary.rope_write_kv(qkv, positions, kv_cache, slot_mapping, self.shape.num_heads,
+                                         self.shape.num_kv_heads)
 
     def post_attention(self, x, attn):
         """Output projection and MLP, each with its residual: ([T, hidden], [T, Hq, D]) -> [T, hidden]."""
