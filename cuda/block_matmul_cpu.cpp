@@ -122,14 +122,50 @@ inline i32x16 fifth_bits(uint32_t qh, int first) {
 
 // The 32-weight formats decode straight into two registers (`regs`), so few rows can use them without a store;
 // the 256-weight K-quants decode into memory (`decode`).
+#ifdef __AVX512F__
+// A 4-bit block holds at most 16 distinct weights: d * i (+ m), or d * (i - 8), for codes i = 0..15. They are computed
+// once a block, in one register, exactly as the decoder below computes each weight, and each code picks its weight with
+// a permute (which reads only an index's low 4 bits: the low nibble needs no mask). Two permutes replace a mask, two
+// conversions and two multiply-adds for every 32 weights, and the weights are the same bits.
+inline v16 codes16() { return v16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+// A block's float16 scale in every lane: a broadcast load and one conversion (not an insert, a conversion and a
+// broadcast).
+inline v16 splat_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(bits))));
+}
+
+// Q4_1's scale d and minimum m, side by side in the block, each in every lane: one broadcast load of both, one
+// conversion, then each duplicated from its even or odd lanes.
+inline void splat_halves(const uint8_t* p, v16& d, v16& m) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m512 both = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(bits)));
+  d = reinterpret_cast<v16>(_mm512_moveldup_ps(both));
+  m = reinterpret_cast<v16>(_mm512_movehdup_ps(both));
+}
+
+inline void pick(v16 table, const uint8_t* codes, v16 (&w)[2]) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  w[0] = reinterpret_cast<v16>(_mm512_permutexvar_ps(q, reinterpret_cast<__m512>(table)));
+  w[1] = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), reinterpret_cast<__m512>(table)));
+}
+#endif
+
 struct Q4_0 {
   static constexpr int kSize = 32, kBytes = 18;
   static constexpr bool kRegs = true;
   static void regs(const uint8_t* b, v16 (&w)[2]) {
+#ifdef __AVX512F__
+    pick(splat_half(b) * (codes16() - 8), b + 2, w);
+#else
     const v16 d = splat(half(b));
     const i32x16 q = bytes16(b + 2);
     w[0] = d * floats((q & 15) - 8);
     w[1] = d * floats((q >> 4) - 8);
+#endif
   }
 };
 
@@ -137,10 +173,16 @@ struct Q4_1 {
   static constexpr int kSize = 32, kBytes = 20;
   static constexpr bool kRegs = true;
   static void regs(const uint8_t* b, v16 (&w)[2]) {
+#ifdef __AVX512F__
+    v16 d, m;
+    splat_halves(b, d, m);
+    pick(d * codes16() + m, b + 4, w);
+#else
     const v16 d = splat(half(b)), m = splat(half(b + 2));
     const i32x16 q = bytes16(b + 4);
     w[0] = d * floats(q & 15) + m;
     w[1] = d * floats(q >> 4) + m;
+#endif
   }
 };
 
@@ -174,7 +216,11 @@ struct Q8_0 {
   static constexpr int kSize = 32, kBytes = 34;
   static constexpr bool kRegs = true;
   static void regs(const uint8_t* b, v16 (&w)[2]) {
+#ifdef __AVX512F__
+    const v16 d = splat_half(b);
+#else
     const v16 d = splat(half(b));
+#endif
     w[0] = signed16(b + 2) * d;
     w[1] = signed16(b + 18) * d;
   }
