@@ -9,6 +9,7 @@ lives in slot `block_table[t // block_size] * block_size + t % block_size`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +31,16 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.query_lens_cpu)
+
+    # Asked by every layer's attention of a step, and computed once: at batch 1 a step's Python is a fifth of it.
+    @functools.cached_property
+    def is_pure_decode(self) -> bool:
+        """One query per request: row i of the batch is request i."""
+        return all(n == 1 for n in self.query_lens_cpu)
+
+    @functools.cached_property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_cpu, default=0)
 
     @property
     def query_starts_cpu(self) -> list[int]:

@@ -17,13 +17,12 @@ class TorchAttention:
 
     def forward(self, q, kv_cache, meta, params: AttentionParams | None = None):
         params = params or AttentionParams.plain(q.shape[-1])
+        if meta.is_pure_decode:  # row i is request i, no gathers needed
+            tables = meta.block_tables[:, : -(-meta.max_context_len // kv_cache.shape[3])]
+            return self._decode(q, kv_cache, tables, meta.context_lens, params)
         out = torch.empty_like(q)
         qsl = meta.query_starts_cpu
         decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if len(decode_rows) == meta.num_requests:  # pure decode: row i is request i, no gathers needed
-            block_size = kv_cache.shape[3]
-            tables = meta.block_tables[:, : -(-max(meta.context_lens_cpu) // block_size)]
-            return self._decode(q, kv_cache, tables, meta.context_lens, params)
         if decode_rows:
             rows = torch.tensor(decode_rows, device=q.device)
             token_rows = torch.tensor([qsl[i] for i in decode_rows], device=q.device)

@@ -79,13 +79,17 @@ class BlockLinear(nn.Module):
             raise ValueError("the parts of one BlockLinear must share their input width")
         for i, p in enumerate(parts):
             self.register_buffer(f"blocks{i}", p.data, persistent=False)
+        # The same tensors as a plain list: at a decode step's ~120 calls, looking the buffers up by name costs more
+        # than a small matmul. Blocks stay on the CPU and are never cast, so the two cannot part.
+        self._parts = [p.data for p in parts]
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1, self.in_features)
+        if x.dim() != 2:
+            x = x.reshape(-1, self.in_features)
         out = x.new_empty(x.shape[0], self.out_features)
         # All parts in one call: one parallel region for the layer, not one per part.
-        _ops().block_matmul_out(x, [getattr(self, f"blocks{i}") for i in range(len(self.types))], self.types, out)
+        _ops().block_matmul_out(x, self._parts, self.types, out)
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
