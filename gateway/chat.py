@@ -16,7 +16,7 @@ from gateway.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, ToolCallChunk, TopLogprob, Usage, decode_request,
 )
-from gateway.tools import ToolPlan
+from gateway.tool_stream import ToolCallStream
 from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
@@ -28,6 +28,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     limits = state.engine_limits()
     grammar = await state.grammar(req)  # first: the tools' schemas are checked (depth included) before rendering
     plan = req.tool_plan()
+    parallel = req.parallel_tool_calls is not False  # OpenAI's default: several calls may come
     tok = state.tokenizer
     if plan.active and tok.renders_tools:
         messages, tools = req.template_messages(), plan.template_tools()
@@ -61,16 +62,26 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             # OpenAI opens every choice with a role-only delta.
             for i in range(req.n):
                 yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-            held = {i: HeldChoice(plan) for i in range(req.n)} if plan.active else {}
+            streams = {i: ToolCallStream(plan, parallel) for i in range(req.n)} if plan.active else {}
+            held: dict[int, list] = {i: [] for i in streams}  # logprobs of events that sent nothing yet
             async for event in gen.events():
-                if event.index in held and held[event.index].holds(event):
-                    if event.finish_reason:  # the whole answer is in: a call, or the content held back
-                        yield chunk([held.pop(event.index).final_choice(event.index, logprobs)])
-                    continue
-                delta = ChatDelta(content=event.text) if event.text else ChatDelta()
-                if event.text or event.logprobs or event.finish_reason:
+                calls: list[ToolCallChunk] = []
+                text, finish = event.text, event.finish_reason
+                if event.index in streams:
+                    stream = streams[event.index]
+                    text, calls = stream.feed(event.text)
+                    if finish:
+                        rest, more, made_calls = stream.finish(finish == "stop")
+                        text, calls = text + rest, calls + more
+                        finish = "tool_calls" if made_calls and finish == "stop" else finish
+                    if not (text or calls or finish):
+                        held[event.index] += event.logprobs
+                        continue
+                    event.logprobs, held[event.index] = held[event.index] + event.logprobs, []
+                delta = ChatDelta(content=text or None, tool_calls=calls or None)
+                if text or calls or event.logprobs or finish:
                     yield chunk([ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs(event),
-                                                 finish_reason=event.finish_reason)])
+                                                 finish_reason=finish)])
             if include_usage:
                 yield ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
                                           usage=Usage.of(*gen.token_counts))
@@ -90,9 +101,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         choices = []
         for i in sorted(texts):
             text, reason = "".join(texts[i]), finish.get(i)
-            call = plan.parse(text) if reason == "stop" else None
-            message = ChatResponseMessage(content=None, tool_calls=[call]) if call else ChatResponseMessage(content=text)
-            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if call else reason,
+            calls = plan.parse_calls(text, parallel) if reason == "stop" else []
+            message = ChatResponseMessage(content=None, tool_calls=calls) if calls else ChatResponseMessage(content=text)
+            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if calls else reason,
                                       logprobs=ChatLogprobs(content=content.get(i, [])) if top_n is not None else None))
         return json_response(ChatCompletionResponse(
             id=rid, created=created, model=state.model_name, choices=choices,
@@ -103,40 +114,6 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         return await until_done_or_disconnect(request, collect())
     finally:
         gen.close()
-
-
-class HeldChoice:
-    """A streamed choice that may be a tool call: its text is held back while it could still be one (all of it
-    when a call is required; with `auto`, from a first non-blank `{`), then sent as a call or as content."""
-
-    def __init__(self, plan: ToolPlan):
-        self.plan = plan
-        self.text: list[str] = []
-        self.events: list[ChoiceEvent] = []
-        self.holding = True
-
-    def holds(self, event: ChoiceEvent) -> bool:
-        if not self.holding:
-            return False
-        self.text.append(event.text)
-        self.events.append(event)
-        start = "".join(self.text).lstrip()
-        if not self.plan.forced and start and not start.startswith("{"):
-            self.holding = False  # plain text: the caller sends it, starting with what was held
-            event.text = "".join(self.text)
-            event.logprobs = [lp for e in self.events for lp in e.logprobs]
-            return False
-        return True
-
-    def final_choice(self, index: int, logprobs) -> ChatChunkChoice:
-        text, last = "".join(self.text), self.events[-1]
-        call = self.plan.parse(text) if last.finish_reason == "stop" else None
-        merged = ChoiceEvent(index, text, [], [lp for e in self.events for lp in e.logprobs], [], last.finish_reason)
-        if call is not None:
-            delta = ChatDelta(tool_calls=[ToolCallChunk(index=0, id=call.id, function=call.function)])
-            return ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(merged), finish_reason="tool_calls")
-        return ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=logprobs(merged),
-                               finish_reason=last.finish_reason)
 
 
 def _top(state: ServerState, token_id: int, logprob: float) -> dict:

@@ -11,7 +11,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from gateway.errors import request_too_large
 from gateway.structured import ANY_OBJECT, strict_schema
-from gateway.tools import FunctionCall, Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
+from gateway.tools import Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
 
 MAX_N = 16  # choices per prompt (`n`)
 # Stop strings per request (OpenAI allows 4; vLLM and llama.cpp any number). Each token costs the detokenizer a
@@ -249,7 +249,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # none | auto (the default) | required | {"type": "function", ...}
-    parallel_tool_calls: bool | None = None  # accepted; a choice makes at most one call
+    parallel_tool_calls: bool | None = None  # false: a choice makes at most one call (None: several may come)
 
     def tool_plan(self) -> ToolPlan:
         return ToolPlan(self.tools or [], self.tool_choice)
@@ -421,13 +421,19 @@ class ChatDelta(Struct, kw_only=True, omit_defaults=True):
     tool_calls: list[ToolCallChunk] | None = None
 
 
-class ToolCallChunk(Struct, kw_only=True):
-    """A whole call in one streamed delta (OpenAI's deltas may also split `arguments`; clients join them)."""
+class FunctionCallDelta(Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None  # in a call's first delta only
+    arguments: str  # the next fragment of the arguments' JSON text ("" in the first delta)
+
+
+class ToolCallChunk(Struct, kw_only=True, omit_defaults=True):
+    """A streamed call's delta: the first has its id, type and name, the rest only the next arguments fragment;
+    `index` says which of a choice's calls it continues."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatChunkChoice(Struct, kw_only=True):

@@ -3,8 +3,9 @@
 A chat template that renders tools itself gets them (as transformers passes them); for one that does not,
 a generic system message describes them and asks for a call as one JSON object `{"name": ..., "arguments":
 {...}}`. With `tool_choice` `required` or a named function that object is enforced by a grammar built
-from the functions' parameter schemas; with `auto` the model may answer in text or with such an object,
-and an answer that parses as a call of a known function becomes one. One call per choice.
+from the functions' parameter schemas (one call); with `auto` the model may answer in text or with such objects,
+and an answer that parses as calls of known functions becomes them (several with `parallel_tool_calls`, the
+default). Streamed, gateway/tool_stream.py sends them as they are generated.
 """
 
 from __future__ import annotations
@@ -124,23 +125,32 @@ class ToolPlan:
         schemas = [_call_schema(f) for f in self.offered]
         return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
-    def parse(self, text: str) -> ToolCall | None:
-        """The call `text` makes, if it is one of a known function; else None (it is plain content)."""
-        text = text.strip()
-        # Templates that render tools teach their own wrappers: Hermes/Qwen's <tool_call> tags, Llama's "parameters".
-        if text.startswith(TAG_OPEN) and text.endswith(TAG_CLOSE):
-            text = text[len(TAG_OPEN):-len(TAG_CLOSE)].strip()
-        if not self.active or not text.startswith("{"):
-            return None
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return None
-        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        if not (isinstance(args, dict) and obj.get("name") in self.functions):
-            return None
-        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"],
-                                                                                   arguments=json.dumps(args)))
+    def parse_calls(self, text: str, parallel: bool = True) -> list[ToolCall]:
+        """The calls `text` makes if it is nothing but calls of known functions: JSON objects one after another or in
+        an array, each maybe in the <tool_call> tags Hermes/Qwen templates teach, its arguments under "arguments" (or
+        Llama's "parameters"). Otherwise [] (it is plain content). Without `parallel`, the first call only."""
+        if not self.active:
+            return []
+        values, pos, decoder = [], 0, json.JSONDecoder()
+        while pos < len(text):
+            if text[pos] in " \t\r\n,":
+                pos += 1
+            elif text.startswith(TAG_OPEN, pos) or text.startswith(TAG_CLOSE, pos):
+                pos = text.index(">", pos) + 1
+            else:
+                try:
+                    value, pos = decoder.raw_decode(text, pos)
+                except ValueError:
+                    return []
+                values.extend(value if isinstance(value, list) else [value])
+        calls = []
+        for obj in values:
+            args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+            if not (isinstance(args, dict) and obj.get("name") in self.functions):
+                return []
+            calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                                  function=FunctionCall(name=obj["name"], arguments=json.dumps(args))))
+        return calls if parallel else calls[:1]
 
 
 def call_arguments(call: ToolCall, param: str) -> Any:

@@ -1,5 +1,6 @@
 """Tool calling through the OpenAI SDK: a named or required tool_choice always yields a valid call, streamed
-deltas assemble to the whole response, `auto` answers are well formed, history with calls is accepted, and
+deltas (the name first, then argument fragments) assemble to the whole response, several calls come when the model
+makes them and `parallel_tool_calls` allows, `auto` answers are well formed, history with calls is accepted, and
 unknown tools or bad schemas are 400s, and a schema compiles once however often a request asks."""
 
 import json
@@ -98,6 +99,79 @@ def test_auto_turns_a_call_shaped_answer_into_a_tool_call_whole_and_streamed(cli
         "get_weather", json.loads(whole.function.arguments), "tool_calls", "")
 
 
+def plan_of(choice="auto"):
+    from gateway.protocol import ChatCompletionRequest, decode_request
+
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": choice}
+    return decode_request(json.dumps(body).encode(), ChatCompletionRequest).tool_plan()
+
+
+def streamed(plan, pieces, parallel=True, stopped=True):
+    """Feed `pieces` to a ToolCallStream: (content, [(index, id, name, arguments fragment)], made calls)."""
+    from gateway.tool_stream import ToolCallStream
+
+    stream, content, deltas = ToolCallStream(plan, parallel), "", []
+    for piece in pieces:
+        text, calls = stream.feed(piece)
+        content += text
+        deltas += [(c.index, c.id, c.function.name, c.function.arguments) for c in calls]
+    text, calls, made = stream.finish(stopped)
+    return content + text, deltas + [(c.index, c.id, c.function.name, c.function.arguments) for c in calls], made
+
+
+def test_a_streamed_call_sends_its_name_first_then_its_arguments_as_they_come():
+    pieces = ['<tool_call>{"na', 'me": "get_weather", "argu', 'ments": {"ci', 'ty": "Pa{r}\\"is"', ', "unit": "cel',
+              'sius"}}</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": [2]}}', '</tool_call>']
+    content, deltas, made = streamed(plan_of(), pieces)
+    assert content == "" and made
+    (i0, id0, name0, a0), *rest = deltas
+    assert (i0, name0, a0) == (0, "get_weather", "") and id0.startswith("call_")
+    first = [d for d in rest if d[0] == 0]
+    assert all(d[1] is None and d[2] is None for d in first) and len(first) == 4  # fragments as they came
+    assert json.loads("".join(d[3] for d in first)) == {"city": 'Pa{r}"is', "unit": "celsius"}
+    second = [d for d in rest if d[0] == 1]
+    assert second[0][2] == "add" and second[0][1] not in (None, id0)
+    assert json.loads("".join(d[3] for d in second)) == {"a": 1, "b": [2]}
+    # Without parallel calls the first is the only one; as an array, the same calls.
+    assert {d[0] for d in streamed(plan_of(), pieces, parallel=False)[1]} == {0}
+    array = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": {"a": 3, "b": 4}}]'
+    assert [d[2] for d in streamed(plan_of(), [array])[1] if d[2]] == ["add", "add"]
+
+
+def test_a_streamed_answer_that_is_no_call_is_content_and_one_that_parses_late_is_whole_calls():
+    assert streamed(plan_of(), ["  Hello", " there"]) == ("  Hello there", [], False)  # sent as it comes
+    assert streamed(plan_of(), ['{"answer": ', "42}"]) == ('{"answer": 42}', [], False)  # held, then content
+    assert streamed(plan_of(), ['{"name": "nope", "arguments": {}}']) == ('{"name": "nope", "arguments": {}}', [],
+                                                                         False)
+    late = '{"arguments": {"a": 1, "b": 2}, "name": "add"}'  # the name after the arguments: whole at the end
+    content, [(index, call_id, name, args)], made = streamed(plan_of(), [late])
+    assert (content, index, name, json.loads(args), made) == ("", 0, "add", {"a": 1, "b": 2}, True)
+    assert streamed(plan_of(), [late], stopped=False)[2] is False  # cut off by max_tokens: content
+    # A required call holds even plain-looking text until the end.
+    assert streamed(plan_of("required"), ["Hello"]) == ("Hello", [], False)
+
+
+def test_several_calls_come_as_several_tool_calls_whole_and_streamed_unless_parallel_calls_are_off(client, model):
+    """Deterministic: a response_format of an array of two calls makes the answer two calls."""
+    call = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"const": "add"}, "arguments": SCHEMAS["add"]}}
+    kw = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "calls", "schema": {
+            "type": "array", "items": call, "minItems": 2, "maxItems": 2}}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 2
+    assert len({c.id for c in whole.message.tool_calls}) == 2
+    calls: dict[int, list] = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert [c.function.arguments for c in one.message.tool_calls] == [whole.message.tool_calls[0].function.arguments]
+
+
 def test_a_history_with_a_call_and_its_result_is_accepted(client, model):
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -136,9 +210,9 @@ def test_a_template_that_renders_tools_gets_them_and_its_wrappers_are_understood
     plan = req.tool_plan()
     text = tok.apply_chat_template(req.template_messages(), tools=plan.template_tools())
     assert text == "[tool get_weather][tool add]<user>What is the weather like in Paris today?"
-    call = plan.parse('<tool_call>\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n</tool_call>')
+    [call] = plan.parse_calls('<tool_call>\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n</tool_call>')
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
-    assert plan.parse('{"name": "nope", "arguments": {}}') is None and plan.parse("[1, 2]") is None
+    assert plan.parse_calls('{"name": "nope", "arguments": {}}') == [] and plan.parse_calls("[1, 2]") == []
 
 
 def test_each_schema_of_a_request_compiles_once_however_often_it_is_asked_for():
