@@ -36,11 +36,6 @@ class ToolCallStream:
         self.depth = 0  # inside the current call's arguments: open brackets, and whether in a string
         self.in_string = self.escaped = False
 
-    @property
-    def holding(self) -> bool:
-        """Nothing sent yet but for the role: the text may still be a call, or content the end will decide."""
-        return not self.content and not self.calls
-
     def feed(self, text: str) -> tuple[str, list[ToolCallChunk]]:
         """(content to send, call deltas to send) for an event's new text."""
         self.text += text
