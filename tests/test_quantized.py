@@ -10,8 +10,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.core.config import EngineConfig
-from engine.model.quantized import QUANTIZED_TYPES, BlockLinear, Blocks, dequantize
-from engine.runner.device import DeviceError, block_weights
+from engine.model.quantized import (INT16_ROWS, INT16_TYPES, QUANTIZED_TYPES, BlockLinear, Blocks, Int16BlockLinear,
+                                    can_use_int16, dequantize)
+from engine.runner.device import DeviceError, block_weights, int16_activations
 
 TYPES = [GGMLQuantizationType(t) for t in QUANTIZED_TYPES]
 # Where each type keeps its float16 scale (and minimum) in a block: random bytes there could be infinities or NaNs.
@@ -141,5 +142,62 @@ def test_the_cpu_default_is_float32_on_the_files_blocks(checkpoint):
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert getattr(layer, name).types == [int(GGMLQuantizationType.Q4_1)] * len(getattr(layer, name).types)
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.types == [int(GGMLQuantizationType.Q8_0)]
+    if can_use_int16(torch.device("cpu")):  # decoding's one or two rows in integers, where the CPU has VNNI
+        assert isinstance(layer.qkv_proj, Int16BlockLinear) and isinstance(model.lm_head, Int16BlockLinear)
     assert isinstance(layer.input_layernorm, CpuRMSNorm)  # the fused token ops, in float32 here
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # no dense copy kept beside the blocks
+
+
+needs_vnni = pytest.mark.skipif(not can_use_int16(torch.device("cpu")), reason="the int16 op needs AVX-512 VNNI")
+
+
+def int16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int16 op reads it: each 32 inputs rounded to multiples of max|x| / 32767 (float64)."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    d = (amax.float() / 32767).double()  # the op's scale is a float32
+    q = torch.where(amax > 0, (blocks.float() * (32767 / amax.float())).round().double(), 0.0)
+    return (q * d).reshape(x.shape)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", [GGMLQuantizationType(t) for t in sorted(INT16_TYPES)], ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [32, 544, 1536])  # one block; a group of 16 and a ragged one; three groups
+def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weights(kind, cols):
+    blocks = random_blocks(kind, 23, cols, seed=5)  # 23 outputs: a ragged tile of 3
+    w = dequantize(blocks).double()
+    layer = Int16BlockLinear([blocks])
+    x = torch.randn(INT16_ROWS, cols, generator=torch.Generator().manual_seed(6)) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    got = layer(x)
+    want = int16_rounded(x) @ w.t()
+    # integer block sums are exact: what is left is float32 scaling and a sum over the blocks
+    bound = 4 * (cols // 32) * 2**-24 * (int16_rounded(x).abs() @ w.abs().t()) + 1e-30
+    assert ((got.double() - want).abs() <= bound).all()
+    # and within int16 rounding of the float32 product
+    exact = x.double() @ w.t()
+    assert ((got.double() - exact).abs() <= (x.double().abs() @ w.abs().t()) * 2**-15).all()
+    # a row's result alone is its result beside another
+    assert torch.equal(layer(x[1:2]), got[1:2])
+    # bfloat16 activations give bfloat16 outputs of the same sums
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+@needs_vnni
+def test_more_rows_than_int16_rows_run_the_float32_path_bit_for_bit():
+    parts = [random_blocks(GGMLQuantizationType.Q4_1, 40, 576, seed=7), random_blocks(GGMLQuantizationType.Q8_0, 9, 576)]
+    x = torch.randn(INT16_ROWS + 1, 576)
+    assert torch.equal(Int16BlockLinear(parts)(x), BlockLinear(parts)(x))
+    assert Int16BlockLinear(parts)(x[:1]).shape == (1, 49)
+
+
+@pytest.mark.parametrize("activations, invariant, want", [
+    ("float32", False, False), ("auto", True, False)])
+def test_which_configs_round_activations_to_int16(activations, invariant, want):
+    config = EngineConfig(device="cpu", block_activations=activations, batch_invariant=invariant)
+    assert int16_activations(config) is want
+
+
+def test_int16_activations_with_batch_invariance_are_a_clear_error():
+    with pytest.raises(DeviceError, match="--batch-invariant runs every row count"):
+        int16_activations(EngineConfig(device="cpu", block_activations="int16", batch_invariant=True))

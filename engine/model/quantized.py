@@ -5,6 +5,10 @@ Q6_K): cuda/block_matmul_cpu.cpp decodes each block to exactly the float32 weigh
 sums in float32, in an order that does not depend on the batch. So these layers compute the float32 model's products
 (its weights bit for bit) at every row count, reading a quarter (Q4) to a half (Q8) of bfloat16's bytes.
 --batch-invariant runs the other linear layers through the same op, their float weights as F32 or BF16 "blocks".
+
+An Int16BlockLinear decodes with one or two rows through cuda/int16_matmul_cpu.cpp: Q4_0, Q4_1 and Q8_0 blocks (the
+same codes and scales, reordered once) times the activations rounded to 16-bit integers per 32 inputs, summed in
+integers, as llama.cpp does with 8 bits; more rows run the float32 path above, where it is faster.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ QUANTIZED_TYPES: dict[int, tuple[int, int]] = {
     13: (256, 176),  # Q5_K
     14: (256, 210),  # Q6_K
 }
+# The formats the int16-activation op takes: Q4_0, Q4_1, Q8_0.
+INT16_TYPES = {2, 3, 8}
+# Up to this many rows the int16 op runs: on the 2-core machine a batch-1 decode step 1.45x, batch 2 1.24x faster than
+# float32 inputs; from 4 rows the float32 path's register tiles win (benchmarks/README.md).
+INT16_ROWS = 2
 # Float weights the op also takes, as ggml names them.
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
@@ -54,6 +63,16 @@ class Blocks:
 
 def _ops():
     return load_cpu_extension("orcinus_cpu_block_matmul", "block_matmul_cpu.cpp", strict=True)
+
+
+def _int16_ops():
+    return load_cpu_extension("orcinus_cpu_int16_matmul", "int16_matmul_cpu.cpp", strict=True)
+
+
+def can_use_int16(device: torch.device) -> bool:
+    """The int16-activation op here: on a CPU with AVX-512 VNNI, where it builds."""
+    return (device.type == "cpu" and builds(_int16_ops, "the int16-activation block matmul is unusable here")
+            and _int16_ops().available())
 
 
 def can_use_blocks(device: torch.device) -> bool:
@@ -96,10 +115,29 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, types={self.types}"
 
 
-def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bool = False) -> None:
+class Int16BlockLinear(BlockLinear):
+    """A BlockLinear over Q4_0/Q4_1/Q8_0 parts that, for up to INT16_ROWS rows, rounds its input to int16 per 32
+    values and sums in integers; it keeps the file's blocks for more rows beside a packed copy (their bytes again)."""
+
+    def __init__(self, parts: list[Blocks], bias: torch.Tensor | None = None):
+        super().__init__(parts, bias)
+        self._packed = [_int16_ops().pack(p.data, p.type, p.cols) for p in parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] > INT16_ROWS:
+            return super().forward(x)
+        out = x.new_empty(x.shape[0], self.out_features)
+        _int16_ops().int16_matmul_out(x.contiguous(), self._packed, self.types, out)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bool = False,
+                      int16: bool = False) -> None:
     """Swap every linear layer whose checkpoint tensors (its Decoder.sources(), untransformed) are all in `blocks`
-    (keyed by Hugging Face name) for a BlockLinear over them, in place: a fused Q/K/V joins its three. With
-    `dense_too` the other linear layers as well, over their float weights (call after the final dtype cast then)."""
+    (keyed by Hugging Face name) for a BlockLinear over them, in place: a fused Q/K/V joins its three; with `int16`
+    an Int16BlockLinear where every part's format allows. With `dense_too` the other linear layers as well, over their
+    float weights (call after the final dtype cast then)."""
     by_name = {k.removeprefix("model."): v for k, v in blocks.items()}
     for name, source in model.sources().items():
         path, _, leaf = name.rpartition(".")
@@ -109,6 +147,8 @@ def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bo
         if leaf != "weight" or not isinstance(layer, nn.Linear):
             continue  # norms, the embedding, and layers swapped already
         if source.transform is None and all(n in by_name for n in source.names):
-            setattr(owner, attr, BlockLinear([by_name[n] for n in source.names], layer.bias))
+            parts = [by_name[n] for n in source.names]
+            kind = Int16BlockLinear if int16 and all(p.type in INT16_TYPES for p in parts) else BlockLinear
+            setattr(owner, attr, kind(parts, layer.bias))
         elif dense_too:
             setattr(owner, attr, BlockLinear([Blocks.of_dense(layer.weight)], layer.bias))

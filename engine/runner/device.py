@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.config import EngineConfig, ModelShape
+from engine.model.quantized import can_use_int16
 
 CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
 GPU_TOKEN_BUDGET = 2048  # tokens per iteration on a GPU, when the config gives none
@@ -48,6 +49,23 @@ def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
         raise DeviceError(f"--batch-invariant brings its own attention; not --attention-backend "
                           f"{config.attention_backend}")
     return config.with_(attention_backend="cpu-invariant")
+
+
+def int16_activations(config: EngineConfig) -> bool:
+    """Whether decoding's block matmuls round their inputs to int16 (engine/model/quantized.py's Int16BlockLinear).
+
+    "auto" does where the CPU has AVX-512 VNNI, except with --batch-invariant: one or two rows would then sum
+    otherwise than more.
+    """
+    if config.block_activations == "float32" or (config.batch_invariant and config.block_activations == "auto"):
+        return False
+    if config.batch_invariant:
+        raise DeviceError("--batch-invariant runs every row count through the float32 block matmul; drop "
+                          "--block-activations int16")
+    usable = can_use_int16(torch.device(config.device))
+    if config.block_activations == "int16" and not usable:
+        raise DeviceError("--block-activations int16 needs a CPU with AVX-512 VNNI (cuda/int16_matmul_cpu.cpp)")
+    return usable
 
 
 def block_weights(config: EngineConfig, has_blocks: bool) -> bool:

@@ -18,7 +18,7 @@ from engine.model.quantized import can_use_blocks, use_block_weights
 from engine.model.sampler import DeviceSample, Sampler
 from engine.model.sharding import TensorShard
 from engine.model.token_ops import Rotary, can_fuse, fuse_token_ops
-from engine.runner.device import DeviceError, block_weights
+from engine.runner.device import DeviceError, block_weights, int16_activations
 from engine.runner.model_runner import ModelRunner
 from engine.runner.prompt_logprobs import DevicePromptLogprobs
 
@@ -39,7 +39,7 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         model.init_random(config.seed)
     blocks = block_weights(config, bool(ckpt.blocks)) and shard.size == 1 and can_use_blocks(device)
     if blocks:
-        use_block_weights(model, ckpt.blocks)  # the dense projections they replace are freed
+        use_block_weights(model, ckpt.blocks, int16=int16_activations(config))  # the dense ones they replace are freed
     for p in model.parameters():
         p.data = p.data.to(dtype)
     for table in {m for m in model.modules() if isinstance(m, Rotary)}:
