@@ -19,7 +19,8 @@ def test_a_plain_install_carries_the_kernel_sources_and_the_engine_finds_them(tm
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300,
                    capture_output=True)
     assert {p.name for p in (site / "engine" / "kernels").iterdir()} >= {
-        "paged_decode_attention.cu", "paged_decode_attention_cpu.cpp", "token_ops_cpu.cpp", "block_matmul_cpu.cpp"}
+        "paged_decode_attention.cu", "paged_decode_attention_cpu.cpp", "token_ops_cpu.cpp", "block_matmul_cpu.cpp",
+        "int16_matmul_cpu.cpp"}
     check = (
         "import sys, pathlib\n"
         "import engine.attention.cpp_extension as c, engine.attention.cupy_backend as cuda\n"
