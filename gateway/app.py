@@ -30,6 +30,7 @@ from gateway.guards import TrustedHostMiddleware, page_headers
 from gateway.metrics import Metrics
 from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
+from gateway.responses import create_response, delete_response, retrieve_response
 from gateway.serving import ServerState, json_response
 from gateway.special_tokens import ContentTokens
 from gateway.structured import GrammarCompiler
@@ -144,6 +145,9 @@ def build_app(config: GatewayConfig) -> Starlette:
         routes=[
             Route("/v1/completions", handler(create_completion), methods=["POST"]),
             Route("/v1/chat/completions", handler(create_chat_completion), methods=["POST"]),
+            Route("/v1/responses", handler(create_response), methods=["POST"]),
+            Route("/v1/responses/{response_id}", handler(retrieve_response), methods=["GET"]),
+            Route("/v1/responses/{response_id}", handler(delete_response), methods=["DELETE"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/tokenize", handler(tokenize), methods=["POST"]),

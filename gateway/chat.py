@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 from starlette.requests import Request
@@ -11,24 +12,34 @@ from starlette.responses import Response
 
 from engine.core.sampling_params import InvalidRequestError
 from gateway.detokenizer import token_text
-from gateway.generation import ChoiceEvent
+from gateway.generation import ChoiceEvent, Generation
 from gateway.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, ToolCallChunk, TopLogprob, Usage, decode_request,
 )
 from gateway.tool_stream import ToolCallStream
+from gateway.tools import ToolPlan
 from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
-async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    req = decode_request(await read_body(request), ChatCompletionRequest)
+@dataclass
+class ChatRun:
+    """A chat request admitted to the engine: its generation (close() it) and how to read what it generates."""
+
+    gen: Generation
+    plan: ToolPlan
+    parallel: bool  # several tool calls may come
+    top_n: int | None  # top logprobs per token, None without logprobs
+
+
+async def start_chat(req: ChatCompletionRequest, request: Request, state: ServerState) -> ChatRun:
+    """Render, encode and admit a decoded chat request (the Responses API runs as one too)."""
     state.check_model(req.model)
     if state.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
     limits = state.engine_limits()
     grammar = await state.grammar(req)  # first: the tools' schemas are checked (depth included) before rendering
     plan = req.tool_plan()
-    parallel = req.parallel_tool_calls is not False  # OpenAI's default: several calls may come
     tok = state.tokenizer
     if plan.active and tok.renders_tools:
         messages, tools = req.template_messages(), plan.template_tools()
@@ -39,9 +50,16 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
     salt = state.cache_salt(request, req.cache_salt)
-    gen = state.generation([prompt], params, req.n, req.stop_strings, salt)  # admitted from here: close() it
+    gen = state.generation([prompt], params, req.n, req.stop_strings, salt)
+    # OpenAI's default: several calls may come
+    return ChatRun(gen, plan, req.parallel_tool_calls is not False, params.logprobs)
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    req = decode_request(await read_body(request), ChatCompletionRequest)
+    run = await start_chat(req, request, state)  # admitted from here: close() its generation
+    gen, plan, parallel, top_n = run.gen, run.plan, run.parallel, run.top_n
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    top_n = params.logprobs
 
     def logprobs(event: ChoiceEvent) -> ChatLogprobs | None:
         if top_n is None:

@@ -17,11 +17,21 @@ from gateway.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest,
     CompletionResponse, ModelCard, ModelList,
 )
+from gateway.responses_protocol import (
+    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, OutputItemEvent, ResponseEvent, ResponseObject,
+    ResponsesRequest, TextDeltaEvent, TextDoneEvent,
+)
 
 _REF = "#/components/schemas/{name}"
+_EVENTS = (ResponseEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent, ArgumentsDeltaEvent,
+           ArgumentsDoneEvent)
 _STRUCTS = (CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
             ChatCompletionChunk, ModelList, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
-            DetokenizeResponse)
+            DetokenizeResponse, ResponsesRequest, ResponseObject, *_EVENTS)
+# A Responses stream's failure: an `error` event.
+_ERROR_EVENT = {"type": "object", "required": ["type", "message"], "properties": {
+    "type": {"const": "error"}, "code": {"type": ["string", "null"]}, "message": {"type": "string"},
+    "param": {"type": ["string", "null"]}}}
 
 # Which error statuses each kind of route can answer, and why.
 _ERRORS = {
@@ -48,6 +58,10 @@ _CHAT_EXAMPLES = {
     "logprobs": {"messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 4, "logprobs": True,
                  "top_logprobs": 2},
 }
+_RESPONSES_EXAMPLES = {
+    "text": {"input": "Say hi.", "instructions": "Be brief.", "max_output_tokens": 6, "temperature": 0},
+    "stream": {"input": [{"role": "user", "content": "Name a color."}], "max_output_tokens": 6, "stream": True},
+}
 _RETRY_AFTER = {"description": "Seconds to wait before retrying.", "schema": {"type": "integer", "minimum": 0}}
 
 
@@ -62,24 +76,34 @@ def _error(status: int) -> dict:
     return response
 
 
-def _generate(summary: str, request: type, response: type, chunk: type, examples: dict, secured: bool) -> dict:
+def _generate(summary: str, request: type, response: type, chunk: type | None, examples: dict, secured: bool) -> dict:
     # OpenAPI 3.1 has an event stream's `schema` describe one event; its `data` is JSON or the final `[DONE]`.
-    json_data = {"type": "string", "contentMediaType": "application/json",
-                 "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
-    stream = {"schema": {
-        "type": "object",
-        "required": ["data"],
-        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}, "event": {"const": "message"}},
-    }}
+    if chunk is not None:
+        json_data = {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
+        stream = {"schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}, "event": {"const": "message"}},
+        }}
+        described = (f"The whole {response.__name__} (JSON), or with `stream: true` a stream of "
+                     f"`data: <{chunk.__name__}>` events ending in `data: [DONE]`; a failure after the stream started "
+                     "is one `data: <ErrorResponse>` event before `[DONE]`.")
+    else:  # the Responses API: typed events, each under an `event:` line of its type, no [DONE]
+        events = {"anyOf": [*map(_ref, _EVENTS), _ERROR_EVENT]}
+        stream = {"schema": {"type": "object", "required": ["event", "data"], "properties": {
+            "event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json",
+                                                  "contentSchema": events}}}}
+        described = (f"The whole {response.__name__} (JSON), or with `stream: true` its typed events (`event: <type>`"
+                     ", `data: <event>`), from response.created to response.completed or response.incomplete; a "
+                     "failure after the stream started is one `error` event.")
     op = {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {
             "schema": _ref(request), "examples": {name: {"value": value} for name, value in examples.items()}}}},
         "responses": {
             "200": {
-                "description": f"The whole {response.__name__} (JSON), or with `stream: true` a stream of "
-                               f"`data: <{chunk.__name__}>` events ending in `data: [DONE]`; a failure after the "
-                               "stream started is one `data: <ErrorResponse>` event before `[DONE]`.",
+                "description": described,
                 "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": stream},
             },
             **{str(s): _error(s) for s in sorted({*_GENERATE_ERRORS, *((401,) if secured else ())})},
@@ -116,12 +140,21 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
     metrics = {"summary": "Prometheus metrics", "responses": {
         "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **(unauthorized if metrics_need_key else {})}}
+    response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    kept = {"get": {"summary": "A kept response (`store`), by its id", "parameters": response_id, "responses": {
+        "200": {"description": "The response.", "content": {"application/json": {"schema": _ref(ResponseObject)}}},
+        "404": _error(404), **unauthorized}},
+        "delete": {"summary": "Forget a kept response", "parameters": response_id, "responses": {
+            "200": {"description": "Deleted.", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["id", "object", "deleted"], "properties": {
+                    "id": {"type": "string"}, "object": {"const": "response.deleted"}, "deleted": {"const": True}}}}}},
+            "404": _error(404), **unauthorized}}}
     health = {"summary": "Liveness of the engine", "responses": {
         "200": {"description": "The engine is ready.", "content": {"application/json": {"schema": {
             "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}},
         "503": _error(503)}}
     if api_key:
-        for op in (models, model, tokenize, detokenize, info):
+        for op in (models, model, tokenize, detokenize, info, kept["get"], kept["delete"]):
             op["security"] = [{"bearer": []}]
         if metrics_need_key:
             metrics["security"] = [{"bearer": []}]
@@ -134,6 +167,9 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
                                          _COMPLETION_EXAMPLES, api_key),
             "/v1/chat/completions": _generate("Chat completion", ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionChunk, _CHAT_EXAMPLES, api_key),
+            "/v1/responses": _generate("Response (the Responses API)", ResponsesRequest, ResponseObject, None,
+                                       _RESPONSES_EXAMPLES, api_key),
+            "/v1/responses/{response_id}": kept,
             "/v1/models": {"get": models},
             "/v1/models/{model}": {"get": model},
             "/tokenize": {"post": tokenize},

@@ -18,6 +18,7 @@ from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.admission import Admission
 from gateway.auth import TENANT, CacheSalts
+from gateway.response_store import ResponseStore
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.generation import Generation
 from gateway.guards import is_json
@@ -42,6 +43,7 @@ class ServerState:
     content_tokens: ContentTokens | None  # how chat messages' special-token text is tokenized; None: no tokenizer
     drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's kept responses
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
 
     def begin_shutdown(self) -> None:
@@ -114,8 +116,8 @@ class ServerState:
         self.live.add(gen)
         return gen
 
-    def sse(self, events: AsyncIterator[object], on_close: Callable[[], None]) -> Response:
-        return sse(events, on_close, self.drain_timeout)
+    def sse(self, events: AsyncIterator[object], on_close: Callable[[], None], named: bool = False) -> Response:
+        return sse(events, on_close, self.drain_timeout, named)
 
 
 async def _off_loop(work: Callable[[], list], chars: int) -> list:
@@ -178,18 +180,26 @@ class _ClosingEventSource(EventSourceResponse):
             self.on_close()
 
 
-def sse(events: AsyncIterator[object], on_close: Callable[[], None], drain_timeout: float) -> Response:
+def sse(events: AsyncIterator[object], on_close: Callable[[], None], drain_timeout: float,
+        named: bool = False) -> Response:
     """Stream msgspec structs as `data:` events, then `data: [DONE]`; an error mid-stream is an error event.
+    `named` (the Responses API): each under an `event:` line of its `type`, an error as an `error` event, no [DONE].
     On server shutdown a stream may go on for `drain_timeout` seconds (sse-starlette would cut it at once)."""
 
     async def gen():
         try:
             async for event in events:
-                yield {"data": _json.encode(event).decode()}
+                data = _json.encode(event).decode()
+                yield {"event": event.type, "data": data} if named else {"data": data}
         except (EngineUnavailableError, InvalidRequestError, errors.APIError) as e:
             api = _as_api_error(e)
+            if named:
+                yield {"event": "error", "data": _json.encode({"type": "error", "code": api.code,
+                                                                "message": api.message, "param": api.param}).decode()}
+                return
             yield {"data": errors.error_body(api).decode()}
-        yield {"data": "[DONE]"}
+        if not named:
+            yield {"data": "[DONE]"}
 
     return _ClosingEventSource(gen(), ping=15, shutdown_grace_period=drain_timeout, on_close=on_close)
 

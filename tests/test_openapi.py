@@ -35,8 +35,11 @@ def keyed_server(server_factory):
 def test_document_describes_routes_errors_and_streams(keyed_server):
     doc = httpx.get(f"{keyed_server}/openapi.json", timeout=10).json()  # open without the key
     assert doc["openapi"] == "3.1.0"
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                                 "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/metrics"}
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                 "/v1/responses/{response_id}", "/v1/models", "/v1/models/{model}", "/tokenize",
+                                 "/detokenize", "/tokenizer_info", "/health", "/metrics"}
+    responses = doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert responses["required"] == ["event", "data"]  # typed events, no [DONE]
     op = doc["paths"]["/v1/completions"]["post"]
     assert set(op["responses"]) == {"200", "400", "401", "404", "408", "413", "415", "429", "503"}
     assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}

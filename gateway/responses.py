@@ -1,0 +1,194 @@
+"""POST /v1/responses (streamed and not), GET and DELETE /v1/responses/{id}.
+
+A response runs as a chat completion (gateway/chat.py's start_chat): the request's instructions, the stored turns
+of `previous_response_id` and its input items become the messages; its output is a message item, or function_call
+items when the model calls tools. Streamed, the output comes as OpenAI's typed events, each item opened, filled
+(text deltas, argument deltas) and closed; a kept response (`store`) can be continued and read back.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.core.sampling_params import InvalidRequestError
+from gateway import errors
+from gateway.auth import TENANT
+from gateway.chat import ChatRun, start_chat
+from gateway.protocol import ChatMessage, decode_request
+from gateway.responses_protocol import (
+    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, FunctionCallItem, IncompleteDetails,
+    InputTokensDetails, OutputItemEvent, OutputMessage, OutputText, ResponseEvent, ResponseObject, ResponsesRequest,
+    ResponseUsage, TextConfig, TextDeltaEvent, TextDoneEvent,
+)
+from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
+from gateway.tool_stream import ToolCallStream
+from gateway.tools import FunctionCall, ToolCall
+
+
+def _owner(request: Request) -> bytes:
+    """Whose responses these are: the API key the request came with (all one owner without keys)."""
+    return request.scope.get("state", {}).get(TENANT) or b""
+
+
+async def create_response(request: Request, state: ServerState) -> Response:
+    req = decode_request(await read_body(request), ResponsesRequest)
+    history: list[ChatMessage] = []
+    if req.previous_response_id is not None:
+        previous = state.responses.get(req.previous_response_id, _owner(request))
+        if previous is None:
+            raise InvalidRequestError(f"Previous response with id '{req.previous_response_id}' not found.",
+                                      "previous_response_id")
+        history = previous.messages
+    chat = req.to_chat(history)
+    run = await start_chat(chat, request, state)  # admitted from here: close() its generation
+    turn = Turn(req, run, state, chat.messages[1 if req.instructions else 0:], _owner(request))
+    if req.stream:
+        return state.sse(turn.events(), on_close=run.gen.close, named=True)
+    try:
+        return await until_done_or_disconnect(request, turn.collect())
+    finally:
+        run.gen.close()
+
+
+async def retrieve_response(request: Request, state: ServerState) -> Response:
+    stored = state.responses.get(request.path_params["response_id"], _owner(request))
+    if stored is None:
+        raise _not_found(request.path_params["response_id"])
+    return json_response(stored.response)
+
+
+async def delete_response(request: Request, state: ServerState) -> Response:
+    response_id = request.path_params["response_id"]
+    if not state.responses.delete(response_id, _owner(request)):
+        raise _not_found(response_id)
+    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _not_found(response_id: str) -> errors.APIError:
+    return errors.APIError(404, f"Response with id '{response_id}' not found.", "not_found_error", "response_id",
+                           "response_not_found")
+
+
+class Turn:
+    """One response being made: its id, its output items as they form, and the stored conversation after it."""
+
+    def __init__(self, req: ResponsesRequest, run: ChatRun, state: ServerState, messages: list[ChatMessage],
+                 owner: bytes):
+        self.req, self.run, self.state, self.messages, self.owner = req, run, state, messages, owner
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.output: list[OutputMessage | FunctionCallItem] = []
+        self.seq = 0
+
+    def response(self, status: str, finish: str | None = None) -> ResponseObject:
+        req = self.req
+        usage = None
+        if status != "in_progress":
+            prompt, completion, cached = self.run.gen.token_counts
+            usage = ResponseUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion,
+                                  input_tokens_details=InputTokensDetails(cached_tokens=cached))
+        return ResponseObject(
+            id=self.id, created_at=self.created, status=status, model=self.state.model_name, output=list(self.output),
+            usage=usage, incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish == "length" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            previous_response_id=req.previous_response_id, temperature=req.temperature, top_p=req.top_p,
+            tools=req.tools or [], tool_choice=req.tool_choice or "auto", parallel_tool_calls=self.run.parallel,
+            text=req.text or TextConfig(), store=req.store, metadata=req.metadata or {})
+
+    def finish(self, finish: str | None) -> ResponseObject:
+        """The final response; kept (with the conversation through it) when the request said `store`."""
+        response = self.response("incomplete" if finish == "length" else "completed", finish)
+        if self.req.store:
+            said = [m for m in self.output if isinstance(m, OutputMessage)]
+            calls = [ToolCall(id=c.call_id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in self.output if isinstance(c, FunctionCallItem)]
+            text = "".join(part.text for m in said for part in m.content)
+            reply = ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)
+            self.state.responses.put(self.id, self.owner, self.messages + [reply], response)
+        return response
+
+    async def collect(self) -> Response:
+        texts, finish = [], None
+        async for event in self.run.gen.events():
+            texts.append(event.text)
+            finish = event.finish_reason or finish
+        text = "".join(texts)
+        calls = self.run.plan.parse_calls(text, self.run.parallel) if finish == "stop" else []
+        status = "incomplete" if finish == "length" else "completed"
+        if calls:
+            self.output = [FunctionCallItem(id=f"fc_{uuid.uuid4().hex}", call_id=c.id, name=c.function.name,
+                                            arguments=c.function.arguments, status="completed") for c in calls]
+        else:
+            self.output = [OutputMessage(id=f"msg_{uuid.uuid4().hex}", status=status,
+                                         content=[OutputText(text=text)])]
+        return json_response(self.finish(finish))
+
+    def _next(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    async def events(self):
+        """The stream: created, in_progress, each item added, filled and done, then completed or incomplete."""
+        yield ResponseEvent(type="response.created", sequence_number=self._next(), response=self.response("in_progress"))
+        yield ResponseEvent(type="response.in_progress", sequence_number=self._next(),
+                            response=self.response("in_progress"))
+        calls = ToolCallStream(self.run.plan, self.run.parallel) if self.run.plan.active else None
+        message: OutputMessage | None = None
+        open_calls: dict[int, FunctionCallItem] = {}  # by the call's index in the choice
+        finish = None
+        async for event in self.run.gen.events():
+            text, chunks, finish = event.text, [], event.finish_reason or finish
+            if calls is not None:
+                text, chunks = calls.feed(event.text)
+                if finish:
+                    rest, more, _ = calls.finish(finish == "stop")
+                    text, chunks = text + rest, chunks + more
+            if text:
+                if message is None:
+                    message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+                    for e in self._open(message):
+                        yield e
+                    yield ContentPartEvent(type="response.content_part.added", sequence_number=self._next(),
+                                           item_id=message.id, output_index=self.output.index(message),
+                                           part=OutputText(text=""))
+                    message.content.append(OutputText(text=""))
+                message.content[0].text += text
+                yield TextDeltaEvent(sequence_number=self._next(), item_id=message.id,
+                                     output_index=self.output.index(message), delta=text)
+            for chunk in chunks:
+                item = open_calls.get(chunk.index)
+                if item is None:
+                    item = open_calls[chunk.index] = FunctionCallItem(
+                        id=f"fc_{uuid.uuid4().hex}", call_id=chunk.id or f"call_{uuid.uuid4().hex[:24]}",
+                        name=chunk.function.name or "", arguments="", status="in_progress")
+                    for e in self._open(item):
+                        yield e
+                if chunk.function.arguments:
+                    item.arguments += chunk.function.arguments
+                    yield ArgumentsDeltaEvent(sequence_number=self._next(), item_id=item.id,
+                                              output_index=self.output.index(item), delta=chunk.function.arguments)
+        status = "incomplete" if finish == "length" else "completed"
+        for item in list(self.output):
+            index = self.output.index(item)
+            item.status = status
+            if isinstance(item, OutputMessage):
+                yield TextDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
+                                    text=item.content[0].text)
+                yield ContentPartEvent(type="response.content_part.done", sequence_number=self._next(),
+                                       item_id=item.id, output_index=index, part=item.content[0])
+            else:
+                yield ArgumentsDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
+                                         name=item.name, arguments=item.arguments)
+            yield OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
+                                  item=item)
+        final = self.finish(finish)
+        yield ResponseEvent(type=f"response.{final.status}", sequence_number=self._next(), response=final)
+
+    def _open(self, item: OutputMessage | FunctionCallItem):
+        # Each event is encoded as it is yielded (gateway/serving.py's sse), so it shows the item as it is now.
+        self.output.append(item)
+        yield OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
+                              output_index=len(self.output) - 1, item=item)

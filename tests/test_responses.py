@@ -1,0 +1,167 @@
+"""The Responses API through the official SDK and LangChain: a response is the chat completion of the same messages
+(tokens and usage), streamed as OpenAI's typed events in order, continued with `previous_response_id` (a function
+tool's call and its output included), kept and deleted per API key, and bad input is a 400 in OpenAI's shape."""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from gateway.protocol import ChatMessage
+from gateway.response_store import ResponseStore
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                          "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24}}}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+GREEDY = dict(temperature=0, max_output_tokens=12)
+
+
+def chat(client, model, messages, **kw):
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12, **kw)
+
+
+def test_a_response_is_the_chat_completion_of_its_messages(client, model):
+    r = client.responses.create(model=model, input="Name three colors.", instructions="Answer briefly.", **GREEDY)
+    c = chat(client, model, [{"role": "system", "content": "Answer briefly."},
+                             {"role": "user", "content": "Name three colors."}])
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == model
+    assert r.output_text == c.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    if c.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+
+
+def test_streamed_events_come_in_order_and_add_up_to_the_response(client, model):
+    whole = client.responses.create(model=model, input="Count to five.", **GREEDY)
+    events = list(client.responses.create(model=model, input="Count to five.", stream=True, **GREEDY))
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [i for i, t in enumerate(types) if t == "response.output_text.delta"]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert deltas == list(range(4, 4 + len(deltas))) and deltas
+    assert types[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done", f"response.{whole.status}"]
+    text = "".join(events[i].delta for i in deltas)
+    assert text == whole.output_text == events[-1].response.output_text == events[4 + len(deltas)].text
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_previous_response_id_continues_the_conversation(client, model):
+    first = client.responses.create(model=model, input="My name is Ada.", **GREEDY)
+    second = client.responses.create(model=model, input="What is my name?", previous_response_id=first.id, **GREEDY)
+    c = chat(client, model, [{"role": "user", "content": "My name is Ada."},
+                             {"role": "assistant", "content": first.output_text},
+                             {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == c.choices[0].message.content
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def test_a_function_tool_round_trip(client, model):
+    kw = dict(model=model, input="What is the weather like in Paris?", tools=[WEATHER], temperature=0,
+              max_output_tokens=80)
+    r = client.responses.create(**kw, tool_choice="required")
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    # streamed: the item opens with its name, the arguments come as deltas and add up to the same text
+    events = list(client.responses.create(**kw, tool_choice="required", stream=True))
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.name == "get_weather"
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments == next(e for e in events if e.type == "response.function_call_arguments.done").arguments
+    # the call's output goes back, continuing the stored response: the same prompt as chat's tool message
+    out = client.responses.create(model=model, previous_response_id=r.id, tools=[WEATHER], temperature=0,
+                                  max_output_tokens=30, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                                "output": "Sunny, 21 C."}])
+    c = client.chat.completions.create(model=model, temperature=0, max_tokens=30, tools=[CHAT_WEATHER], messages=[
+        {"role": "user", "content": "What is the weather like in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function",
+                                              "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C."}])
+    assert out.usage.input_tokens == c.usage.prompt_tokens
+    assert out.usage.output_tokens == c.usage.completion_tokens
+    if c.choices[0].message.tool_calls:
+        assert [o.arguments for o in out.output] == [t.function.arguments for t in c.choices[0].message.tool_calls]
+    else:
+        assert out.output_text == c.choices[0].message.content
+
+
+def test_a_json_schema_text_format_gives_a_valid_document(client, model):
+    schema = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}}}
+    r = client.responses.create(model=model, input="Describe a person.", temperature=0, max_output_tokens=80,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                                                 "strict": True}})
+    value = json.loads(r.output_text)
+    jsonschema.validate(value, schema)
+    assert set(value) == {"name", "age"}  # strict: no undeclared keys
+
+
+def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model, server):
+    r = client.responses.create(model=model, input="Hi.", **GREEDY)
+    assert httpx.delete(f"{server}/v1/responses/{r.id}").json() == {"id": r.id, "object": "response.deleted",
+                                                                    "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="Hi.", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model=model, input="Hi.", store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({}, "input"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"type": "message", "role": "user"}]}, "input[0]"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+])
+def test_bad_requests_are_400s_naming_the_field(server, body, param):
+    r = httpx.post(f"{server}/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_langchain_on_the_responses_api(server, model):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=model, temperature=0,
+                                      max_tokens=12, use_responses_api=True)
+    whole = llm.invoke("Name a fruit.")
+    assert whole.response_metadata["id"].startswith("resp_") and whole.usage_metadata["output_tokens"] > 0
+    streamed = "".join(chunk.text for chunk in llm.stream("Name a fruit."))
+    assert streamed == whole.text
+    llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=model, temperature=0,
+                                      max_tokens=80, use_responses_api=True)
+    tools = llm.bind_tools([CHAT_WEATHER], tool_choice="get_weather")
+    [call] = tools.invoke("What is the weather in Rome?").tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
+
+
+def test_the_store_keeps_each_keys_responses_apart_and_drops_the_oldest():
+    store = ResponseStore(max_responses=2, max_chars=100)
+    said = [ChatMessage(role="user", content="x" * 10)]
+    store.put("a", b"key1", said, "A")
+    assert store.get("a", b"key2") is None and store.get("a", b"key1").response == "A"
+    assert not store.delete("a", b"key2")
+    store.put("b", b"key1", said, "B")
+    store.put("c", b"key1", said, "C")  # over the count: the least recently used goes
+    assert store.get("a", b"key1") is None and store.get("c", b"key1").response == "C"
+    store.put("d", b"key1", [ChatMessage(role="user", content="y" * 95)], "D")  # over the characters
+    assert [k for k in "bcd" if store.get(k, b"key1")] == ["d"]
