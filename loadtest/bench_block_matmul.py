@@ -1,0 +1,70 @@
+"""The bundled model's block matmuls alone, float32 inputs (BlockLinear) against int16 inputs (Int16BlockLinear).
+
+One pass is every projection of a decode step as the engine groups them (per layer the fused Q/K/V, O, fused gate/up
+and down, then the LM head) at R rows, reading the weights from memory as a step does (96 MB, past the caches). The
+two kinds alternate pass by pass, so both see the same machine; medians over the passes, and the median of the
+per-pair ratios.
+
+    .venv/bin/python loadtest/bench_block_matmul.py --threads 2 --rows 1 2 4 --passes 60 --out benchmarks/int16_matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--passes", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    from engine.model.loader import load_checkpoint
+    from engine.model.quantized import BlockLinear, Int16BlockLinear
+
+    torch.set_num_threads(args.threads)
+    blocks = load_checkpoint(None).blocks
+    groups = [[f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"] for i in range(999)
+              if f"model.layers.{i}.self_attn.q_proj.weight" in blocks]
+    n = len(groups)
+    groups += [[f"model.layers.{i}.self_attn.o_proj.weight"] for i in range(n)]
+    groups += [[f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up")] for i in range(n)]
+    groups += [[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(n)]
+    head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
+    groups.append([head])
+    kinds = {"float32": [BlockLinear([blocks[k] for k in g]) for g in groups],
+             "int16": [Int16BlockLinear([blocks[k] for k in g]) for g in groups]}
+    result = {"command": "python " + " ".join(sys.argv), "threads": args.threads, "layers": len(groups),
+              "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
+    for rows in args.rows:
+        inputs = [torch.randn(rows, layer.in_features) for layer in kinds["float32"]]
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for p in range(args.passes + 3):
+            for kind in (("float32", "int16") if p % 2 else ("int16", "float32")):
+                t = time.perf_counter()
+                for layer, x in zip(kinds[kind], inputs):
+                    layer(x)
+                if p >= 3:  # warm-up passes
+                    times[kind].append((time.perf_counter() - t) * 1e3)
+        ratios = [f / i for f, i in zip(times["float32"], times["int16"])]
+        result["rows"][rows] = {"median_ms": {k: statistics.median(v) for k, v in times.items()},
+                                "float32_over_int16": statistics.median(ratios), "samples_ms": times}
+        print(f"rows {rows}: float32 {statistics.median(times['float32']):.2f} ms, int16 "
+              f"{statistics.median(times['int16']):.2f} ms a pass; ratio {statistics.median(ratios):.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
