@@ -36,7 +36,7 @@ CASES = {
     "llama 3.1 (scaled rope)": ("llama", {"rope_parameters": LLAMA31_ROPE}),
     "qwen2 tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2 untied": ("qwen2", {"tie_word_embeddings": False}),
-    "mistral (sliding window)": ("mistral", {"sliding_window": 256}),
+    "mistral (sliding window)": ("mistral", {"sliding_window": 16}),
 }
 PROMPTS = [[5, 17, 200, 33, 8, 99, 120], list(range(40, 140)), [7] * 3]
 
@@ -48,9 +48,18 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
     assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_freq_factors is not None) == ("rope_parameters" in extra)
-    if kind == "mistral":
-        assert llm.engine.max_model_len == 256  # the window: every attended key is inside it
+    if kind == "mistral":  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
+        assert llm.engine.max_model_len == 512 and shape.sliding_window == shape.kv_window == 16
     assert_matches(llm, hf, case)
+    if kind == "mistral":  # a 264-token run holds about its window of KV: blocks before it go back as it goes on
+        engine, kv = llm.engine, llm.engine.scheduler.kv
+        engine.add_request(list(range(10, 210)), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        held = []
+        while engine.has_unfinished():
+            engine.step()
+            held.append(kv.num_used_blocks)
+        assert max(held) <= -(-16 // engine.config.block_size) + 2 < 264 // engine.config.block_size
+        assert kv.num_free_blocks == kv.num_blocks
 
 
 def assert_matches(llm: LLM, hf, case: str) -> None:

@@ -161,9 +161,9 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
     max_position = cfg.get("max_position_embeddings", 2048)
     window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", family == "mistral") and window < max_position:
-        # Within the window full attention is sliding-window attention: serve that much context, no more.
-        max_position = window
+    # Every layer sees its last `window` keys (Mistral v0.1; later ones set no window): the whole context is served,
+    # and a request gives back the KV blocks before its window as it goes on (engine/core/scheduler.py).
+    windowed = bool(window) and cfg.get("use_sliding_window", family == "mistral") and window < max_position
     return ModelShape(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -177,6 +177,7 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         max_position=max_position,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_freq_factors=scaling.freq_factors(head_dim, theta) if scaling else None,
+        sliding_window=window if windowed else None,
         **HF_FAMILIES[family],
     )
 
