@@ -20,6 +20,7 @@ def build(kind: str, tmp_path, **extra):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[kind]
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**TINY, **extra})).eval()
@@ -37,6 +38,8 @@ CASES = {
     "qwen2 tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2 untied": ("qwen2", {"tie_word_embeddings": False}),
     "mistral (sliding window)": ("mistral", {"sliding_window": 16}),
+    "phi3 (fused qkv and gate_up tensors)": ("phi3", {"pad_token_id": 0}),
+    "phi3 (sliding window)": ("phi3", {"pad_token_id": 0, "sliding_window": 16}),
 }
 PROMPTS = [[5, 17, 200, 33, 8, 99, 120], list(range(40, 140)), [7] * 3]
 
@@ -48,10 +51,11 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
     assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_freq_factors is not None) == ("rope_parameters" in extra)
-    if kind == "mistral":  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
+    assert type(llm.engine.model).__name__ == ("Phi3Model" if kind == "phi3" else "LlamaModel")
+    if "sliding_window" in extra:  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
         assert llm.engine.max_model_len == 512 and shape.sliding_window == shape.kv_window == 16
     assert_matches(llm, hf, case)
-    if kind == "mistral":  # a 264-token run holds about its window of KV: blocks before it go back as it goes on
+    if "sliding_window" in extra:  # a 264-token run holds about its window of KV: blocks before it go back as it goes on
         engine, kv = llm.engine, llm.engine.scheduler.kv
         engine.add_request(list(range(10, 210)), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         held = []
@@ -84,8 +88,13 @@ def assert_matches(llm: LLM, hf, case: str) -> None:
 
 def test_unsupported_families_and_rope_types_say_what_is_supported():
     base = {**TINY, "model_type": "llama"}
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2': supported are llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2': supported are llama, mistral, phi3, qwen2"):
         shape_from_hf_config({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="unsupported partial_rotary_factor"):
+        shape_from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="unsupported RoPE scaling 'longrope'"):
+        shape_from_hf_config({**base, "model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0],
+                                                                            "long_factor": [2.0]}})
     with pytest.raises(ValueError, match="unsupported RoPE scaling 'yarn'"):
         shape_from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
@@ -166,3 +175,11 @@ def test_a_gguf_of_the_family_matches_transformers(case, tmp_path):
     assert llm.engine.shape.qkv_bias == (kind == "qwen2")
     assert (llm.engine.shape.rope_freq_factors is not None) == (factors is not None)
     assert_matches(llm, hf, case)
+
+
+def test_phi3_split_over_two_tensor_parallel_ranks_gives_one_process_tokens(tmp_path):
+    build("phi3", tmp_path, pad_token_id=0)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(str(tmp_path), dtype="float32").generate(PROMPTS, greedy)]
+    with LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2) as llm:  # the fused tensors split by heads
+        assert [c.token_ids for c in llm.generate(PROMPTS, greedy)] == want

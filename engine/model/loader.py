@@ -140,7 +140,9 @@ def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], di
 
 
 # What sets each supported family apart from Llama: declarative, in ModelShape's fields.
-HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}}
+HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"}}
+# Families whose `sliding_window` applies unless `use_sliding_window` says otherwise (as transformers does).
+WINDOWED_BY_DEFAULT = ("mistral", "phi3")
 
 
 def shape_from_hf_config(cfg: dict) -> ModelShape:
@@ -156,6 +158,8 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
                               int(rope["original_max_position_embeddings"]))
     elif kind != "default":
         raise ValueError(f"unsupported RoPE scaling {kind!r}: supported are default and llama3")
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("unsupported partial_rotary_factor: RoPE must rotate the whole head")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
@@ -163,7 +167,7 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     window = cfg.get("sliding_window")
     # Every layer sees its last `window` keys (Mistral v0.1; later ones set no window): the whole context is served,
     # and a request gives back the KV blocks before its window as it goes on (engine/core/scheduler.py).
-    windowed = bool(window) and cfg.get("use_sliding_window", family == "mistral") and window < max_position
+    windowed = bool(window) and cfg.get("use_sliding_window", family in WINDOWED_BY_DEFAULT) and window < max_position
     return ModelShape(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],

@@ -9,9 +9,10 @@ from __future__ import annotations
 from engine.core.config import ModelShape
 from engine.model.decoder import Decoder
 from engine.model.families.llama import LlamaModel
+from engine.model.families.phi3 import Phi3Model
 
 # ModelShape.family -> the class that builds it.
-FAMILIES: dict[str, type[Decoder]] = {"llama": LlamaModel}
+FAMILIES: dict[str, type[Decoder]] = {"llama": LlamaModel, "phi3": Phi3Model}
 
 
 def model_class(shape: ModelShape) -> type[Decoder]:
