@@ -21,6 +21,7 @@ def build(kind: str, tmp_path, **extra):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[kind]
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**TINY, **extra})).eval()
@@ -28,10 +29,16 @@ def build(kind: str, tmp_path, **extra):
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+            if kind == "gemma2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(5.0)  # attention scores large enough for the soft cap to bend them
     model.save_pretrained(tmp_path)
     return model
 
 
+# Every Gemma 2 twist small enough to matter: a 16-key window on alternate layers, a scale other than 1/sqrt(head_dim),
+# soft caps low enough to bend the scores and logits.
+GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0, pad_token_id=0)
 CASES = {
     "llama 2": ("llama", {}),
     "llama 3.1 (scaled rope)": ("llama", {"rope_parameters": LLAMA31_ROPE}),
@@ -40,6 +47,7 @@ CASES = {
     "mistral (sliding window)": ("mistral", {"sliding_window": 16}),
     "phi3 (fused qkv and gate_up tensors)": ("phi3", {"pad_token_id": 0}),
     "phi3 (sliding window)": ("phi3", {"pad_token_id": 0, "sliding_window": 16}),
+    "gemma2": ("gemma2", GEMMA2),
 }
 PROMPTS = [[5, 17, 200, 33, 8, 99, 120], list(range(40, 140)), [7] * 3]
 
@@ -51,11 +59,13 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
     assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_freq_factors is not None) == ("rope_parameters" in extra)
-    assert type(llm.engine.model).__name__ == ("Phi3Model" if kind == "phi3" else "LlamaModel")
-    if "sliding_window" in extra:  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
+    assert type(llm.engine.model).__name__ == {"phi3": "Phi3Model", "gemma2": "Gemma2Model"}.get(kind, "LlamaModel")
+    if kind == "gemma2":  # windowed layers alternate with global ones: no request gives back its early blocks
+        assert shape.sliding_layers == (True, False) and shape.kv_window is None
+    elif "sliding_window" in extra:  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
         assert llm.engine.max_model_len == 512 and shape.sliding_window == shape.kv_window == 16
     assert_matches(llm, hf, case)
-    if "sliding_window" in extra:  # a 264-token run holds about its window of KV: blocks before it go back as it goes on
+    if shape.kv_window:  # a 264-token run holds about its window of KV: blocks before it go back as it goes on
         engine, kv = llm.engine, llm.engine.scheduler.kv
         engine.add_request(list(range(10, 210)), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         held = []
@@ -88,7 +98,7 @@ def assert_matches(llm: LLM, hf, case: str) -> None:
 
 def test_unsupported_families_and_rope_types_say_what_is_supported():
     base = {**TINY, "model_type": "llama"}
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2': supported are llama, mistral, phi3, qwen2"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2': supported are gemma2, llama, mistral, phi3, qwen2"):
         shape_from_hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="unsupported partial_rotary_factor"):
         shape_from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})

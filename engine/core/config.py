@@ -27,6 +27,9 @@ class ModelShape:
     rope_freq_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None  # keys a windowed layer's query sees, its own included (Mistral, Gemma)
     sliding_layers: tuple[bool, ...] | None = None  # which layers are windowed; None: all, when there is a window
+    attn_scale: float | None = None  # multiplies q.k; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the logits likewise (Gemma 2)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and (self.sliding_layers is None or self.sliding_layers[layer])

@@ -140,9 +140,10 @@ def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], di
 
 
 # What sets each supported family apart from Llama: declarative, in ModelShape's fields.
-HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"}}
+HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"},
+                                "gemma2": {"family": "gemma2"}}
 # Families whose `sliding_window` applies unless `use_sliding_window` says otherwise (as transformers does).
-WINDOWED_BY_DEFAULT = ("mistral", "phi3")
+WINDOWED_BY_DEFAULT = ("mistral", "phi3", "gemma2")
 
 
 def shape_from_hf_config(cfg: dict) -> ModelShape:
@@ -182,6 +183,11 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_freq_factors=scaling.freq_factors(head_dim, theta) if scaling else None,
         sliding_window=window if windowed else None,
+        # which layers are windowed (Gemma alternates), where the config lists them
+        sliding_layers=tuple(t == "sliding_attention" for t in cfg["layer_types"]) if cfg.get("layer_types") else None,
+        attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+        attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+        final_logit_softcap=cfg.get("final_logit_softcapping"),
         **HF_FAMILIES[family],
     )
 

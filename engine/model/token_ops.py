@@ -46,6 +46,14 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluAndMul(nn.Module):
+    """GeGLU's activation (Gemma): gelu(gate), tanh-approximated, times up, from the fused gate/up output."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class Rotary(nn.Module):
     """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
 
