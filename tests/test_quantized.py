@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engine.core.config import EngineConfig
 from engine.model.quantized import (INT16_ROWS, INT16_TYPES, QUANTIZED_TYPES, BlockLinear, Blocks, Int16BlockLinear,
-                                    can_use_int16, dequantize)
+                                    _int16_ops, can_use_int16, dequantize)
 from engine.runner.device import DeviceError, block_weights, int16_activations
 
 TYPES = [GGMLQuantizationType(t) for t in QUANTIZED_TYPES]
@@ -142,7 +142,7 @@ def test_the_cpu_default_is_float32_on_the_files_blocks(checkpoint):
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert getattr(layer, name).types == [int(GGMLQuantizationType.Q4_1)] * len(getattr(layer, name).types)
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.types == [int(GGMLQuantizationType.Q8_0)]
-    if can_use_int16(torch.device("cpu")):  # decoding's one or two rows in integers, where the CPU has VNNI
+    if can_use_int16(torch.device("cpu")):  # a lone decoding row in integers, where the CPU has VNNI
         assert isinstance(layer.qkv_proj, Int16BlockLinear) and isinstance(model.lm_head, Int16BlockLinear)
     assert isinstance(layer.input_layernorm, CpuRMSNorm)  # the fused token ops, in float32 here
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # no dense copy kept beside the blocks
@@ -166,10 +166,11 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
 def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weights(kind, cols):
     blocks = random_blocks(kind, 23, cols, seed=5)  # 23 outputs: a ragged tile of 3
     w = dequantize(blocks).double()
-    layer = Int16BlockLinear([blocks])
-    x = torch.randn(INT16_ROWS, cols, generator=torch.Generator().manual_seed(6)) * 3
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(6)) * 3
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
-    got = layer(x)
+    packed = Int16BlockLinear([blocks])._packed
+    got = torch.empty(3, 23)
+    _int16_ops().int16_matmul_out(x, packed, [blocks.type], got)  # the op itself takes any number of rows
     want = int16_rounded(x) @ w.t()
     # integer block sums are exact: what is left is float32 scaling and a sum over the blocks
     bound = 4 * (cols // 32) * 2**-24 * (int16_rounded(x).abs() @ w.abs().t()) + 1e-30
@@ -177,10 +178,10 @@ def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weigh
     # and within int16 rounding of the float32 product
     exact = x.double() @ w.t()
     assert ((got.double() - exact).abs() <= (x.double().abs() @ w.abs().t()) * 2**-15).all()
-    # a row's result alone is its result beside another
-    assert torch.equal(layer(x[1:2]), got[1:2])
+    # a row's result is the same alone, in the layer (which runs one row so), and beside others
+    assert torch.equal(Int16BlockLinear([blocks])(x[1:2]), got[1:2])
     # bfloat16 activations give bfloat16 outputs of the same sums
-    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    assert Int16BlockLinear([blocks])(x[:1].bfloat16()).dtype == torch.bfloat16
 
 
 @needs_vnni

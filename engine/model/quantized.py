@@ -6,7 +6,7 @@ sums in float32, in an order that does not depend on the batch. So these layers 
 (its weights bit for bit) at every row count, reading a quarter (Q4) to a half (Q8) of bfloat16's bytes.
 --batch-invariant runs the other linear layers through the same op, their float weights as F32 or BF16 "blocks".
 
-An Int16BlockLinear decodes with one or two rows through cuda/int16_matmul_cpu.cpp: Q4_0, Q4_1 and Q8_0 blocks (the
+An Int16BlockLinear decodes a lone row through cuda/int16_matmul_cpu.cpp: Q4_0, Q4_1 and Q8_0 blocks (the
 same codes and scales, reordered once) times the activations rounded to 16-bit integers per 32 inputs, summed in
 integers, as llama.cpp does with 8 bits; more rows run the float32 path above, where it is faster.
 """
@@ -35,9 +35,10 @@ QUANTIZED_TYPES: dict[int, tuple[int, int]] = {
 }
 # The formats the int16-activation op takes: Q4_0, Q4_1, Q8_0.
 INT16_TYPES = {2, 3, 8}
-# Up to this many rows the int16 op runs: on the 2-core machine a batch-1 decode step 1.45x, batch 2 1.24x faster than
-# float32 inputs; from 4 rows the float32 path's register tiles win (benchmarks/README.md).
-INT16_ROWS = 2
+# Up to this many rows the int16 op runs: a lone row's matmuls 1.23x faster than float32 inputs on the 2-core machine
+# (2 threads), two rows only 1.06x, which does not pay for a second row's results depending on its batch; from 4 rows
+# the float32 path's register tiles win (benchmarks/README.md).
+INT16_ROWS = 1
 # Float weights the op also takes, as ggml names them.
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 

@@ -54,7 +54,7 @@ def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
 def int16_activations(config: EngineConfig) -> bool:
     """Whether decoding's block matmuls round their inputs to int16 (engine/model/quantized.py's Int16BlockLinear).
 
-    "auto" does where the CPU has AVX-512 VNNI, except with --batch-invariant: one or two rows would then sum
+    "auto" does where the CPU has AVX-512 VNNI, except with --batch-invariant: a lone row would then sum
     otherwise than more.
     """
     if config.block_activations == "float32" or (config.batch_invariant and config.block_activations == "auto"):
