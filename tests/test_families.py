@@ -22,6 +22,7 @@ def build(kind: str, tmp_path, **extra):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**TINY, **extra})).eval()
@@ -31,6 +32,8 @@ def build(kind: str, tmp_path, **extra):
                 p.normal_(0.0, 0.5)
             if kind == "gemma2" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(5.0)  # attention scores large enough for the soft cap to bend them
+            if kind.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w) norms start at w = 0: make w matter
+                p.normal_(0.0, 0.3)
     model.save_pretrained(tmp_path)
     return model
 
@@ -39,6 +42,10 @@ def build(kind: str, tmp_path, **extra):
 # soft caps low enough to bend the scores and logits.
 GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
               final_logit_softcapping=3.0, pad_token_id=0)
+# Gemma 3: six layers, the last global; the windowed ones on their own RoPE base, the global one's scaled (linear).
+GEMMA3 = dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=16, pad_token_id=0,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
 CASES = {
     "llama 2": ("llama", {}),
     "llama 3.1 (scaled rope)": ("llama", {"rope_parameters": LLAMA31_ROPE}),
@@ -48,6 +55,7 @@ CASES = {
     "phi3 (fused qkv and gate_up tensors)": ("phi3", {"pad_token_id": 0}),
     "phi3 (sliding window)": ("phi3", {"pad_token_id": 0, "sliding_window": 16}),
     "gemma2": ("gemma2", GEMMA2),
+    "gemma3 (text)": ("gemma3", GEMMA3),
 }
 PROMPTS = [[5, 17, 200, 33, 8, 99, 120], list(range(40, 140)), [7] * 3]
 
@@ -59,8 +67,12 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
     assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_freq_factors is not None) == ("rope_parameters" in extra)
-    assert type(llm.engine.model).__name__ == {"phi3": "Phi3Model", "gemma2": "Gemma2Model"}.get(kind, "LlamaModel")
-    if kind == "gemma2":  # windowed layers alternate with global ones: no request gives back its early blocks
+    assert type(llm.engine.model).__name__ == {"phi3": "Phi3Model", "gemma2": "Gemma2Model",
+                                                "gemma3": "Gemma3Model"}.get(kind, "LlamaModel")
+    if kind == "gemma3":
+        assert shape.sliding_layers == (True,) * 5 + (False,) and shape.rope_local_theta == 10000.0
+        assert shape.rope_freq_factors == (8.0,) * 8
+    elif kind == "gemma2":  # windowed layers alternate with global ones: no request gives back its early blocks
         assert shape.sliding_layers == (True, False) and shape.kv_window is None
     elif "sliding_window" in extra:  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
         assert llm.engine.max_model_len == 512 and shape.sliding_window == shape.kv_window == 16
@@ -98,7 +110,7 @@ def assert_matches(llm: LLM, hf, case: str) -> None:
 
 def test_unsupported_families_and_rope_types_say_what_is_supported():
     base = {**TINY, "model_type": "llama"}
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2': supported are gemma2, llama, mistral, phi3, qwen2"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2': supported are gemma2, gemma3_text, llama, mistral, phi3, qwen2"):
         shape_from_hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="unsupported partial_rotary_factor"):
         shape_from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})

@@ -30,6 +30,7 @@ class ModelShape:
     attn_scale: float | None = None  # multiplies q.k; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # the logits likewise (Gemma 2)
+    rope_local_theta: float | None = None  # the windowed layers' RoPE base (Gemma 3); None: rope_theta
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and (self.sliding_layers is None or self.sliding_layers[layer])

@@ -141,9 +141,9 @@ def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], di
 
 # What sets each supported family apart from Llama: declarative, in ModelShape's fields.
 HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"},
-                                "gemma2": {"family": "gemma2"}}
+                                "gemma2": {"family": "gemma2"}, "gemma3_text": {"family": "gemma3"}}
 # Families whose `sliding_window` applies unless `use_sliding_window` says otherwise (as transformers does).
-WINDOWED_BY_DEFAULT = ("mistral", "phi3", "gemma2")
+WINDOWED_BY_DEFAULT = ("mistral", "phi3", "gemma2", "gemma3_text")
 
 
 def shape_from_hf_config(cfg: dict) -> ModelShape:
@@ -152,13 +152,20 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     if family not in HF_FAMILIES:
         raise ValueError(f"unsupported model_type {family!r}: supported are {', '.join(sorted(HF_FAMILIES))}")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    local = {}
+    if "full_attention" in rope:  # RoPE per layer type (Gemma 3): the global layers' is the model's
+        local, rope = rope.get("sliding_attention") or {}, rope["full_attention"]
     kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
+    scaling, linear = None, None
     if kind == "llama3":
         scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
                               int(rope["original_max_position_embeddings"]))
+    elif kind == "linear":  # every frequency divided by the factor (Gemma 3's global layers)
+        linear = float(rope["factor"])
     elif kind != "default":
-        raise ValueError(f"unsupported RoPE scaling {kind!r}: supported are default and llama3")
+        raise ValueError(f"unsupported RoPE scaling {kind!r}: supported are default, linear and llama3")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported RoPE scaling {local['rope_type']!r} on the windowed layers")
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ValueError("unsupported partial_rotary_factor: RoPE must rotate the whole head")
     num_heads = cfg["num_attention_heads"]
@@ -181,7 +188,9 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position=max_position,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_freq_factors=scaling.freq_factors(head_dim, theta) if scaling else None,
+        rope_freq_factors=(scaling.freq_factors(head_dim, theta) if scaling
+                           else (linear,) * (head_dim // 2) if linear else None),
+        rope_local_theta=float(local["rope_theta"]) if "rope_theta" in local else None,
         sliding_window=window if windowed else None,
         # which layers are windowed (Gemma alternates), where the config lists them
         sliding_layers=tuple(t == "sliding_attention" for t in cfg["layer_types"]) if cfg.get("layer_types") else None,
