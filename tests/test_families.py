@@ -1,6 +1,8 @@
 """Model families from Hugging Face directories: tiny random checkpoints built here with transformers' own
 classes (no download) load into Orcinus and give transformers' logits (float32) and greedy tokens."""
 
+import math
+
 import pytest
 import torch
 
@@ -88,9 +90,9 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
         assert kv.num_free_blocks == kv.num_blocks
 
 
-def assert_matches(llm: LLM, hf, case: str) -> None:
+def assert_matches(llm: LLM, hf, case: str, prompts: list[list[int]] = PROMPTS) -> None:
     """The next-token distribution after each prompt (top-5 logprobs, float32) and 32 greedy tokens of each."""
-    for prompt in PROMPTS:
+    for prompt in prompts:
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0, -1]
         [out] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=True))
@@ -100,8 +102,8 @@ def assert_matches(llm: LLM, hf, case: str) -> None:
             assert abs(lp - want_lp[i].item()) < 1e-4 * max(1.0, abs(lp)), (case, i)
     # 32 greedy tokens, all prompts together.
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    got = [c.token_ids for c in llm.generate(PROMPTS, greedy)]
-    for prompt, tokens in zip(PROMPTS, got):
+    got = [c.token_ids for c in llm.generate(prompts, greedy)]
+    for prompt, tokens in zip(prompts, got):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                               pad_token_id=0)[0, len(prompt):].tolist()
@@ -114,9 +116,8 @@ def test_unsupported_families_and_rope_types_say_what_is_supported():
         shape_from_hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="unsupported partial_rotary_factor"):
         shape_from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
-    with pytest.raises(ValueError, match="unsupported RoPE scaling 'longrope'"):
-        shape_from_hf_config({**base, "model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0],
-                                                                            "long_factor": [2.0]}})
+    with pytest.raises(ValueError, match="unsupported RoPE scaling 'dynamic'"):
+        shape_from_hf_config({**base, "model_type": "phi3", "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     with pytest.raises(ValueError, match="unsupported RoPE scaling 'yarn'"):
         shape_from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
@@ -205,3 +206,21 @@ def test_phi3_split_over_two_tensor_parallel_ranks_gives_one_process_tokens(tmp_
     want = [c.token_ids for c in LLM(str(tmp_path), dtype="float32").generate(PROMPTS, greedy)]
     with LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2) as llm:  # the fused tensors split by heads
         assert [c.token_ids for c in llm.generate(PROMPTS, greedy)] == want
+
+
+def test_phi3_longrope_is_transformers_within_and_beyond_the_pretrained_context(tmp_path):
+    """Up to the pretrained context (64 here) the short divisors, from it on the long ones; cos and sin scaled."""
+    hf = build("phi3", tmp_path, pad_token_id=0, original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
+        "long_factor": [2.0 + i for i in range(8)]})
+    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
+    shape = llm.engine.shape
+    assert shape.rope_long_from == 64 and shape.rope_attention_factor == pytest.approx(
+        math.sqrt(1 + math.log(512 / 64) / math.log(64)))
+    # whole sequences inside 64 positions: transformers uses the short divisors throughout, as every position here
+    assert_matches(llm, hf, "phi3 longrope", [[5, 17, 200, 33, 8, 99, 120], [7] * 3, list(range(60, 85))])
+    # past 64: the table's rows are transformers' cos and sin for a longer sequence (the long divisors)
+    cos, sin = hf.model.rotary_emb(torch.zeros(1, 100, 64), torch.arange(100)[None])
+    table = llm.engine.model.layers[0].rotary.table
+    torch.testing.assert_close(table[64:100, 0], cos[0, 64:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(table[64:100, 1, 8:], sin[0, 64:, 8:], rtol=0, atol=1e-5)

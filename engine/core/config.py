@@ -31,6 +31,11 @@ class ModelShape:
     attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # the logits likewise (Gemma 2)
     rope_local_theta: float | None = None  # the windowed layers' RoPE base (Gemma 3); None: rope_theta
+    # LongRoPE (Phi-3's long-context models): from position rope_long_from on the divisors are these, not
+    # rope_freq_factors (the short ones); every cos and sin is multiplied by rope_attention_factor
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_long_from: int | None = None
+    rope_attention_factor: float = 1.0
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and (self.sliding_layers is None or self.sliding_layers[layer])

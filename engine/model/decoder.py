@@ -134,7 +134,9 @@ class Decoder(nn.Module):
             for i, layer in zip(self.layer_span, self.layers):
                 theta, factors = self.rope(i)
                 if (theta, factors) not in tables:
-                    tables[theta, factors] = Rotary(self.shape.head_dim, theta, self.max_position, factors)
+                    long = None if self.shape.rope_long_factors is None else (
+                        self.shape.rope_long_factors, self.shape.rope_long_from, self.shape.rope_attention_factor)
+                    tables[theta, factors] = Rotary(self.shape.head_dim, theta, self.max_position, factors, long)
                 layer.rotary = tables[theta, factors]  # shared: layers of one kind read one table
         if self.shape.tie_word_embeddings and self.is_whole:
             self.lm_head.weight = self.embed_tokens.weight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +147,18 @@ HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias"
 WINDOWED_BY_DEFAULT = ("mistral", "phi3", "gemma2", "gemma3_text")
 
 
+def _longrope(cfg: dict, rope: dict) -> dict:
+    """Phi-3's LongRoPE as transformers computes it: the short divisors up to the pretrained context, the long ones
+    from there on (transformers switches a whole sequence once it is longer; here each position picks its own, as
+    keys cached before the switch keep theirs in transformers too), cos and sin scaled by sqrt(1 + ln(s) / ln(n))."""
+    original = int(cfg.get("original_max_position_embeddings") or rope["original_max_position_embeddings"])
+    factor = cfg.get("max_position_embeddings", original) / original
+    attention = rope.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(original))
+                                                 if factor > 1 else 1.0)
+    return {"short": tuple(map(float, rope["short_factor"])), "rope_long_factors": tuple(map(float, rope["long_factor"])),
+            "rope_long_from": original, "rope_attention_factor": float(attention)}
+
+
 def shape_from_hf_config(cfg: dict) -> ModelShape:
     """A Hugging Face `config.json` of a supported family as a ModelShape; a clear error for anything else."""
     family = cfg.get("model_type", "llama")
@@ -156,18 +169,21 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     if "full_attention" in rope:  # RoPE per layer type (Gemma 3): the global layers' is the model's
         local, rope = rope.get("sliding_attention") or {}, rope["full_attention"]
     kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling, linear = None, None
+    scaling, linear, longrope = None, None, {}
     if kind == "llama3":
         scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
                               int(rope["original_max_position_embeddings"]))
     elif kind == "linear":  # every frequency divided by the factor (Gemma 3's global layers)
         linear = float(rope["factor"])
+    elif kind == "longrope":
+        longrope = _longrope(cfg, rope)
     elif kind != "default":
-        raise ValueError(f"unsupported RoPE scaling {kind!r}: supported are default, linear and llama3")
+        raise ValueError(f"unsupported RoPE scaling {kind!r}: supported are default, linear, llama3 and longrope")
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"unsupported RoPE scaling {local['rope_type']!r} on the windowed layers")
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ValueError("unsupported partial_rotary_factor: RoPE must rotate the whole head")
+    short = longrope.pop("short", None)  # LongRoPE's short divisors are the model's divisors up to its switch
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
@@ -189,7 +205,8 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         max_position=max_position,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_freq_factors=(scaling.freq_factors(head_dim, theta) if scaling
-                           else (linear,) * (head_dim // 2) if linear else None),
+                           else (linear,) * (head_dim // 2) if linear else short),
+        **longrope,
         rope_local_theta=float(local["rope_theta"]) if "rope_theta" in local else None,
         sliding_window=window if windowed else None,
         # which layers are windowed (Gemma alternates), where the config lists them

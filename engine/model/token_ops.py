@@ -57,13 +57,16 @@ class GeluAndMul(nn.Module):
 class Rotary(nn.Module):
     """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
 
-    def __init__(self, head_dim: int, theta: float, max_position: int, freq_factors: tuple[float, ...] | None = None):
+    def __init__(self, head_dim: int, theta: float, max_position: int, freq_factors: tuple[float, ...] | None = None,
+                 long: tuple[tuple[float, ...], int, float] | None = None):
+        """`long`: LongRoPE's (divisors from a position on, that position, the cos/sin multiplier)."""
         super().__init__()
-        inv_freq = base_frequencies(head_dim, theta)
-        if freq_factors is not None:
-            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = _angles(head_dim, theta, range(max_position), freq_factors)
+        if long is not None:
+            factors, start, scale = long
+            if start < max_position:
+                cos[start:], sin[start:] = _angles(head_dim, theta, range(start, max_position), factors)
+            cos, sin = cos * scale, sin * scale
         # [positions, 2, D]: cos for both halves, then -sin and sin, so a call is one gather and
         # x * cos + swap_halves(x) * sin. build_model casts it to the compute dtype once: the same values a
         # cast per call gave.
@@ -85,6 +88,15 @@ class Rotary(nn.Module):
         q, k = self(qk.view(-1, num_heads + num_kv_heads, d), positions).split([num_heads, num_kv_heads], dim=1)
         write_kv(k, v.view(-1, num_kv_heads, d), kv_cache, slot_mapping)
         return q
+
+
+def _angles(head_dim: int, theta: float, positions: range, freq_factors: tuple[float, ...] | None):
+    """cos and sin [positions, head_dim / 2] of each position's angles, the frequencies divided by the factors."""
+    inv_freq = base_frequencies(head_dim, theta)
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+    freqs = torch.outer(torch.arange(positions.start, positions.stop, dtype=torch.int64).float(), inv_freq)
+    return freqs.cos(), freqs.sin()
 
 
 def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:
