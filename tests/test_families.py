@@ -1,6 +1,7 @@
 """Model families from Hugging Face directories: tiny random checkpoints built here with transformers' own
 classes (no download) load into Orcinus and give transformers' logits (float32) and greedy tokens."""
 
+import json
 import math
 
 import pytest
@@ -48,6 +49,9 @@ GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_log
 GEMMA3 = dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=16, pad_token_id=0,
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+PHI3_LONGROPE = dict(original_max_position_embeddings=64, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
+    "long_factor": [2.0 + i for i in range(8)]})
 CASES = {
     "llama 2": ("llama", {}),
     "llama 3.1 (scaled rope)": ("llama", {"rope_parameters": LLAMA31_ROPE}),
@@ -157,7 +161,18 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
     w.add_eos_token_id(0)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             # Phi-3's fused tensors, as its converter names them (gate/up under ffn_up)
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    if arch == "phi3":  # its window (0 for none) and LongRoPE: the pretrained context, factors as tensors
+        rope = cfg.rope_parameters
+        w.add_sliding_window(cfg.sliding_window or 0)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     for key, t in hf.state_dict().items():
         a = t.detach().float().numpy()
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -200,6 +215,23 @@ def test_a_gguf_of_the_family_matches_transformers(case, tmp_path):
     assert_matches(llm, hf, case)
 
 
+@pytest.mark.parametrize("extra", [{"sliding_window": 16}, PHI3_LONGROPE], ids=["window", "longrope"])
+def test_a_phi3_gguf_matches_transformers(extra, tmp_path):
+    """Phi-3 as llama.cpp writes it: fused attn_qkv and ffn_up (gate and up), the window as metadata, LongRoPE's
+    factors as tensors."""
+    hf = build("phi3", tmp_path / "hf", pad_token_id=0, **extra)
+    write_gguf(hf, "phi3", tmp_path / "model.gguf")
+    llm = LLM(str(tmp_path / "model.gguf"), dtype="float32", max_num_seqs=4)
+    want = shape_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    got = llm.engine.shape
+    assert type(llm.engine.model).__name__ == "Phi3Model"
+    assert (got.sliding_window, got.rope_freq_factors, got.rope_long_factors, got.rope_long_from) == (
+        want.sliding_window, want.rope_freq_factors, want.rope_long_factors, want.rope_long_from)
+    assert got.rope_attention_factor == pytest.approx(want.rope_attention_factor)
+    short = [[5, 17, 200, 33, 8, 99, 120], [7] * 3, list(range(60, 85))]  # inside LongRoPE's pretrained 64
+    assert_matches(llm, hf, "phi3 gguf", PROMPTS if "sliding_window" in extra else short)
+
+
 @pytest.mark.parametrize("kind, extra", [("phi3", {"pad_token_id": 0}), ("gemma3", GEMMA3)], ids=["phi3", "gemma3"])
 def test_new_families_split_over_two_tensor_parallel_ranks_give_one_process_tokens(kind, extra, tmp_path):
     build(kind, tmp_path, **extra)
@@ -212,9 +244,7 @@ def test_new_families_split_over_two_tensor_parallel_ranks_give_one_process_toke
 
 def test_phi3_longrope_is_transformers_within_and_beyond_the_pretrained_context(tmp_path):
     """Up to the pretrained context (64 here) the short divisors, from it on the long ones; cos and sin scaled."""
-    hf = build("phi3", tmp_path, pad_token_id=0, original_max_position_embeddings=64, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
-        "long_factor": [2.0 + i for i in range(8)]})
+    hf = build("phi3", tmp_path, pad_token_id=0, **PHI3_LONGROPE)
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
     assert shape.rope_long_from == 64 and shape.rope_attention_factor == pytest.approx(

@@ -56,6 +56,10 @@ _GGUF_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Where an architecture's names differ: Phi-3's fused Q/K/V, and its fused gate/up under llama.cpp's `ffn_up`.
+_GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Tensors that are part of the shape, not weights.
+_GGUF_SHAPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
@@ -72,7 +76,7 @@ def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
 
 
 # GGUF architectures and what sets each apart; llama.cpp writes Mistral as "llama".
-GGUF_FAMILIES: dict[str, dict] = {"llama": {}, "qwen2": {"qkv_bias": True}}
+GGUF_FAMILIES: dict[str, dict] = {"llama": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"}}
 
 
 def shape_from_gguf(reader) -> ModelShape:
@@ -84,8 +88,19 @@ def shape_from_gguf(reader) -> ModelShape:
         raise ValueError(f"unsupported GGUF architecture {arch!r}: supported are {', '.join(sorted(GGUF_FAMILIES))}")
     num_heads = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
-    # Llama 3.1's scaled RoPE: llama.cpp stores the per-frequency divisors as a tensor.
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensors = {t.name: t for t in reader.tensors if t.name in _GGUF_SHAPE_TENSORS}
+
+    def factors(name: str) -> tuple[float, ...] | None:
+        return tuple(float(x) for x in np.asarray(tensors[name].data).reshape(-1)) if name in tensors else None
+
+    # Llama 3.1's scaled RoPE: llama.cpp stores the per-frequency divisors as a tensor; Phi-3's LongRoPE two.
+    extra = {}
+    if "rope_factors_long.weight" in tensors:
+        extra = {"rope_long_factors": factors("rope_factors_long.weight"),
+                 "rope_long_from": int(field(f"{arch}.rope.scaling.original_context_length")),
+                 "rope_attention_factor": float(field(f"{arch}.rope.scaling.attn_factor"))}
+    window = int(field(f"{arch}.attention.sliding_window")) if f"{arch}.attention.sliding_window" in reader.fields else 0
+    context = int(field(f"{arch}.context_length"))
     return ModelShape(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
@@ -96,9 +111,11 @@ def shape_from_gguf(reader) -> ModelShape:
         head_dim=hidden // num_heads,
         rope_theta=float(field(f"{arch}.rope.freq_base")),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position=int(field(f"{arch}.context_length")),
+        max_position=context,
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        rope_freq_factors=tuple(float(x) for x in np.asarray(freqs.data).reshape(-1)) if freqs is not None else None,
+        rope_freq_factors=factors("rope_freqs.weight") or factors("rope_factors_short.weight"),
+        sliding_window=window if 0 < window < context else None,
+        **extra,
         **GGUF_FAMILIES[arch],
     )
 
@@ -114,10 +131,12 @@ def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], di
 
     out, blocks = {}, {}
     # llama.cpp interleaves the RoPE halves of Llama's Q/K rows (not Qwen2's, which it rotates NeoX-style).
-    permuted = reader.fields["general.architecture"].contents() == "llama"
+    arch = reader.fields["general.architecture"].contents()
+    permuted = arch == "llama"
+    names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(arch, {})
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False):
-        if t.name == "rope_freqs.weight":
-            continue  # part of the shape (rope_freq_factors)
+        if t.name in _GGUF_SHAPE_TENSORS:
+            continue  # part of the shape (rope_freq_factors and the like)
         w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         raw = t.data if int(t.tensor_type) in QUANTIZED_TYPES and len(t.shape) == 2 else None
         parts = t.name.split(".")
@@ -127,7 +146,7 @@ def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], di
             if heads is not None:  # the same permutation of whole rows, for the blocks too
                 w = _unpermute(w, heads)
                 raw = _unpermute(raw, heads) if raw is not None else None
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.{suffix}"
+            name = f"model.layers.{parts[1]}.{names[kind]}.{suffix}"
         else:
             name = _GGUF_TOP_NAMES[parts[0]] + ".weight"
         out[name] = torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
