@@ -148,7 +148,7 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_rope_freq_base(float(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
     # A byte-level vocabulary of the model's size: the 256 byte symbols, then filler pairs.
@@ -164,6 +164,21 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              # Phi-3's fused tensors, as its converter names them (gate/up under ffn_up)
              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    gemma = arch.startswith("gemma")
+    if gemma:  # Gemma's converter: its own norm names (norms stored as 1 + w), head width, caps, window, scaling
+        names |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm"}
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        full = cfg.rope_parameters.get("full_attention")
+        if full is not None and full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
     if arch == "phi3":  # its window (0 for none) and LongRoPE: the pretrained context, factors as tensors
         rope = cfg.rope_parameters
         w.add_sliding_window(cfg.sliding_window or 0)
@@ -184,9 +199,13 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
                 heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
                 a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
             name = f"blk.{i}.{names[module]}.{kind}"
+            if gemma and module.endswith("norm"):
+                a = a + 1
         else:
             name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                     "lm_head.weight": "output.weight"}[key]
+            if gemma and key == "model.norm.weight":
+                a = a + 1
         w.add_tensor(name, np.ascontiguousarray(a))
     if freq_factors is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(freq_factors, dtype=np.float32))
@@ -213,6 +232,23 @@ def test_a_gguf_of_the_family_matches_transformers(case, tmp_path):
     assert llm.engine.shape.qkv_bias == (kind == "qwen2")
     assert (llm.engine.shape.rope_freq_factors is not None) == (factors is not None)
     assert_matches(llm, hf, case)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_matches_transformers(kind, tmp_path):
+    """Gemma as llama.cpp writes it: norms stored as 1 + w, its norm names, the window and caps as metadata, the
+    layer pattern and the softmax scale (1/sqrt(head_dim) for these sizes) from the architecture."""
+    extra = {**(GEMMA2 if kind == "gemma2" else GEMMA3), "query_pre_attn_scalar": 16}
+    hf = build(kind, tmp_path / "hf", **extra)
+    write_gguf(hf, kind, tmp_path / "model.gguf")
+    llm = LLM(str(tmp_path / "model.gguf"), dtype="float32", max_num_seqs=4)
+    want = shape_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    got = llm.engine.shape
+    for f in ("family", "head_dim", "sliding_window", "sliding_layers", "attn_logit_softcap", "final_logit_softcap",
+              "rope_local_theta", "rope_freq_factors", "rope_theta"):
+        assert getattr(got, f) == getattr(want, f), f
+    assert got.attn_scale == pytest.approx(want.attn_scale)
+    assert_matches(llm, hf, f"{kind} gguf")
 
 
 @pytest.mark.parametrize("extra", [{"sliding_window": 16}, PHI3_LONGROPE], ids=["window", "longrope"])

@@ -57,7 +57,13 @@ _GGUF_NAMES = {
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Where an architecture's names differ: Phi-3's fused Q/K/V, and its fused gate/up under llama.cpp's `ffn_up`.
-_GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm"}
+_GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                    "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+# llama.cpp's Gemma: every n-th layer is global, the rest windowed.
+_GGUF_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Tensors that are part of the shape, not weights.
 _GGUF_SHAPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -76,7 +82,8 @@ def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
 
 
 # GGUF architectures and what sets each apart; llama.cpp writes Mistral as "llama".
-GGUF_FAMILIES: dict[str, dict] = {"llama": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"}}
+GGUF_FAMILIES: dict[str, dict] = {"llama": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"},
+                                  "gemma2": {"family": "gemma2"}, "gemma3": {"family": "gemma3"}}
 
 
 def shape_from_gguf(reader) -> ModelShape:
@@ -101,6 +108,12 @@ def shape_from_gguf(reader) -> ModelShape:
                  "rope_attention_factor": float(field(f"{arch}.rope.scaling.attn_factor"))}
     window = int(field(f"{arch}.attention.sliding_window")) if f"{arch}.attention.sliding_window" in reader.fields else 0
     context = int(field(f"{arch}.context_length"))
+    key_length = f"{arch}.attention.key_length"
+    head_dim = int(field(key_length)) if key_length in reader.fields else hidden // num_heads
+    freq_factors = factors("rope_freqs.weight") or factors("rope_factors_short.weight")
+    if arch in _GGUF_WINDOW_PATTERN:
+        extra = _gguf_gemma(reader, arch, hidden, num_heads, head_dim)
+        freq_factors = extra.pop("rope_freq_factors", freq_factors)
     return ModelShape(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
@@ -108,16 +121,35 @@ def shape_from_gguf(reader) -> ModelShape:
         num_layers=int(field(f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv")),
-        head_dim=hidden // num_heads,
+        head_dim=head_dim,
         rope_theta=float(field(f"{arch}.rope.freq_base")),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         max_position=context,
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        rope_freq_factors=factors("rope_freqs.weight") or factors("rope_factors_short.weight"),
+        rope_freq_factors=freq_factors,
         sliding_window=window if 0 < window < context else None,
         **extra,
         **GGUF_FAMILIES[arch],
     )
+
+
+def _gguf_gemma(reader, arch: str, hidden: int, num_heads: int, head_dim: int) -> dict:
+    """Gemma's extras as llama.cpp reads them: the soft caps, its layer pattern, the windowed layers' RoPE base and
+    the global ones' linear scaling (Gemma 3), and the softmax scale it derives from the model's size (1/sqrt(head_dim),
+    but 1/sqrt(hidden / heads) for the 27B models: 46 layers of Gemma 2, 62 of Gemma 3)."""
+    def get(key: str):
+        return reader.fields[key].contents() if key in reader.fields else None
+
+    layers, n = int(get(f"{arch}.block_count")), _GGUF_WINDOW_PATTERN[arch]
+    out = {"sliding_layers": tuple(i % n < n - 1 for i in range(layers)),
+           "attn_scale": (hidden / num_heads) ** -0.5 if layers in (46, 62) else head_dim**-0.5,
+           "attn_logit_softcap": get(f"{arch}.attn_logit_softcapping"),
+           "final_logit_softcap": get(f"{arch}.final_logit_softcapping")}
+    if arch == "gemma3":
+        out["rope_local_theta"] = 10000.0  # llama.cpp's, for every Gemma 3
+        if get(f"{arch}.rope.scaling.type") == "linear":
+            out["rope_freq_factors"] = (float(get(f"{arch}.rope.scaling.factor")),) * (head_dim // 2)
+    return out
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -147,6 +179,10 @@ def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], di
                 w = _unpermute(w, heads)
                 raw = _unpermute(raw, heads) if raw is not None else None
             name = f"model.layers.{parts[1]}.{names[kind]}.{suffix}"
+            if arch in _GGUF_WINDOW_PATTERN and kind.endswith("norm"):
+                w = w - 1  # llama.cpp stores Gemma's norms as 1 + w; the HF names hold w
+        elif arch in _GGUF_WINDOW_PATTERN and parts[0] == "output_norm":
+            w, name = w - 1, "model.norm.weight"
         else:
             name = _GGUF_TOP_NAMES[parts[0]] + ".weight"
         out[name] = torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
