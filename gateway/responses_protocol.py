@@ -241,48 +241,41 @@ class OutputItemEvent(Struct, kw_only=True):
     item: OutputMessage | FunctionCallItem
 
 
-class ContentPartEvent(Struct, kw_only=True):
-    type: Literal["response.content_part.added", "response.content_part.done"]
+class _ItemEvent(Struct, kw_only=True):
+    """What every event about one output item carries: its place in the stream and the item's."""
+
     sequence_number: int
     item_id: str
     output_index: int
+
+
+class ContentPartEvent(_ItemEvent, kw_only=True):
+    type: Literal["response.content_part.added", "response.content_part.done"]
     content_index: int = 0
     part: OutputText
 
 
-class TextDeltaEvent(Struct, kw_only=True):
+class TextDeltaEvent(_ItemEvent, kw_only=True):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
     content_index: int = 0
     delta: str
     logprobs: list[Any] = []
 
 
-class TextDoneEvent(Struct, kw_only=True):
+class TextDoneEvent(_ItemEvent, kw_only=True):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     content_index: int = 0
     text: str
     logprobs: list[Any] = []
 
 
-class ArgumentsDeltaEvent(Struct, kw_only=True):
+class ArgumentsDeltaEvent(_ItemEvent, kw_only=True):
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ArgumentsDoneEvent(Struct, kw_only=True):
+class ArgumentsDoneEvent(_ItemEvent, kw_only=True):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     name: str
     arguments: str
 
