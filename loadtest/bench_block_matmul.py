@@ -5,7 +5,7 @@ and down, then the LM head) at R rows, reading the weights from memory as a step
 two kinds alternate pass by pass, so both see the same machine; medians over the passes, and the median of the
 per-pair ratios.
 
-    .venv/bin/python loadtest/bench_block_matmul.py --threads 2 --rows 1 2 4 --passes 60 --out benchmarks/int16_matmul.json
+    .venv/bin/python loadtest/bench_block_matmul.py --threads 2 --rows 1 2 4 8 32 128 --passes 30 --out benchmarks/int16_matmul.json
 """
 
 from __future__ import annotations

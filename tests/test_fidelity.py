@@ -3,8 +3,8 @@ serving sets) gives the float32 model's greedy tokens on the bundled model, alon
 
 The reference is the float32 model as transformers computes it: the GGUF dequantized to float32 weights (gguf's own
 dequantization), float32 activations, PyTorch's ops (`dtype="float32", weights="dense"`). The defaults may differ from
-it in the order of float32 sums and, decoding a lone row, in rounding the block matmuls' inputs to int16 per 32
-(at most 2^-16 of a block's largest), so a greedy choice may flip only where float32's two best tokens are all but tied.
+it in the order of float32 sums and in rounding the block matmuls' inputs to int16 per 32 (at most 2^-16 of a
+block's largest), so a greedy choice may flip only where float32's two best tokens are all but tied.
 Every prompt is compared token by token up to its first divergence; there, float32's margin between its top two
 logits must be under MARGIN_BOUND.
 """

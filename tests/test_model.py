@@ -47,7 +47,8 @@ def first_logits(engine: EngineCore, prompt_ids: list[list[int]]) -> torch.Tenso
 
 
 def test_first_iteration_logits_match_transformers(checkpoint, hf_model, tokenizer):
-    engine = build_engine(EngineConfig(dtype="float32"), checkpoint)
+    # float32 inputs to the block matmuls: the reference's products, so only the order of sums differs
+    engine = build_engine(EngineConfig(dtype="float32", block_activations="float32"), checkpoint)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
     ours = first_logits(engine, prompt_ids)  # all six in one flattened batch
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks

@@ -15,7 +15,12 @@ from engine.runner import prompt_logprobs as module
 
 TOP = 3
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP)
-TOLERANCE = 1e-4  # float32 against float32; the largest difference seen is 2e-5
+# With float32 inputs to the block matmuls (EXACT) the largest difference from the float32 reference seen is 2e-5; the
+# served defaults round those inputs to int16 per 32 (cuda/int16_matmul_cpu.cpp): up to 2.6e-3 here. A wrong position
+# or token is off by far more.
+EXACT = {"block_activations": "float32"}
+TOLERANCE = 1e-4
+DEFAULTS_TOLERANCE = 5e-3
 SHARED = "You are a helpful assistant. Answer briefly and precisely, in one sentence. "  # > 1 block of 16 tokens
 
 
@@ -34,24 +39,24 @@ def reference(hf_model, prompt_ids):
     return out
 
 
-def check(ids: list[int], got: list, ref: torch.Tensor) -> None:
+def check(ids: list[int], got: list, ref: torch.Tensor, tolerance: float = TOLERANCE) -> None:
     """Every position: the prompt token, its logprob and rank, and the top alternatives, as the reference has them."""
     assert len(got) == len(ids) and got[0] is None
     assert [t.token_id for t in got[1:]] == ids[1:]
     targets = torch.tensor(ids[1:])
     chosen = ref.gather(1, targets[:, None])[:, 0]
     ours = torch.tensor([t.logprob for t in got[1:]], dtype=torch.float32)
-    assert (ours - chosen).abs().max().item() < TOLERANCE
+    assert (ours - chosen).abs().max().item() < tolerance
     top = ref.topk(TOP + 1, dim=-1)
     for p, t in enumerate(got[1:]):
         assert len(t.top) == TOP
-        assert max(abs(v - r) for (_, v), r in zip(t.top, top.values[p, :TOP].tolist())) < TOLERANCE
+        assert max(abs(v - r) for (_, v), r in zip(t.top, top.values[p, :TOP].tolist())) < tolerance
         # Ids and ranks: exact wherever the reference's own neighbours are further apart than the tolerance.
         gaps = (top.values[p, :-1] - top.values[p, 1:]).tolist()
         for k, (i, _) in enumerate(t.top):
-            if min(gaps[max(k - 1, 0):k + 1]) > TOLERANCE:
+            if min(gaps[max(k - 1, 0):k + 1]) > tolerance:
                 assert i == top.indices[p, k].item(), f"position {p + 1}, alternative {k}"
-        near = ((ref[p] - chosen[p]).abs() < TOLERANCE).sum().item()
+        near = ((ref[p] - chosen[p]).abs() < tolerance).sum().item()
         if near == 1:
             assert t.rank == (ref[p] > chosen[p]).sum().item() + 1, f"position {p + 1}"
 
@@ -66,17 +71,23 @@ def run(llm: LLM, prompt_ids, params=PARAMS):
     {"max_num_batched_tokens": 8, "async_scheduling": "on"},  # the next chunk scheduled before this one returns
 ], ids=["one-chunk", "chunked", "chunked-async"])
 def test_prompt_logprobs_equal_the_float32_reference(checkpoint, prompt_ids, reference, setting):
-    llm = LLM(checkpoint=checkpoint, **setting)
+    llm = LLM(checkpoint=checkpoint, **EXACT, **setting)
     for ids, c, ref in zip(prompt_ids, run(llm, prompt_ids), reference):
         check(ids, c.prompt_logprobs, ref)
         assert len(c.token_ids) == 2
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
 
 
+def test_the_served_defaults_give_the_references_prompt_logprobs_to_int16_rounding(checkpoint, prompt_ids, reference):
+    llm = LLM(checkpoint=checkpoint)
+    for ids, c, ref in zip(prompt_ids, run(llm, prompt_ids), reference):
+        check(ids, c.prompt_logprobs, ref, DEFAULTS_TOLERANCE)
+
+
 def test_a_cached_prefix_is_computed_again_for_its_logprobs(checkpoint, prompt_ids, reference):
     """A prompt whose leading blocks are cached runs whole (a cached block holds K/V, not logits); a request that
     asks nothing of its prompt still takes the cache."""
-    llm = LLM(checkpoint=checkpoint)
+    llm = LLM(checkpoint=checkpoint, **EXACT)
     s = llm.engine.scheduler
     ids, ref = prompt_ids[-1], reference[-1]
     [plain] = run(llm, [ids], SamplingParams(max_tokens=2, temperature=0.0))
@@ -92,7 +103,7 @@ def test_a_cached_prefix_is_computed_again_for_its_logprobs(checkpoint, prompt_i
 def test_preempted_requests_keep_their_prompt_logprobs(checkpoint, prompt_ids, reference):
     """12 blocks of 16 slots for 13 requests of up to 24 tokens and 20 more each: the newest are preempted, some in
     the middle of their prompt, and compute it again without a second copy of any logprob."""
-    llm = LLM(checkpoint=checkpoint, block_size=16, kv_cache_memory=12 * 737_280, max_num_batched_tokens=8)
+    llm = LLM(checkpoint=checkpoint, block_size=16, kv_cache_memory=12 * 737_280, max_num_batched_tokens=8, **EXACT)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
     outs = run(llm, prompt_ids, params)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -101,15 +112,15 @@ def test_preempted_requests_keep_their_prompt_logprobs(checkpoint, prompt_ids, r
 
 
 def test_two_pipeline_stages_give_the_same_prompt_logprobs(prompt_ids, reference):
-    with LLM(model=None, pipeline_stages=2, max_num_batched_tokens=8) as llm:
+    with LLM(model=None, pipeline_stages=2, max_num_batched_tokens=8, **EXACT) as llm:
         outs = run(llm, prompt_ids)
     for ids, c, ref in zip(prompt_ids, outs, reference):
         check(ids, c.prompt_logprobs, ref)
 
 
 def test_the_head_runs_on_a_few_rows_at_a_time_with_the_same_result(checkpoint, prompt_ids, monkeypatch):
-    """A row budget of 2 rows' logits: every chunk of the head gives what one pass over all rows gives (bit for bit
-    with float32 inputs; with the defaults a chunk of one row multiplies in integers, to rounding noise)."""
+    """A row budget of 2 rows' logits: every chunk of the head gives what one pass over all rows gives, bit for bit
+    (with float32 inputs and with the defaults' int16 ones: neither depends on the row count)."""
     budget = module.ROW_BUDGET
     for activations in ("float32", "auto"):
         llm = LLM(checkpoint=checkpoint, block_activations=activations)
@@ -117,12 +128,7 @@ def test_the_head_runs_on_a_few_rows_at_a_time_with_the_same_result(checkpoint, 
         whole = run(llm, prompt_ids[-1:])[0].prompt_logprobs
         monkeypatch.setattr(module, "ROW_BUDGET", 2 * checkpoint.shape.vocab_size)
         chunked = run(llm, prompt_ids[-1:])[0].prompt_logprobs
-        if activations == "float32":
-            assert chunked == whole
-        else:
-            assert [(t.token_id, t.rank, [i for i, _ in t.top]) for t in chunked[1:]] == [
-                (t.token_id, t.rank, [i for i, _ in t.top]) for t in whole[1:]]
-            assert max(abs(a.logprob - b.logprob) for a, b in zip(chunked[1:], whole[1:])) < 1e-5
+        assert chunked == whole
 
 
 def test_zero_alternatives_and_a_one_token_prompt(checkpoint, prompt_ids, reference):
@@ -130,7 +136,7 @@ def test_zero_alternatives_and_a_one_token_prompt(checkpoint, prompt_ids, refere
     [c, one] = run(llm, [prompt_ids[0], prompt_ids[0][:1]], SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert all(t.top == [] for t in c.prompt_logprobs[1:])
     chosen = reference[0].gather(1, torch.tensor(prompt_ids[0][1:])[:, None])[:, 0].tolist()
-    assert max(abs(t.logprob - r) for t, r in zip(c.prompt_logprobs[1:], chosen)) < TOLERANCE
+    assert max(abs(t.logprob - r) for t, r in zip(c.prompt_logprobs[1:], chosen)) < DEFAULTS_TOLERANCE
     assert one.prompt_logprobs == [None]
 
 

@@ -10,8 +10,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.core.config import EngineConfig
-from engine.model.quantized import (INT16_ROWS, INT16_TYPES, QUANTIZED_TYPES, BlockLinear, Blocks, Int16BlockLinear,
-                                    _int16_ops, can_use_int16, dequantize)
+from engine.model.quantized import (INT16_TYPES, QUANTIZED_TYPES, BlockLinear, Blocks, Int16BlockLinear,
+                                    _int16_ops, can_use_int16, dequantize, use_block_weights)
 from engine.runner.device import DeviceError, block_weights, int16_activations
 
 TYPES = [GGMLQuantizationType(t) for t in QUANTIZED_TYPES]
@@ -162,14 +162,14 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
 
 @needs_vnni
 @pytest.mark.parametrize("kind", [GGMLQuantizationType(t) for t in sorted(INT16_TYPES)], ids=lambda t: t.name)
-@pytest.mark.parametrize("cols", [32, 544, 1536])  # one block; a group of 16 and a ragged one; three groups
+@pytest.mark.parametrize("cols", [32, 544, 1536])  # one block; 17 blocks; 48
 def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weights(kind, cols):
-    blocks = random_blocks(kind, 23, cols, seed=5)  # 23 outputs: a ragged tile of 3
+    blocks = random_blocks(kind, 48, cols, seed=5)  # three tiles of 16 outputs
     w = dequantize(blocks).double()
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(6)) * 3
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
-    packed = Int16BlockLinear([blocks])._packed
-    got = torch.empty(3, 23)
+    packed = Int16BlockLinear([blocks])._parts
+    got = torch.empty(3, 48)
     _int16_ops().int16_matmul_out(x, packed, [blocks.type], got)  # the op itself takes any number of rows
     want = int16_rounded(x) @ w.t()
     # integer block sums are exact: what is left is float32 scaling and a sum over the blocks
@@ -178,27 +178,49 @@ def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weigh
     # and within int16 rounding of the float32 product
     exact = x.double() @ w.t()
     assert ((got.double() - exact).abs() <= (x.double().abs() @ w.abs().t()) * 2**-15).all()
-    # a row's result is the same alone, in the layer (which runs one row so), and beside others
+    # a row's result is the same alone and beside others
     assert torch.equal(Int16BlockLinear([blocks])(x[1:2]), got[1:2])
     # bfloat16 activations give bfloat16 outputs of the same sums
     assert Int16BlockLinear([blocks])(x[:1].bfloat16()).dtype == torch.bfloat16
 
 
 @needs_vnni
-def test_more_rows_than_int16_rows_run_the_float32_path_bit_for_bit():
-    parts = [random_blocks(GGMLQuantizationType.Q4_1, 40, 576, seed=7), random_blocks(GGMLQuantizationType.Q8_0, 9, 576)]
-    x = torch.randn(INT16_ROWS + 1, 576)
-    assert torch.equal(Int16BlockLinear(parts)(x), BlockLinear(parts)(x))
-    assert Int16BlockLinear(parts)(x[:1]).shape == (1, 49)
+def test_a_rows_int16_result_does_not_depend_on_its_batch():
+    parts = [random_blocks(GGMLQuantizationType.Q4_1, 48, 576, seed=7), random_blocks(GGMLQuantizationType.Q8_0, 16, 576)]
+    layer = Int16BlockLinear(parts)
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(8))  # tiles of 8 rows and a ragged one of 5
+    batch = layer(x)
+    assert batch.shape == (37, 64)
+    for r in (0, 9, 36):
+        assert torch.equal(layer(x[r : r + 1]), batch[r : r + 1])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(layer(x), batch)  # nor on how the outputs' tiles are split among threads
+    finally:
+        torch.set_num_threads(2)
 
 
-@pytest.mark.parametrize("activations, invariant, want", [
-    ("float32", False, False), ("auto", True, False)])
-def test_which_configs_round_activations_to_int16(activations, invariant, want):
+@pytest.mark.parametrize("activations, invariant", [("auto", False), ("auto", True), ("float32", True)])
+def test_which_configs_round_activations_to_int16(activations, invariant):
     config = EngineConfig(device="cpu", block_activations=activations, batch_invariant=invariant)
-    assert int16_activations(config) is want
+    assert int16_activations(config) is (activations == "auto" and can_use_int16(torch.device("cpu")))
 
 
-def test_int16_activations_with_batch_invariance_are_a_clear_error():
-    with pytest.raises(DeviceError, match="--batch-invariant runs every row count"):
-        int16_activations(EngineConfig(device="cpu", block_activations="int16", batch_invariant=True))
+@needs_vnni
+def test_only_whole_tiles_of_rows_take_the_int16_path():
+    from engine.model.decoder import Source
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ragged, self.whole = torch.nn.Linear(64, 23, bias=False), torch.nn.Linear(64, 32, bias=False)
+
+        def sources(self):
+            return {"ragged.weight": Source(("r",)), "whole.weight": Source(("w",))}
+
+    model = Two()
+    kind = GGMLQuantizationType.Q8_0
+    use_block_weights(model, {"r": random_blocks(kind, 23, 64), "w": random_blocks(kind, 32, 64)}, int16=True)
+    assert type(model.ragged) is BlockLinear and type(model.whole) is Int16BlockLinear
+    with pytest.raises(RuntimeError, match="whole tiles of 16 rows"):
+        _int16_ops().pack(random_blocks(kind, 23, 64).data, int(kind), 64)

@@ -6,9 +6,11 @@ sums in float32, in an order that does not depend on the batch. So these layers 
 (its weights bit for bit) at every row count, reading a quarter (Q4) to a half (Q8) of bfloat16's bytes.
 --batch-invariant runs the other linear layers through the same op, their float weights as F32 or BF16 "blocks".
 
-An Int16BlockLinear decodes a lone row through cuda/int16_matmul_cpu.cpp: Q4_0, Q4_1 and Q8_0 blocks (the
-same codes and scales, reordered once) times the activations rounded to 16-bit integers per 32 inputs, summed in
-integers, as llama.cpp does with 8 bits; more rows run the float32 path above, where it is faster.
+An Int16BlockLinear, the default where the CPU has AVX-512 VNNI, multiplies through cuda/int16_matmul_cpu.cpp:
+Q4_0, Q4_1 and Q8_0 blocks (the same codes and scales, reordered once) times the activations rounded to 16-bit
+integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is 1.5-2.2x the float32 path at every
+row count from 1 to 512 (benchmarks/int16_matmul.json) and as batch-independent: a row's rounding and each output's
+order of sums are its own.
 """
 
 from __future__ import annotations
@@ -33,12 +35,9 @@ QUANTIZED_TYPES: dict[int, tuple[int, int]] = {
     13: (256, 176),  # Q5_K
     14: (256, 210),  # Q6_K
 }
-# The formats the int16-activation op takes: Q4_0, Q4_1, Q8_0.
+# The formats the int16-activation op takes: Q4_0, Q4_1, Q8_0, in tiles of this many output rows.
 INT16_TYPES = {2, 3, 8}
-# Up to this many rows the int16 op runs: a lone row's matmuls 1.23x faster than float32 inputs on the 2-core machine
-# (2 threads), two rows only 1.06x, which does not pay for a second row's results depending on its batch; from 4 rows
-# the float32 path's register tiles win (benchmarks/README.md).
-INT16_ROWS = 1
+INT16_TILE = 16
 # Float weights the op also takes, as ggml names them.
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
@@ -105,32 +104,27 @@ class BlockLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            x = x.reshape(-1, self.in_features)
+        x = x.reshape(-1, self.in_features)
         out = x.new_empty(x.shape[0], self.out_features)
-        # All parts in one call: one parallel region for the layer, not one per part.
-        _ops().block_matmul_out(x, self._parts, self.types, out)
+        self._matmul_out(x, out)  # all parts in one call: one parallel region for the layer, not one per part
         return out if self.bias is None else out.add_(self.bias)
+
+    def _matmul_out(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        _ops().block_matmul_out(x, self._parts, self.types, out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, types={self.types}"
 
 
 class Int16BlockLinear(BlockLinear):
-    """A BlockLinear over Q4_0/Q4_1/Q8_0 parts that, for up to INT16_ROWS rows, rounds its input to int16 per 32
-    values and sums in integers; it keeps the file's blocks for more rows beside a packed copy (their bytes again)."""
+    """A BlockLinear over Q4_0/Q4_1/Q8_0 parts (whole tiles of INT16_TILE rows) that rounds its input to int16 per 32
+    values and sums in integers. It holds the file's blocks reordered for the op (`pack`), not a second copy."""
 
     def __init__(self, parts: list[Blocks], bias: torch.Tensor | None = None):
-        super().__init__(parts, bias)
-        self._packed = [_int16_ops().pack(p.data, p.type, p.cols) for p in parts]
+        super().__init__([Blocks(p.type, _int16_ops().pack(p.data, p.type, p.cols), p.cols) for p in parts], bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1, self.in_features)
-        if x.shape[0] > INT16_ROWS:
-            return super().forward(x)
-        out = x.new_empty(x.shape[0], self.out_features)
-        _int16_ops().int16_matmul_out(x.contiguous(), self._packed, self.types, out)
-        return out if self.bias is None else out.add_(self.bias)
+    def _matmul_out(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        _int16_ops().int16_matmul_out(x.contiguous(), self._parts, self.types, out)
 
 
 def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bool = False,
@@ -149,7 +143,8 @@ def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bo
             continue  # norms, the embedding, and layers swapped already
         if source.transform is None and all(n in by_name for n in source.names):
             parts = [by_name[n] for n in source.names]
-            kind = Int16BlockLinear if int16 and all(p.type in INT16_TYPES for p in parts) else BlockLinear
+            fits = all(p.type in INT16_TYPES and p.rows % INT16_TILE == 0 for p in parts)
+            kind = Int16BlockLinear if int16 and fits else BlockLinear
             setattr(owner, attr, kind(parts, layer.bias))
         elif dense_too:
             setattr(owner, attr, BlockLinear([Blocks.of_dense(layer.weight)], layer.bias))

@@ -52,16 +52,12 @@ def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
 
 
 def int16_activations(config: EngineConfig) -> bool:
-    """Whether decoding's block matmuls round their inputs to int16 (engine/model/quantized.py's Int16BlockLinear).
+    """Whether the block matmuls round their inputs to int16 (engine/model/quantized.py's Int16BlockLinear).
 
-    "auto" does where the CPU has AVX-512 VNNI, except with --batch-invariant: a lone row would then sum
-    otherwise than more.
+    "auto" does where the CPU has AVX-512 VNNI; --batch-invariant too, since a row's rounding and sums are its own.
     """
-    if config.block_activations == "float32" or (config.batch_invariant and config.block_activations == "auto"):
+    if config.block_activations == "float32":
         return False
-    if config.batch_invariant:
-        raise DeviceError("--batch-invariant runs every row count through the float32 block matmul; drop "
-                          "--block-activations int16")
     usable = can_use_int16(torch.device(config.device))
     if config.block_activations == "int16" and not usable:
         raise DeviceError("--block-activations int16 needs a CPU with AVX-512 VNNI (cuda/int16_matmul_cpu.cpp)")
