@@ -14,6 +14,7 @@ ENGINE = ROOT / "engine"
 ALLOWED = {
     "core": set(),
     "attention": set(),
+    "spec": set(),
     "model": {"core", "attention"},
     "runner": {"core", "attention", "model"},
     "parallel": {"core", "attention", "model", "runner"},

@@ -1,0 +1,12 @@
+"""Speculative decoding's drafts without a second model (issue 30): a drafter per request proposes the tokens that
+followed earlier occurrences of the request's latest tokens, for the target model to verify in one step.
+
+Pure Python over token ids, run on the host while the device computes: imports nothing else of the engine, and no
+torch. `ngram.py` is prompt lookup (the longest recent n-gram match); `suffix_tree.py` counts every context's
+substrings up to a depth, per request and across recent outputs, and drafts by frequency (SuffixDecoding, 2024).
+"""
+
+from engine.spec.ngram import NgramDrafter
+from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
+
+__all__ = ["NgramDrafter", "RecentOutputs", "SuffixDrafter", "SuffixTree"]

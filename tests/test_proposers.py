@@ -1,0 +1,106 @@
+"""Draft proposers without a second model (engine/spec/): prompt lookup and suffix trees, on integers alone."""
+
+import random
+
+import pytest
+
+from engine.spec import NgramDrafter, RecentOutputs, SuffixDrafter, SuffixTree
+
+
+def brute_force_lookup(tokens, k, min_n, max_n):
+    """The longest n-gram (max_n down to min_n) that ends the context and ended earlier: its latest earlier end's
+    next k tokens."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == suffix:
+                return tokens[end:end + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n, max_n, vocab", [(1, 3, 3), (2, 4, 4), (3, 5, 2)])
+def test_prompt_lookup_drafts_what_a_scan_of_the_context_finds(min_n, max_n, vocab):
+    rng = random.Random(min_n * 100 + vocab)
+    for _ in range(20):
+        tokens, drafter = [], NgramDrafter(min_n, max_n)
+        for _ in range(60):
+            tokens.append(rng.randrange(vocab))
+            k = rng.randrange(0, 6)
+            want = brute_force_lookup(tokens, k, min_n, max_n) if k else []
+            assert drafter.propose(tokens, k) == want  # grown a token at a time
+            assert NgramDrafter(min_n, max_n).propose(tokens, k) == want  # and from scratch
+
+
+def test_prompt_lookup_prefers_the_longest_match_then_the_latest():
+    tokens = [1, 2, 3, 8, 4, 2, 3, 7, 1, 2, 3]
+    assert NgramDrafter(2, 3).propose(tokens, 3) == [8, 4, 2]  # "1 2 3" beats the later "2 3"
+    assert NgramDrafter(2, 2).propose(tokens, 3) == [7, 1, 2]  # among 2-grams the latest "2 3"
+    assert NgramDrafter(2, 4).propose([5, 6, 7, 5], 3) == []  # one token is below min_n
+    assert NgramDrafter(1, 4).propose([5, 6, 7, 5], 3) == [6, 7, 5]
+    assert NgramDrafter(1, 4).propose([5, 6, 7, 5], 0) == []
+    with pytest.raises(ValueError):
+        NgramDrafter(3, 2)
+
+
+def substring_counts(sequences, depth):
+    counts = {}
+    for seq in sequences:
+        for i in range(len(seq)):
+            for j in range(i + 1, min(len(seq), i + depth) + 1):
+                counts[tuple(seq[i:j])] = counts.get(tuple(seq[i:j]), 0) + 1
+    return counts
+
+
+def tree_counts(tree):
+    out, stack = {}, [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, child in node.children.items():
+            out[path + (t,)] = child.count
+            stack.append((path + (t,), child))
+    return out
+
+
+def test_a_suffix_tree_counts_every_substring_up_to_its_depth_and_takes_them_back():
+    rng = random.Random(3)
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    tree = SuffixTree(depth=5)
+    for s in seqs:
+        tree.add(s)
+    assert tree_counts(tree) == substring_counts(seqs, 5)
+    for s in seqs[:3]:
+        tree.remove(s)
+    assert tree_counts(tree) == substring_counts(seqs[3:], 5)
+    for s in seqs[3:]:
+        tree.remove(s)
+    assert tree.num_nodes() == 0
+
+
+def test_a_suffix_draft_follows_the_most_frequent_continuation_while_it_stays_likely():
+    context = [7, 1, 2, 9, 5, 7, 1, 3, 9, 6, 7, 1, 2, 9, 8, 7, 1]
+    # "8 7 1" is new; after "7 1": 2 twice, 3 once; after "7 1 2": 9 both times; after "7 1 2 9": 5 once, 8 once
+    drafter = SuffixDrafter(max_spec_factor=4.0)
+    assert drafter.propose(context, 3) == [2, 9, 5]  # shares 2/3, 2/3, 1/3 (a tie goes to the smaller id)
+    assert SuffixDrafter(max_spec_factor=1.0).propose(context, 3) == [2, 9]  # a 2-token match drafts 2 at most
+    assert SuffixDrafter(min_probability=0.5, max_spec_factor=4.0).propose(context, 3) == [2, 9]
+    assert SuffixDrafter(min_probability=0.7, max_spec_factor=4.0).propose(context, 3) == []
+    assert SuffixDrafter().propose([4, 5, 6], 3) == []  # nothing occurred twice
+    assert drafter.propose(context + [3, 9], 2) == [6, 7]  # grown: "7 1 3 9" was followed by "6 7"
+
+
+def test_a_drafter_grown_a_token_at_a_time_equals_one_built_at_once():
+    rng = random.Random(5)
+    tokens, grown = [], SuffixDrafter(depth=6, max_spec_factor=2.0)
+    for _ in range(80):
+        tokens.append(rng.randrange(3))
+        assert grown.propose(tokens, 4) == SuffixDrafter(depth=6, max_spec_factor=2.0).propose(tokens, 4)
+
+
+def test_recent_outputs_of_other_requests_draft_for_a_new_one_until_they_age_out():
+    shared = SuffixTree(depth=8)
+    recent = RecentOutputs(shared, capacity=1)
+    recent.add([5, 6, 7, 8])
+    assert SuffixDrafter(shared).propose([1, 5, 6], 3) == [7, 8]  # a 2-token match drafts 2
+    recent.add([1, 2])  # the first output ages out
+    assert SuffixDrafter(shared).propose([1, 5, 6], 3) == []
+    assert tree_counts(shared) == substring_counts([[1, 2]], 8)
