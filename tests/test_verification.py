@@ -1,0 +1,73 @@
+"""Speculative verification (engine/model/verification.py): greedy keeps the argmax tokens, and sampling with drafts
+keeps the target's distribution, checked by a chi-square test on a model whose distribution is known exactly."""
+
+import itertools
+
+import torch
+
+from engine.model.verification import verify_greedy, verify_sampled
+
+V, LENGTH, SAMPLES = 4, 3, 20_000
+
+
+def markov_chain() -> torch.Tensor:
+    """The tiny exact "model": P[a] is the next token's distribution after token a."""
+    return torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(1)), dim=-1)
+
+
+def speculate(P: torch.Tensor, verify, generator) -> tuple[int, ...]:
+    """LENGTH tokens after token 0, drafting two tokens a step from a deterministic proposer (prev + 1, prev + 2)."""
+    out = [0]
+    while len(out) <= LENGTH:
+        prev = out[-1]
+        draft = [(prev + 1) % V, (prev + 2) % V]
+        probs = torch.stack([P[prev], P[draft[0]], P[draft[1]]])  # the target's p at each drafted position
+        out += verify(probs, draft, generator)
+    return tuple(out[1:LENGTH + 1])
+
+
+def chi_square_p_value(P: torch.Tensor, verify) -> float:
+    generator = torch.Generator().manual_seed(7)
+    counts = {}
+    for _ in range(SAMPLES):
+        seq = speculate(P, verify, generator)
+        counts[seq] = counts.get(seq, 0) + 1
+    stat = 0.0
+    for seq in itertools.product(range(V), repeat=LENGTH):
+        expected = SAMPLES * float(P[0, seq[0]] * P[seq[0], seq[1]] * P[seq[1], seq[2]])
+        stat += (counts.get(seq, 0) - expected) ** 2 / expected
+    df = V**LENGTH - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def resample_from_p(probs, draft, generator):
+    """A wrong rule: at a rejection draw from p itself, the rejected token included."""
+    n = len(draft)
+    for i, x in enumerate(draft):
+        if float(torch.rand(1, generator=generator)) >= float(probs[i, x]):
+            n = i
+            break
+    return draft[:n] + [int(torch.multinomial(probs[n], 1, generator=generator))]
+
+
+def test_sampling_with_drafts_keeps_the_targets_distribution():
+    P = markov_chain()
+    assert chi_square_p_value(P, verify_sampled) > 1e-3
+    # The test has the power to see a wrong rule: the same samples' count with the rejected token left in.
+    assert chi_square_p_value(P, resample_from_p) < 1e-6
+
+
+def test_greedy_verification_takes_the_argmax_prefix_then_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])  # argmax 1, 0, 2
+    assert verify_greedy(logits, [1, 0]) == [1, 0, 2]  # all accepted, then the bonus token
+    assert verify_greedy(logits, [1, 2]) == [1, 0]  # the second is wrong: the argmax replaces it
+    assert verify_greedy(logits, [2, 0]) == [1]
+    assert verify_greedy(logits[:1], []) == [1]  # no draft: plain greedy decoding
+
+
+def test_a_certain_draft_is_always_accepted_and_an_impossible_one_never():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.2, 0.3, 0.5]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        out = verify_sampled(probs, [1, 1], g)
+        assert out[0] == 1 and len(out) == 2 and out[1] != 1  # p(1) = 1 accepted; p(1) = 0 at step 2 rejected
