@@ -134,3 +134,19 @@ def test_dummy_weights_of_a_named_shape(checkpoint):
     llm = LLM("dummy:smollm2-135m", kv_cache_memory=8 * 737_280)
     [c] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(c.token_ids) == 4 and llm.engine.model_name == "dummy:smollm2-135m"
+
+
+def test_the_gguf_reader_reads_what_ggufs_own_does():
+    import gguf
+    import numpy as np
+
+    from engine.model.model_files import GGUFReader, default_model_path
+
+    ours, theirs = GGUFReader(default_model_path()), gguf.GGUFReader(default_model_path())
+    assert list(ours.fields) == list(theirs.fields)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "llama.block_count", "tokenizer.chat_template"):
+        assert ours.fields[key].contents() == theirs.fields[key].contents()
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
+        (t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
+    for a, b in zip(ours.tensors[:4], theirs.tensors[:4]):
+        assert type(a.data) is np.ndarray and np.array_equal(a.data, b.data)

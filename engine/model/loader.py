@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from engine.core.config import DUMMY_SHAPES, ModelShape
 from engine.model.decoder import RopeScaling
-from engine.model.model_files import ModelNotFoundError, default_model_path
+from engine.model.model_files import GGUFReader, ModelNotFoundError, default_model_path
 from engine.model.quantized import QUANTIZED_TYPES, Blocks
 
 
@@ -69,11 +69,9 @@ _GGUF_SHAPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_fa
 
 
 def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
-    import gguf
-
     from engine.model.tokenizer import tokenizer_from_gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = GGUFReader(path)
     shape = shape_from_gguf(reader)
     ckpt = Checkpoint(path.name, shape, {}, tokenizer_from_gguf(reader))
     if weights:

@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 from tokenizers import Tokenizer as Backend
 
+from engine.model.model_files import GGUFReader
 from engine.model.tokenizer.byte_level import ByteLevelBPE, gguf_pretokenizer_pattern
 from engine.model.tokenizer.chat_template import pick_template
 from engine.model.tokenizer.protocol import Tokenizer
@@ -22,7 +23,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     tokenizer.model (None when it has none)."""
     path = Path(path)
     if not path.is_dir():
-        return tokenizer_from_gguf(gguf.GGUFReader(path))
+        return tokenizer_from_gguf(GGUFReader(path))
     config = TokenizerConfig.read(path)
     if (path / "tokenizer.json").is_file():
         return _from_tokenizer_json(path / "tokenizer.json", config)
