@@ -14,7 +14,6 @@ from collections import OrderedDict
 
 import llguidance
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine.core.request import Request
 
@@ -88,13 +87,15 @@ class GrammarMasks:
         rows = [i for i, r in enumerate(requests) if r.params.grammar is not None]
         if not rows:
             return
-        bitmask = allocate_token_bitmask(len(rows), self._tokenizer.vocab_size)
+        # A bit per token, 1 = allowed. (llguidance.torch has helpers for this, but importing it runs a torch.compile
+        # decorator: 2.2 s of every engine start.)
+        bitmask = torch.full((len(rows), (self._tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for j, i in enumerate(rows):
             matcher = self._matcher(requests[i])
             if matcher.is_error():  # the executor samples the others alone, and this one fails with the reason
                 raise GrammarError(f"request {requests[i].request_id}'s grammar failed: "
                                    f"{matcher.get_error().strip()[:500]}")
-            fill_next_token_bitmask(matcher, bitmask, j)
+            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[1]].bool()
         if allowed.shape[1] < logits.shape[1]:  # ids past the tokenizer's vocabulary are never allowed
             allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
