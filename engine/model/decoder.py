@@ -71,7 +71,8 @@ class Decoder(nn.Module):
             self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
             self.lm_head = nn.Linear(shape.hidden_size, end - start, bias=False)
         self.max_position = max_position
-        self.materialize_buffers()
+        if next(self.parameters()).device.type != "meta":  # on meta, the caller materializes after to_empty
+            self.materialize_buffers()
 
     # ------------------------------------------------------------------ what a family says
 
@@ -186,7 +187,7 @@ class Decoder(nn.Module):
         model holds the same weights; a tensor-parallel rank draws the whole tensor and keeps its slice.
         """
         device = next(self.parameters()).device
-        with torch.device("meta"):
+        with torch.device("meta"), SkippedInit():
             whole = dict(type(self)(self.full_shape, 1, self.layer_span).named_parameters())
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
@@ -195,6 +196,16 @@ class Decoder(nn.Module):
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(self._global(name).encode()))
             full = torch.empty(whole[name].shape, device=device).normal_(0.0, 0.02, generator=gen)
             p.copy_(self.shard.take(name, full, self.full_shape))
+
+
+class SkippedInit(torch.overrides.TorchFunctionMode):
+    """Modules built inside skip torch.nn.init's random draws, for parameters that are overwritten next. On the meta
+    device those draws run as Python decompositions whose first call imports torch._dynamo: ~1 s of every start."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------- RoPE scaling, shared by the families

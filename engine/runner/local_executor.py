@@ -10,7 +10,7 @@ from engine.core.config import EngineConfig, FaultPlan
 from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Failure, Request
 from engine.core.scheduler import Batch
-from engine.model.decoder import Decoder
+from engine.model.decoder import Decoder, SkippedInit
 from engine.model.families import model_class
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
@@ -28,7 +28,7 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     """The model (or one stage's span of it, or one rank's shard) on the configured device and dtype, with the
     checkpoint's weights."""
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
-    with torch.device("meta"):
+    with torch.device("meta"), SkippedInit():
         model = model_class(ckpt.shape)(ckpt.shape, max_position, span, shard)
     # Allocate without torch's random init: every parameter is overwritten next.
     model = model.to_empty(device=device)
