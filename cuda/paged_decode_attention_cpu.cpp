@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -31,6 +32,17 @@ inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {  // bfloa
 template <typename T>  // float16 and float64: plain conversions
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// A row of the cache as float32: read in place when it is float32 already, else converted into `buf`.
+template <typename T>
+inline const float* row_as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    to_float(src, buf, n);
+    return buf;
+  }
 }
 
 // kHeadDim > 0 fixes the head size at compile time (64 and 128 are the common ones), so the per-key dot
@@ -62,8 +74,7 @@ void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, 
       for (int64_t t = 0; t < len; ++t) {
         const int64_t p = first + t;
         const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-        float* k = row.data();
-        to_float(keys + slot * head_dim, k, head_dim);
+        const float* k = row_as_float(keys + slot * head_dim, row.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query.data() + g * head_dim;
           float dot = 0.f;
@@ -87,8 +98,7 @@ void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, 
       for (int64_t t = 0; t < len; ++t) {
         const int64_t p = first + t;
         const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-        float* v = row.data();
-        to_float(values + slot * head_dim, v, head_dim);
+        const float* v = row_as_float(values + slot * head_dim, row.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
           float* a = acc.data() + g * head_dim;
