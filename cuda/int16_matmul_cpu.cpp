@@ -10,7 +10,7 @@
 // int32 lane per row, the rows' block b side by side. A block of x is then one broadcast operand, no lane is idle
 // whatever K is (a 576-wide model filled 18 of a group's 32 lanes when a lane held a block), no sum needs a horizontal
 // reduction, and a tile streams through memory in order (2.2-2.6x the throughput of that layout, one core, weights in
-// cache; 1.4x a whole decode step's matmuls from memory on two).
+// cache; 1.5-1.9x float32 inputs over a whole decode step's matmuls from memory on two, 1 to 128 rows).
 //
 // Lane i sums row i's blocks in order: an output's sum does not depend on M, on the tile or on the thread count.
 
@@ -43,13 +43,14 @@ struct Format {
   constexpr int per_word() const { return code_bytes == kBlock ? 2 : 4; }  // packed code slices per 16-bit word
 };
 
+// Q4_0 (2), Q4_1 (3), else Q8_0 (8): a compile-time constant in the kernel, checked where a type comes in.
+constexpr Format format_for(int64_t type) {
+  return type == 2 ? Format{16, false, 8} : type == 3 ? Format{16, true, 0} : Format{32, false, 0};
+}
+
 Format format_of(int64_t type) {
-  switch (type) {
-    case 2: return {16, false, 8};    // Q4_0
-    case 3: return {16, true, 0};     // Q4_1
-    case 8: return {32, false, 0};    // Q8_0
-    default: TORCH_CHECK(false, "no int16-activation matmul for ggml type ", type);
-  }
+  TORCH_CHECK(type == 2 || type == 3 || type == 8, "no int16-activation matmul for ggml type ", type);
+  return format_for(type);
 }
 
 // A block's 32 codes (0..15, or Q8_0's int8 bytes) from the file's block (scales first, then codes).
@@ -140,7 +141,7 @@ inline void store16(at::BFloat16* p, __m512 v) {
 // an output's sum never depends on M, on the tile or on the thread count.
 template <int R, int Type, typename T>
 void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
-  constexpr Format f = Type == 8 ? Format{32, false, 0} : Type == 3 ? Format{16, true, 0} : Format{16, false, 8};
+  constexpr Format f = format_for(Type);
   constexpr int per_word = f.per_word(), chains = R < 4 ? 4 / R : 1;
   const __m512i nibble = _mm512_set1_epi16(15);
   __m512 acc[R];

@@ -8,9 +8,9 @@ sums in float32, in an order that does not depend on the batch. So these layers 
 
 An Int16BlockLinear, the default where the CPU has AVX-512 VNNI, multiplies through cuda/int16_matmul_cpu.cpp:
 Q4_0, Q4_1 and Q8_0 blocks (the same codes and scales, reordered once) times the activations rounded to 16-bit
-integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is 1.5-2.2x the float32 path at every
-row count from 1 to 512 (benchmarks/int16_matmul.json) and as batch-independent: a row's rounding and each output's
-order of sums are its own.
+integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is 1.5-1.9x the float32 path at
+every row count measured, 1 to 128 (benchmarks/int16_matmul.json), and as batch-independent: a row's rounding and
+each output's order of sums are its own.
 """
 
 from __future__ import annotations
