@@ -13,6 +13,7 @@ from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.sharding import check_splittable
 from engine.runner.device import resolve_device
 from engine.runner.local_executor import LocalExecutor
+from engine.spec import DRAFT_SOURCES
 
 
 def make_executor(config: EngineConfig, ckpt: Checkpoint, max_model_len: int) -> Executor:
@@ -52,7 +53,8 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     check_splittable(ckpt.shape, config.tensor_parallel_size)  # here, before any process starts
     max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
     executor = make_executor(config, ckpt, max_model_len)
-    return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len)
+    draft_source = None if config.speculative == "off" else DRAFT_SOURCES[config.speculative]()
+    return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source)
 
 
 def grammar_compiler(engine: EngineCore) -> Callable[[str], object] | None:

@@ -65,8 +65,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         if top_n is None:
             return None
         return ChatLogprobs(content=[
-            ChatTokenLogprob(**_top(state, t, lp), top_logprobs=[TopLogprob(**_top(state, i, v)) for i, v in top[:top_n]])
-            for t, lp, top in event.logprobs
+            ChatTokenLogprob(**_top(state, x.token_id, x.logprob),
+                             top_logprobs=[TopLogprob(**_top(state, i, v)) for i, v in x.top[:top_n]])
+            for x in event.logprobs
         ])
 
     if req.stream:

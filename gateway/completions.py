@@ -10,6 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.core.request import TokenLogprobs
 from gateway.detokenizer import IncrementalDetokenizer, token_text
 from gateway.generation import ChoiceEvent
 from gateway.protocol import (
@@ -98,9 +99,9 @@ def _logprobs(state: ServerState, event: ChoiceEvent, top_n: int, base_offset: i
     tok = state.tokenizer
     text = (lambda i: token_text(tok, i)) if tok is not None else str
     return CompletionLogprobs(
-        tokens=[text(t) for t, _, _ in event.logprobs],
-        token_logprobs=[lp for _, lp, _ in event.logprobs],
-        top_logprobs=[{text(i): v for i, v in top[:top_n]} for _, _, top in event.logprobs],
+        tokens=[text(x.token_id) for x in event.logprobs],
+        token_logprobs=[x.logprob for x in event.logprobs],
+        top_logprobs=[{text(i): v for i, v in x.top[:top_n]} for x in event.logprobs],
         text_offset=[base_offset + o for o in event.token_offsets],
     )
 
@@ -112,7 +113,7 @@ def _join(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogp
     return first
 
 
-def _echoed_logprobs(state: ServerState, sent: str | list[int], ids: list[int], rows: list,
+def _echoed_logprobs(state: ServerState, sent: str | list[int], ids: list[int], rows: list[TokenLogprobs],
                      top_n: int) -> CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: its first token's logprob and alternatives null (nothing
     predicts it), offsets into the echoed text."""
@@ -120,8 +121,8 @@ def _echoed_logprobs(state: ServerState, sent: str | list[int], ids: list[int], 
     text = (lambda i: token_text(tok, i)) if tok is not None else str
     return CompletionLogprobs(
         tokens=[text(t) for t in ids],
-        token_logprobs=[None, *(row[1] for row in rows)],
-        top_logprobs=[None, *({text(i): v for i, v in row[3][:top_n]} for row in rows)],
+        token_logprobs=[None, *(row.logprob for row in rows)],
+        top_logprobs=[None, *({text(i): v for i, v in row.top[:top_n]} for row in rows)],
         text_offset=_prompt_offsets(tok, sent, ids),
     )
 
@@ -138,14 +139,14 @@ def _prompt_offsets(tok, sent: str | list[int], ids: list[int]) -> list[int]:
     return [0] * added + detok.token_offsets
 
 
-def _vllm_prompt_logprobs(state: ServerState, rows: list, top_n: int) -> list[dict[int, PromptLogprob] | None]:
+def _vllm_prompt_logprobs(state: ServerState, rows: list[TokenLogprobs], top_n: int) -> list[dict[int, PromptLogprob] | None]:
     """vLLM's `prompt_logprobs`: null, then per prompt token its own entry and the top `top_n` alternatives."""
     tok = state.tokenizer
     text = (lambda i: token_text(tok, i)) if tok is not None else str
     out: list[dict[int, PromptLogprob] | None] = [None]
-    for token, logprob, rank, top in rows:
-        entry = {token: PromptLogprob(logprob=logprob, rank=rank, decoded_token=text(token))}
-        for k, (i, v) in enumerate(top[:top_n]):
+    for row in rows:
+        entry = {row.token_id: PromptLogprob(logprob=row.logprob, rank=row.rank, decoded_token=text(row.token_id))}
+        for k, (i, v) in enumerate(row.top[:top_n]):
             entry.setdefault(i, PromptLogprob(logprob=v, rank=k + 1, decoded_token=text(i)))
         out.append(entry)
     return out

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.core.request import TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.ipc.messages import PromptLogprobsPart, TokenDelta
 from gateway.admission import Ticket
@@ -20,17 +21,16 @@ from gateway.metrics import Metrics
 
 @dataclass
 class ChoiceEvent:
-    """New text of one choice; `logprobs` has one `[id, logprob, [[id, lp], ...]]` per new token."""
+    """New text of one choice; `logprobs` has one per new token where the request asked for them."""
 
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list
+    logprobs: list[TokenLogprobs]
     token_offsets: list[int]  # where each new token's text starts in the choice's text
     finish_reason: str | None
-    # On a choice's first event when the request asked for them: `[id, logprob, rank, [[id, lp], ...]]` for each
-    # prompt token after the first.
-    prompt_logprobs: list | None = None
+    # On a choice's first event when the request asked for them: one for each prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ from engine.ipc.messages import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -72,6 +73,12 @@ class Metrics:
                                            buckets=_LATENCY_BUCKETS)
         self.batch_size = Histogram("orcinus_iteration_batch_size", "Requests per engine iteration", registry=r,
                                     buckets=_BATCH_BUCKETS)
+        self.spec_drafted = Gauge("orcinus_spec_decode_draft_tokens", "Draft tokens verified since start", registry=r)
+        self.spec_accepted = Gauge("orcinus_spec_decode_accepted_tokens", "Draft tokens accepted since start",
+                                   registry=r)
+        self.spec_accepted_length = Histogram("orcinus_spec_decode_accepted_length",
+                                              "Draft tokens accepted per request per step that drafted", registry=r,
+                                              buckets=_DRAFT_BUCKETS)
 
     def observe_stats(self, s: EngineStats) -> None:
         self.running.set(s.num_running)
@@ -89,6 +96,10 @@ class Metrics:
         if s.last_iteration_seconds > 0:
             self.iteration_seconds.observe(s.last_iteration_seconds)
             self.batch_size.observe(s.last_batch_size)
+        self.spec_drafted.set(s.spec_draft_tokens_total)
+        self.spec_accepted.set(s.spec_accepted_tokens_total)
+        for n in s.spec_accepted_lengths:
+            self.spec_accepted_length.observe(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ from conftest import PROMPTS, run_staggered
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig, FaultPlan
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, SampledTokens
 from engine.core.scheduler import PLACEHOLDER, Scheduler
 
 BS = 4
@@ -29,7 +29,7 @@ def rows(batch) -> dict[str, tuple[list[int], int, bool]]:
 
 
 def sampled(batch, token=7) -> dict:
-    return {r.request_id: (token, None) for r in batch.requests if r.sample}
+    return {r.request_id: SampledTokens([token]) for r in batch.requests if r.sample}
 
 
 def test_a_request_is_scheduled_one_token_ahead_of_what_the_host_knows():
@@ -60,7 +60,7 @@ def test_a_stop_seen_one_step_late_drops_the_extra_token_and_frees_every_block()
     b1 = s.schedule()
     b2 = s.schedule()
     assert set(rows(b2)) == {"a", "b"}
-    s.update(b1, {"a": (0, None), "b": (7, None)})  # eos for a
+    s.update(b1, {"a": SampledTokens([0]), "b": SampledTokens([7])})  # eos for a
     assert a.status == RequestStatus.FINISHED_STOPPED and a.output_token_ids == [0]
     s.update(b2, sampled(b2, 9))  # a's row scheduled ahead is dropped
     assert a.output_token_ids == [0] and b.output_token_ids == [7, 9]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.core.request import TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.ipc.channel import (
     Channel,
@@ -55,7 +56,7 @@ def test_round_trip_each_message_type(channels):
     sent_in = [AddRequest("r1", [1, 2, 3], params), AddRequest("r2", [], SamplingParams()), Abort("r1"), Shutdown()]
     sent_out = [
         TokenDelta("r1", [5, 6], None),
-        TokenDelta("r1", [7], "stop", logprobs=[[7, -0.25, [[7, -0.25], [8, -1.5]]]]),
+        TokenDelta("r1", [7], "stop", logprobs=[TokenLogprobs(7, -0.25, [(7, -0.25), (8, -1.5)])]),
         RequestError("r2", "prompt too long", "prompt"),
         EngineStats(1, 2, 30, 70, num_iterations=9, last_batch_size=3, num_preemptions=1),
     ]

@@ -7,7 +7,7 @@ from conftest import PROMPTS
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager, chain_hash, salt_root
-from engine.core.request import Request
+from engine.core.request import Request, SampledTokens
 from engine.core.scheduler import Scheduler
 
 BS = 4
@@ -23,7 +23,7 @@ def req(rid, prompt, max_tokens=2) -> Request:
 
 def step(s: Scheduler, token=7):
     batch = s.schedule()
-    s.update(batch, {r.request_id: (token, None) for r in batch.requests if r.sample})
+    s.update(batch, {r.request_id: SampledTokens([token]) for r in batch.requests if r.sample})
     check_pools(s.kv)
     return {r.request_id: len(r.token_ids) for r in batch.requests}
 

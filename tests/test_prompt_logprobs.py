@@ -9,7 +9,7 @@ from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.request import Request, TokenLogprobs
+from engine.core.request import Request, SampledTokens, TokenLogprobs
 from engine.core.scheduler import PromptLogprobRows, Scheduler
 from engine.runner import prompt_logprobs as module
 
@@ -152,7 +152,7 @@ def test_each_prompt_position_is_asked_of_exactly_one_chunk_across_chunks_and_a_
         batch = s.schedule()
         [sr] = batch.requests
         rows = sr.prompt_logprobs
-        s.update(batch, {"a": (7, None)} if sr.sample else {},
+        s.update(batch, {"a": SampledTokens([7])} if sr.sample else {},
                  {"a": [TokenLogprobs(t, -1.0, []) for t in rows.targets]} if rows else {})
         return sr.num_computed_tokens, rows
 

@@ -181,7 +181,7 @@ def test_draws_follow_the_distribution():
     reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, top_p=0.75)) for i in range(20000)]
     tokens = sampler(torch.tensor([P] * len(reqs)).log(), reqs)
     counts = [0] * 4
-    for token, _ in tokens.values():
+    for (token,) in (t.token_ids for t in tokens.values()):
         counts[token] += 1
     assert counts[3] == 0
     assert [c / len(reqs) for c in counts[:3]] == pytest.approx([0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9], abs=0.015)

@@ -3,7 +3,7 @@
 import pytest
 
 from engine.core.config import EngineConfig
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, SampledTokens
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
@@ -25,7 +25,7 @@ def req(rid, prompt_len=6, max_tokens=4, **params) -> Request:
 def step(s: Scheduler, token=7):
     """One fake iteration: every sampling request gets `token`. Returns {id: num tokens computed}."""
     batch = s.schedule()
-    s.update(batch, {r.request_id: (token, None) for r in batch.requests if r.sample})
+    s.update(batch, {r.request_id: SampledTokens([token]) for r in batch.requests if r.sample})
     return {r.request_id: len(r.token_ids) for r in batch.requests}
 
 

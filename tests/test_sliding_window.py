@@ -5,7 +5,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig, ModelShape
-from engine.core.request import Request
+from engine.core.request import Request, SampledTokens
 from engine.core.scheduler import Scheduler
 
 BS = 4
@@ -18,7 +18,7 @@ def test_blocks_before_the_window_go_back_and_the_rest_are_freed_at_the_end():
     held = []
     while s.has_unfinished():
         batch = s.schedule()
-        s.update(batch, {r.request_id: (7, None) for r in batch.requests if r.sample})
+        s.update(batch, {r.request_id: SampledTokens([7]) for r in batch.requests if r.sample})
         held.append(s.kv.num_used_blocks)
         if a.block_table:
             # Every key a later query sees (from num_computed - 7 on) is in a block still held.
@@ -37,7 +37,7 @@ def test_a_released_block_serves_others_and_preemption_frees_only_what_is_held()
         s.add(r)
     while s.has_unfinished():
         batch = s.schedule()
-        s.update(batch, {r.request_id: (7, None) for r in batch.requests if r.sample})
+        s.update(batch, {r.request_id: SampledTokens([7]) for r in batch.requests if r.sample})
         assert s.kv.num_used_blocks <= 12
         assert all(n >= 0 for n in s.kv.ref_counts)
     assert all(len(r.output_token_ids) == 30 for r in reqs)  # three 50-token requests in 12 blocks of 4
@@ -49,7 +49,7 @@ def test_a_window_longer_than_what_is_computed_releases_nothing():
     a = Request("a", list(range(100, 120)), SamplingParams(max_tokens=4), eos_token_id=0)
     s.add(a)
     batch = s.schedule()
-    s.update(batch, {"a": (7, None)})  # 20 computed: the next query sees from -11 on
+    s.update(batch, {"a": SampledTokens([7])})  # 20 computed: the next query sees from -11 on
     assert a.num_released_blocks == 0 and s.kv.num_used_blocks == 5 and s.kv.ref_counts.count(1) == 5
 
 

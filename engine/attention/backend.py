@@ -16,6 +16,21 @@ from typing import Protocol
 
 import torch
 
+# A request with at most this many queries (a decode step, or one verifying draft tokens) attends as that many
+# decode queries, each against the keys up to its own position: a paged decode op reads them in place, where a chunk's
+# SDPA would first gather its whole context.
+MAX_DECODE_LIKE_QUERIES = 16
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The queries of requests with few of them, each as one decode query: its row, its request, its keys."""
+
+    token_rows: torch.Tensor | None  # [R] rows of the flattened batch; None: every row, in order
+    requests: torch.Tensor  # [R] each row's request (its block table)
+    context_lens: torch.Tensor  # [R] int32: keys each row sees, its own included
+    max_context_len: int
+
 
 @dataclass
 class AttentionMetadata:
@@ -37,6 +52,24 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         """One query per request: row i of the batch is request i."""
         return all(n == 1 for n in self.query_lens_cpu)
+
+    @functools.cached_property
+    def decode_rows(self) -> DecodeRows | None:
+        """Queries of requests with at most MAX_DECODE_LIKE_QUERIES, as decode queries; None if there are none."""
+        rows, requests, lens = [], [], []
+        start = 0
+        for i, (n, ctx) in enumerate(zip(self.query_lens_cpu, self.context_lens_cpu)):
+            if n <= MAX_DECODE_LIKE_QUERIES:  # query j sits at position ctx - n + j
+                rows += range(start, start + n)
+                requests += [i] * n
+                lens += range(ctx - n + 1, ctx + 1)
+            start += n
+        if not rows:
+            return None
+        device = self.query_start_loc.device
+        every = len(rows) == start
+        return DecodeRows(None if every else torch.tensor(rows, device=device), torch.tensor(requests, device=device),
+                          torch.tensor(lens, dtype=torch.int32, device=device), max(lens))
 
     @functools.cached_property
     def max_context_len(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionParams, gather_context
+from engine.attention.backend import MAX_DECODE_LIKE_QUERIES, AttentionParams, gather_context
 
 
 class TorchAttention:
@@ -20,17 +20,18 @@ class TorchAttention:
         if meta.is_pure_decode:  # row i is request i, no gathers needed
             tables = meta.block_tables[:, : -(-meta.max_context_len // kv_cache.shape[3])]
             return self._decode(q, kv_cache, tables, meta.context_lens, params)
+        d = meta.decode_rows  # decodes, and requests verifying a few draft tokens
+        if d is not None and d.token_rows is None:
+            width = -(-d.max_context_len // kv_cache.shape[3])
+            return self._decode(q, kv_cache, meta.block_tables[d.requests, :width], d.context_lens, params)
         out = torch.empty_like(q)
         qsl = meta.query_starts_cpu
-        decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=q.device)
-            token_rows = torch.tensor([qsl[i] for i in decode_rows], device=q.device)
-            width = -(-max(meta.context_lens_cpu[i] for i in decode_rows) // kv_cache.shape[3])
-            out[token_rows] = self._decode(q[token_rows], kv_cache, meta.block_tables[rows, :width],
-                                           meta.context_lens[rows], params)
+        if d is not None:
+            width = -(-d.max_context_len // kv_cache.shape[3])
+            out[d.token_rows] = self._decode(q[d.token_rows], kv_cache, meta.block_tables[d.requests, :width],
+                                             d.context_lens, params)
         for i, n in enumerate(meta.query_lens_cpu):
-            if n > 1:
+            if n > MAX_DECODE_LIKE_QUERIES:
                 attend_prefill(q, kv_cache, meta, i, qsl, out, params)
         return out
 

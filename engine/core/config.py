@@ -136,6 +136,11 @@ class EngineConfig:
     kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front
     prefix_caching: bool = True  # requests reuse the cached K/V of full blocks their prompts share
     attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cpu|cuda
+    # speculative decoding without a second model: each step verifies draft tokens from prompt lookup (ngram) or suffix
+    # trees over the context and recent outputs (suffix) beside the one it samples
+    speculative: Literal["off", "ngram", "suffix"] = "off"
+    num_speculative_tokens: int = 8  # most draft tokens per request per step (each request drafts as it earns)
+    speculative_max_batch: int = 4  # drafting stops while more requests decode: their rows then cost compute
     pipeline_stages: int = 1  # processes the decoder layers are split over; up to this many batches in flight
     tensor_parallel_size: int = 1  # processes each stage's layers are split over (heads, MLP width, vocabulary)
     external_stages: bool = False  # stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT

@@ -11,6 +11,7 @@ from engine.core.request import Request
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.speculation import DraftSource, Speculation
 
 
 class EngineCore:
@@ -20,7 +21,8 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, executor: Executor, model_name: str, shape: ModelShape, tokenizer, max_model_len: int
+        self, config: EngineConfig, executor: Executor, model_name: str, shape: ModelShape, tokenizer, max_model_len: int,
+        draft_source: DraftSource | None = None,
     ):
         self.config = config
         self.executor = executor
@@ -29,7 +31,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         num_blocks = executor.num_blocks
-        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window)
+        # Speculative decoding: `draft_source` (engine/spec) makes each request's drafter, as --speculative names.
+        speculation = None if draft_source is None else Speculation(
+            draft_source, config.num_speculative_tokens, config.speculative_max_batch)
+        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation)
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
         held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
         self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size, held)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.core.request import Failure, Request, TokenLogprobs
+from engine.core.request import Failure, Request, SampledTokens, TokenLogprobs
 from engine.core.scheduler import Batch
 
-# Every request of a batch that samples gets a token or a Failure; one that only computed gets a Failure or nothing.
-Sampled = dict[str, tuple[int, TokenLogprobs | None] | Failure]
+# Every request of a batch that samples gets its tokens (accepted drafts, then one sampled) or a Failure; one that
+# only computed gets a Failure or nothing.
+Sampled = dict[str, SampledTokens | Failure]
 # Every request of a batch whose chunk asked for prompt logprobs (ScheduledRequest.prompt_logprobs): one per row.
 PromptLogprobs = dict[str, list[TokenLogprobs]]
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,14 +35,21 @@ class Failure:
     message: str
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprob of the chosen token and the top-N alternatives at one position."""
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Logprob of the chosen token and the top-N alternatives at one position: one type from the sampler to the
+    gateway (it crosses the stage and engine frames as it is)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
     rank: int | None = None  # the token's place in the distribution (1: the most likely); given for prompt tokens
+
+
+class SampledTokens(msgspec.Struct, array_like=True):
+    """A request's tokens from one step: the draft tokens the target accepted, then the one it sampled after them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token, where the request asked for logprobs
 
 
 @dataclass(eq=False)
@@ -70,6 +79,8 @@ class Request:
     queue_seconds: float | None = None  # from arrival to its first admission (the queue-time histogram)
     generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
     matcher: object | None = None  # a constrained request's llguidance matcher (made by the engine process or the sampler)
+    speculation: object | None = None  # its drafter and acceptance estimate (core/speculation.py), from its first draft
+    num_delivered_tokens: int = 0  # outputs already handed to its caller (the engine process's deltas)
     cache_salt: bytes = b""  # opaque; mixed into its first block's name, so only requests with the same salt share blocks
     error: str | None = None  # why it failed (status FINISHED_ERROR)
 

@@ -9,7 +9,8 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
-from engine.core.request import Failure, Request, RequestStatus, TokenLogprobs
+from engine.core.request import Failure, Request, RequestStatus, SampledTokens, TokenLogprobs
+from engine.core.speculation import Speculation
 
 
 # In a chunk scheduled ahead (async scheduling): the token the batch before samples for this request, which only
@@ -27,14 +28,25 @@ class PromptLogprobRows(msgspec.Struct, array_like=True):
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True):
-    """One request's share of an iteration: compute `token_ids` starting at `num_computed_tokens`."""
+    """One request's share of an iteration: compute `token_ids` starting at `num_computed_tokens`; the last
+    `num_draft` of them are draft tokens the step verifies (speculative decoding)."""
 
     request_id: str
     token_ids: list[int]  # the last may be PLACEHOLDER
     num_computed_tokens: int  # the chunk's first position (tokens computed, or in a batch ahead of it)
     block_table: list[int]
-    sample: bool  # these tokens reach the end of what is known: sample the next one
+    sample: bool  # these tokens reach the end of what is known: sample the next one (after the accepted drafts)
     prompt_logprobs: PromptLogprobRows | None = None  # rows whose prompt logprobs the LM head computes too
+    num_draft: int = 0  # draft tokens at the end of token_ids; the rows from the last known token on sample
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows whose logits sample or verify: the last known token's and each draft token's."""
+        return self.num_draft + 1 if self.sample else 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft:]
 
 
 class Batch(msgspec.Struct):
@@ -70,7 +82,8 @@ ADMISSION_POLICIES = {"iteration": IterationLevel, "request": RequestLevel}
 class Scheduler:
     """FCFS over a waiting queue; running requests first; preempts the newest when blocks run out."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, kv_window: int | None = None):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, kv_window: int | None = None,
+                 speculation: Speculation | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.kv_window = kv_window  # every layer's sliding window: blocks before it go back as requests move on
@@ -84,6 +97,8 @@ class Scheduler:
         # device runs step N).
         self.in_flight: Counter[str] = Counter()
         self.run_ahead = config.async_scheduling == "on"
+        self.speculation = speculation  # None: no drafts, one token per request per step
+        self.drafting: set[str] = set()  # requests whose batch in flight verifies drafts: none runs ahead of it
         self.num_preemptions = 0
         # Tokens of admitted requests (prompt, plus outputs after a preemption) looked up in the prefix cache.
         self.prefix_queried_tokens = 0
@@ -126,7 +141,7 @@ class Scheduler:
         the requests that could run, so the batches in flight split them and every stage has work."""
         budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []
         num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
         # Running ahead, consecutive batches share their requests rather than split them.
         max_seqs = self.config.max_num_seqs if self.run_ahead else -(-num_ready // num_batches)
@@ -138,6 +153,9 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            draft = self._draft(req, budget) if num_new == 1 else []
+            if draft and not self.kv.allocate(req, num_new + len(draft)):
+                draft = []  # no blocks for them: drafts never preempt anybody
             while not self.kv.allocate(req, num_new):
                 victim = self._preempt_newest()
                 if victim is None:  # every newer request is in flight: wait for one to come back
@@ -146,8 +164,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, num_new))
-                budget -= num_new
+                scheduled.append((req, num_new, draft))
+                budget -= num_new + len(draft)
                 i += 1
 
         pending = self._blocks_being_computed() if self.waiting and self.kv.prefix_caching else set()
@@ -178,23 +196,33 @@ class Scheduler:
             self.running.append(req)
             pending.update(req.block_names[req.num_registered_blocks:])
             if num_new:
-                scheduled.append((req, num_new))
+                scheduled.append((req, num_new, []))
                 budget -= num_new
 
-        batch = Batch([self._to_scheduled(req, n) for req, n in scheduled])
-        for req, n in scheduled:
+        batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
+        for (req, _, draft), sr in zip(scheduled, batch.requests):
             self.in_flight[req.request_id] += 1
-            req.num_in_flight_tokens += n
-        for req, sr in zip((req for req, _ in scheduled), batch.requests):
+            req.num_in_flight_tokens += len(sr.token_ids)
             req.num_pending_outputs += sr.sample
+            if draft:
+                self.drafting.add(req.request_id)
         return batch
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a request about to decode one token, if speculation is on and it is not running ahead:
+        never more than its max_tokens, the context window or the step's token budget leave room for."""
+        if self.speculation is None or req.request_id in self.in_flight or req.num_output_tokens == 0:
+            return []
+        limit = min(budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+        return self.speculation.draft(req, limit, len(self.running))
 
     def _num_schedulable(self, req: Request) -> int:
         """Tokens a running request could compute next: what it has, or (running ahead) the one token the batch
         in flight samples for it, unless that token may end it or its sampling must see that token first."""
         if req.request_id not in self.in_flight:
             return req.num_tokens - req.num_computed_tokens
-        if not self.run_ahead or self.in_flight[req.request_id] > 1:
+        if not self.run_ahead or self.in_flight[req.request_id] > 1 or req.request_id in self.drafting:
             return 0
         if req.num_pending_outputs and (req.reads_own_outputs or self._may_end(req)):
             return 0
@@ -210,14 +238,14 @@ class Scheduler:
         """Prefix-cache names of the full blocks that running requests have yet to compute."""
         return {name for r in self.running for name in r.block_names[r.num_registered_blocks:]}
 
-    def _to_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _to_scheduled(self, req: Request, num_new: int, draft: list[int]) -> ScheduledRequest:
         start = req.num_scheduled_tokens
         end = start + num_new
         known = req.num_tokens
         token_ids = req.token_ids(start, min(end, known)) + [PLACEHOLDER] * (end - max(start, known))
         return ScheduledRequest(
-            req.request_id, token_ids, start, list(req.block_table), end == known + req.num_pending_outputs,
-            self._prompt_logprob_rows(req, start, end),
+            req.request_id, token_ids + draft, start, list(req.block_table), end == known + req.num_pending_outputs,
+            self._prompt_logprob_rows(req, start, end), len(draft),
         )
 
     @staticmethod
@@ -248,7 +276,7 @@ class Scheduler:
         return victim
 
     def update(
-        self, batch: Batch, sampled: dict[str, tuple[int, TokenLogprobs | None] | Failure],
+        self, batch: Batch, sampled: dict[str, SampledTokens | Failure],
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[Request]:
         """Account computed tokens, append sampled ones (and the prompt logprobs of chunks that asked for them),
@@ -258,6 +286,7 @@ class Scheduler:
             self.in_flight[sr.request_id] -= 1
             if not self.in_flight[sr.request_id]:
                 del self.in_flight[sr.request_id]
+            self.drafting.discard(sr.request_id)
             req = self.requests.get(sr.request_id)
             if req is None:  # aborted, or finished by the batch before (a row scheduled ahead): its token is dropped
                 continue
@@ -269,23 +298,35 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 updated.append(req)
                 continue
-            req.num_computed_tokens += len(sr.token_ids)
+            # A rejected draft token's K/V stays in its slot, uncounted (so never named for the prefix cache), until
+            # the token that belongs there is computed over it.
+            num_accepted = len(result.token_ids) - 1 if sr.num_draft else 0
+            req.num_computed_tokens += len(sr.token_ids) - sr.num_draft + num_accepted
             if sr.prompt_logprobs is not None:
                 req.prompt_logprobs += prompt_logprobs[sr.request_id]
+            status = self._append(req, result) if sr.sample else None
             self.kv.cache_full_blocks(req)
             if self.kv_window:  # the next query (at num_computed_tokens) sees keys from here on
                 self.kv.release_before(req, req.num_computed_tokens - self.kv_window + 1)
-            if not sr.sample:
-                continue
-            token_id, logprobs = result
-            req.output_token_ids.append(token_id)
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs)
-            status = self._check_stop(req, token_id)
+            if sr.num_draft and self.speculation is not None:
+                self.speculation.verified(req, sr.num_draft, num_accepted)
             if status is not None:
                 self._finish(req, status)
-            updated.append(req)
+            if sr.sample:
+                updated.append(req)
         return updated
+
+    def _append(self, req: Request, result: SampledTokens) -> RequestStatus | None:
+        """Append a step's tokens up to the first that ends the request (those after it are dropped)."""
+        for i, token_id in enumerate(result.token_ids):
+            req.output_token_ids.append(token_id)
+            if result.logprobs is not None:
+                req.output_logprobs.append(result.logprobs[i])
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                return status
+        return None
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         if token_id in req.stop_token_ids and req.num_output_tokens >= req.params.min_tokens:
@@ -295,6 +336,8 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if self.speculation is not None and status != RequestStatus.FINISHED_ERROR:
+            self.speculation.finished(req)
         req.status = status
         self.running.remove(req)
         self.kv.free(req)

@@ -6,6 +6,7 @@ from typing import Union
 
 import msgspec
 
+from engine.core.request import TokenLogprobs
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import SamplingParams
 
@@ -70,7 +71,7 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     token_ids: list[int]
     finish_reason: str | None  # None while the request runs
-    logprobs: list | None = None  # [[chosen_id, chosen_logprob, [[id, lp], ...]], ...] per token
+    logprobs: list[TokenLogprobs] | None = None  # one per token, where the request asked for them
     num_cached_tokens: int | None = None  # on a request's first delta: its prompt tokens found in the prefix cache
     queue_seconds: float | None = None  # on a request's first delta: how long it waited for admission
 
@@ -81,7 +82,7 @@ class PromptLogprobsPart(msgspec.Struct, tag=True, array_like=True):
 
     request_id: str
     start: int
-    logprobs: list  # [[token_id, logprob, rank, [[id, lp], ...]], ...]
+    logprobs: list[TokenLogprobs]  # with their ranks
 
 
 class RequestError(msgspec.Struct, tag=True, array_like=True):
@@ -110,6 +111,9 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     prefix_hit_tokens: int = 0  # of those, found there
     kv_blocks_cached: int = 0  # blocks whose contents the prefix cache can find
     private_bytes: int = 0  # rss_bytes less the shared-memory pages (the channel rings) in it; 0 when unknown
+    spec_draft_tokens_total: int = 0  # draft tokens verified since start (speculative decoding)
+    spec_accepted_tokens_total: int = 0  # of those, accepted
+    spec_accepted_lengths: list[int] = []  # per draft verified since the last report: its tokens accepted
 
 
 ToEngine = Union[AddGrammar, ReleaseGrammar, AddRequest, Abort, Shutdown]

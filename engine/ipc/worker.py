@@ -139,28 +139,28 @@ class EngineWorker:
                 self.outbox.send(RequestError(req.request_id, req.error, internal=True))
                 continue
             try:
-                if req.params.prompt_logprobs is not None and req.num_output_tokens == 1:
+                if req.params.prompt_logprobs is not None and req.num_delivered_tokens == 0:
                     self.send_prompt_logprobs(req)
-                self.outbox.send(self.delta(req))
+                delta = self.delta(req)
+                self.generation_tokens_total += len(delta.token_ids)
+                self.outbox.send(delta)
             except Exception as e:  # noqa: BLE001 - one request's bad delta must not take the others down
                 self.engine.abort_request(req.request_id)
                 self.outbox.send(RequestError(req.request_id, f"publishing its tokens failed: {e!r}", internal=True))
-        self.generation_tokens_total += len(updated)
         self.publish_stats(elapsed)
 
     def delta(self, req) -> TokenDelta:
+        """The tokens `req` got since its last delta (a step that verified drafts gives several)."""
         self.faults.at_publish(req.prompt_token_ids)
-        lp = None
-        if req.params.logprobs is not None:
-            last = req.output_logprobs[-1]
-            lp = [[last.token_id, last.logprob, [list(x) for x in last.top]]]
-        first = req.num_output_tokens == 1  # the first delta also says what admission found
-        return TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason, lp,
+        start, req.num_delivered_tokens = req.num_delivered_tokens, req.num_output_tokens
+        lp = req.output_logprobs[start:] if req.params.logprobs is not None else None
+        first = start == 0  # the first delta also says what admission found
+        return TokenDelta(req.request_id, req.output_token_ids[start:], req.finish_reason, lp,
                           req.num_cached_tokens if first else None, req.queue_seconds if first else None)
 
     def send_prompt_logprobs(self, req) -> None:
         """A request's prompt logprobs, all computed by its first token, in parts (positions 1, 2, ...)."""
-        rows = [[t.token_id, t.logprob, t.rank, [list(x) for x in t.top]] for t in req.prompt_logprobs]
+        rows = req.prompt_logprobs
         for start in range(0, len(rows), PROMPT_LOGPROBS_PART):
             self.outbox.send(PromptLogprobsPart(req.request_id, start + 1, rows[start:start + PROMPT_LOGPROBS_PART]))
 
@@ -168,11 +168,13 @@ class EngineWorker:
         e = self.engine
         s = e.scheduler
         memory = self._memory()
+        spec = s.speculation
         self.outbox.send(EngineStats(
             s.num_running, s.num_waiting, s.kv.num_used_blocks, s.kv.num_free_blocks, e.num_iterations,
             e.last_batch_size, s.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
             e.last_batch_tokens, iteration_seconds, memory.resident_bytes, s.prefix_queried_tokens,
             s.prefix_hit_tokens, s.kv.num_cached_blocks, memory.private_bytes,
+            *((spec.num_drafted, spec.num_accepted, spec.drain_accepted_lengths()) if spec is not None else ()),
         ))
 
     def _memory(self) -> Memory:

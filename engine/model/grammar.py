@@ -82,27 +82,39 @@ class GrammarMasks:
             req.matcher.consume_tokens(req.output_token_ids)
         return req.matcher
 
-    def apply(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Set the logits of tokens each constrained request may not take next to -inf, in place."""
-        rows = [i for i, r in enumerate(requests) if r.params.grammar is not None]
+    def apply(self, logits: torch.Tensor, rows: list) -> None:
+        """Set the logits of tokens each constrained request may not take next to -inf, in place. `rows` are the
+        sampler's (engine/model/sampler.py): a row after draft tokens is masked as the grammar stands after them."""
+        rows = [(i, row) for i, row in enumerate(rows) if row.request.params.grammar is not None]
         if not rows:
             return
         # A bit per token, 1 = allowed. (llguidance.torch has helpers for this, but importing it runs a torch.compile
         # decorator: 2.2 s of every engine start.)
         bitmask = torch.full((len(rows), (self._tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for j, i in enumerate(rows):
-            matcher = self._matcher(requests[i])
+        consumed: dict[int, int] = {}  # per request (by id()): draft tokens its matcher took to mask the rows after
+        for j, (_, row) in enumerate(rows):
+            req = row.request
+            matcher = self._matcher(req)
             if matcher.is_error():  # the executor samples the others alone, and this one fails with the reason
-                raise GrammarError(f"request {requests[i].request_id}'s grammar failed: "
-                                   f"{matcher.get_error().strip()[:500]}")
+                raise GrammarError(f"request {req.request_id}'s grammar failed: {matcher.get_error().strip()[:500]}")
+            if consumed.get(id(req), 0) < len(row.drafted):
+                continue  # a draft token before this row is not allowed: it is rejected there, this row never counts
             matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)
+            if row.draft_id >= 0:
+                consumed[id(req)] = consumed.get(id(req), 0) + matcher.try_consume_tokens([row.draft_id])
+        for _, row in rows:  # back to where the step started: finish() advances by the accepted
+            n = consumed.pop(id(row.request), 0)
+            if n:
+                row.request.matcher.rollback(n)
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[1]].bool()
         if allowed.shape[1] < logits.shape[1]:  # ids past the tokenizer's vocabulary are never allowed
             allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor([i for i, _ in rows], device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
 
-    def advance(self, requests: list[Request], tokens: list[int]) -> None:
-        for req, token in zip(requests, tokens):
-            if req.params.grammar is not None and req.matcher is not None and not req.matcher.is_stopped():
+    def advance(self, requests: list[Request], tokens: list[list[int]]) -> None:
+        for req, ids in zip(requests, tokens):
+            for token in ids:
+                if req.params.grammar is None or req.matcher is None or req.matcher.is_stopped():
+                    break
                 req.matcher.consume_token(token)

@@ -1,8 +1,12 @@
-"""Turns logits into next tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds, logprobs.
+"""Turns logits into next tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds, logprobs, and
+the verdicts on draft tokens (speculative decoding).
 
+A request with d draft tokens has d + 1 rows of logits: row j is the next token's distribution after its context and
+the first j draft tokens, and is adjusted as if those j were already its outputs (penalties, min_tokens, grammar).
 Sampling stays on the logits' device. `sample` returns the ids there (where the next step's input can read
-them) and starts one asynchronous copy to the host: the sampled ids, with the logprobs packed next to them
-when any request asked for them. `finish` waits for that copy, so the host syncs with the device only there.
+them) and starts one asynchronous copy to the host: each row's id and verdict, with the logprobs packed next to
+them when any request asked for them. `finish` waits for that copy, so the host syncs with the device only there,
+and takes each request's accepted drafts and the token after them (engine/model/verification.py).
 """
 
 from __future__ import annotations
@@ -12,8 +16,30 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.request import Request, TokenLogprobs
+from engine.core.request import Request, SampledTokens, TokenLogprobs
 from engine.model.grammar import GrammarMasks
+from engine.model.verification import NO_DRAFT, accepted_tokens, draft_acceptance
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of logits: its request, and the draft tokens before it (taken as outputs when adjusting it)."""
+
+    request: Request
+    drafted: list[int]
+    draft_id: int  # the draft token this row verifies, NO_DRAFT on a request's last row
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafted if self.drafted else self.request.output_token_ids
+
+
+def rows_of(requests: list[Request], drafts: list[list[int]] | None) -> list[Row]:
+    rows = []
+    for i, req in enumerate(requests):
+        draft = drafts[i] if drafts else []
+        rows += [Row(req, draft[:j], draft[j] if j < len(draft) else NO_DRAFT) for j in range(len(draft) + 1)]
+    return rows
 
 
 @dataclass
@@ -21,10 +47,20 @@ class DeviceSample:
     """One batch's sampled ids on the device, and their copy on its way to the host."""
 
     requests: list[Request]
-    tokens: torch.Tensor  # [B] int64 on the sampling device
-    host: torch.Tensor  # [B, 1] ids, or [B, 2 + 2k] ids, chosen logprob, top-k ids and logprobs (float64)
+    drafts: list[list[int]]  # each request's draft tokens (rows: one per draft token, then one)
+    tokens: torch.Tensor  # [R] int64 on the sampling device: each row's own token
+    host: torch.Tensor  # [R, 2] ids and verdicts, or [R, 4 + 2k]: then the row's and its draft's logprobs, top-k
     num_top: list[int | None]  # each request's logprobs setting
     ready: torch.cuda.Event | None  # recorded after the copy; None on the CPU (already there)
+
+    @property
+    def last_rows(self) -> list[int]:
+        """Each request's last row in `tokens`: its token when it drafted nothing."""
+        ends, end = [], -1
+        for draft in self.drafts:
+            end += len(draft) + 1
+            ends.append(end)
+        return ends
 
 
 class Sampler:
@@ -42,62 +78,81 @@ class Sampler:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 drafts: list[list[int]] | None = None) -> dict[str, SampledTokens]:
         """Sample and wait for the result."""
-        return self.finish(self.sample(logits, requests))
+        return self.finish(self.sample(logits, requests, drafts))
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
-        """Each request's next token, left on the device; its host copy is started, not awaited."""
+    def sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]] | None = None
+               ) -> DeviceSample:
+        """Each request's tokens, left on the device; their host copy is started, not awaited. `logits` has a row
+        per request, or with `drafts` (each request's draft tokens) one per draft token and one more."""
+        drafts = drafts or [[] for _ in requests]
+        rows = rows_of(requests, drafts)
         logits = logits.float()
         # Logprobs report the model's own distribution, before any sampling transform.
         num_top = [r.params.logprobs for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_top) else None
-        logits = self._adjust(logits.clone(), requests)  # the runner returns an inference tensor: no in-place
+        logits = self._adjust(logits.clone(), rows)  # the runner returns an inference tensor: no in-place
         if self.grammar is not None:
-            self.grammar.apply(logits, requests)
+            self.grammar.apply(logits, rows)
 
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        draft_ids = self._tensor([row.draft_id for row in rows], torch.int64)
+        accepted = tokens == draft_ids  # greedy: a draft token is accepted where it is the argmax
+        random_rows = [i for i, row in enumerate(rows) if not row.request.params.greedy]
         if random_rows:
             # Rows by a pinned index tensor: indexing with a Python list copies it to the device synchronously.
-            rows = self._tensor(random_rows, torch.int64)
-            probs = self._probs(logits.index_select(0, rows), [requests[i] for i in random_rows])
-            tokens.index_copy_(0, rows, self._draw(probs, [requests[i] for i in random_rows]))
+            index = self._tensor(random_rows, torch.int64)
+            sampled_rows = [rows[i] for i in random_rows]
+            probs = self._probs(logits.index_select(0, index), [row.request for row in sampled_rows])
+            if any(row.draft_id != NO_DRAFT for row in sampled_rows):
+                uniforms = self._uniform(sampled_rows, probs.device)
+                verdicts, probs = draft_acceptance(probs, draft_ids.index_select(0, index), uniforms)
+                accepted.index_copy_(0, index, verdicts)
+            tokens.index_copy_(0, index, self._draw(probs, [row.request for row in sampled_rows]))
 
-        if raw_logprobs is None:
-            packed = tokens[:, None]
-        else:
+        # One transfer for everything: ids are exact in float64.
+        parts = [tokens[:, None].double(), accepted[:, None].double()]
+        if raw_logprobs is not None:
             k = max(n or 0 for n in num_top)
-            # One transfer for everything: ids are exact in float64.
-            parts = [tokens[:, None].double(), raw_logprobs.gather(1, tokens[:, None]).double()]
+            parts += [raw_logprobs.gather(1, tokens[:, None]).double(),
+                      raw_logprobs.gather(1, draft_ids.clamp(min=0)[:, None]).double()]
             if k:
                 top = raw_logprobs.topk(k, dim=-1)
                 parts += [top.indices.double(), top.values.double()]
-            packed = torch.cat(parts, dim=1)
+        packed = torch.cat(parts, dim=1)
         if self.device.type == "cpu":
-            return DeviceSample(requests, tokens, packed, num_top, None)
+            return DeviceSample(requests, drafts, tokens, packed, num_top, None)
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return DeviceSample(requests, tokens, host, num_top, ready)
+        return DeviceSample(requests, drafts, tokens, host, num_top, ready)
 
-    def finish(self, sample: DeviceSample) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Wait for a sample's host copy; advance the grammars by its tokens. {request_id: (token, logprobs)}."""
+    def finish(self, sample: DeviceSample) -> dict[str, SampledTokens]:
+        """Wait for a sample's host copy; take each request's accepted drafts and the token after them, and advance
+        the grammars by them."""
         if sample.ready is not None:
             sample.ready.synchronize()
-        rows = sample.host.tolist()
-        k = (len(rows[0]) - 2) // 2 if rows else 0
+        host = sample.host.tolist()
+        k = (len(host[0]) - 4) // 2 if host else 0
         out = {}
-        for req, row, n in zip(sample.requests, rows, sample.num_top):
-            token = int(row[0])
-            lp = None
+        start = 0
+        for req, draft, n in zip(sample.requests, sample.drafts, sample.num_top):
+            rows = host[start:start + len(draft) + 1]
+            start += len(draft) + 1
+            tokens = accepted_tokens(draft, [int(row[0]) for row in rows], [row[1] > 0 for row in rows])
+            lps = None
             if n is not None:
-                pairs = [(int(i), v) for i, v in zip(row[2 : 2 + n], row[2 + k : 2 + k + n])]
-                lp = TokenLogprobs(token, row[1], pairs)
-            out[req.request_id] = (token, lp)
+                lps = []
+                for j, token in enumerate(tokens):
+                    row = rows[j]
+                    pairs = [(int(i), v) for i, v in zip(row[4:4 + n], row[4 + k:4 + k + n])]
+                    lps.append(TokenLogprobs(token, row[2] if j == len(tokens) - 1 else row[3], pairs))
+            out[req.request_id] = SampledTokens(tokens, lps)
         if self.grammar is not None:
-            self.grammar.advance(sample.requests, [out[r.request_id][0] for r in sample.requests])
+            self.grammar.advance(sample.requests, [out[r.request_id].token_ids for r in sample.requests])
         return out
 
     def save_rng(self, requests: list[Request]) -> Callable[[], None]:
@@ -118,30 +173,31 @@ class Sampler:
 
         return restore
 
-    def _adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Logit bias, penalties and min_tokens, in place."""
-        for i, req in enumerate(requests):
+    def _adjust(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Logit bias, penalties and min_tokens, in place; a row's draft tokens before it count as outputs."""
+        for i, row in enumerate(rows):
+            req = row.request
             p = req.params
             if p.logit_bias:
                 ids = self._tensor(list(p.logit_bias.keys()), torch.int64)
                 logits[i].index_add_(0, ids, self._tensor(list(p.logit_bias.values()), torch.float32))
             if p.has_penalties:
-                self._penalize(logits[i], req)
-            if req.num_output_tokens < p.min_tokens and req.stop_token_ids:
+                self._penalize(logits[i], req, row.output_token_ids)
+            if req.num_output_tokens + len(row.drafted) < p.min_tokens and req.stop_token_ids:
                 logits[i].index_fill_(0, self._tensor(sorted(req.stop_token_ids), torch.int64), float("-inf"))
         return logits
 
-    def _penalize(self, row: torch.Tensor, req: Request) -> None:
+    def _penalize(self, row: torch.Tensor, req: Request, outputs: list[int]) -> None:
         p = req.params
         vocab = row.shape[0]
         if p.repetition_penalty != 1.0:
             # HF/CTRL: tokens seen anywhere (prompt or output) are made less likely whatever their sign.
-            seen = self._tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), torch.int64)
+            seen = self._tensor(sorted(set(req.prompt_token_ids) | set(outputs)), torch.int64)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        if outputs and (p.presence_penalty or p.frequency_penalty):
             # OpenAI: only generated tokens count.
-            counts = torch.bincount(self._tensor(req.output_token_ids, torch.int64), minlength=vocab)[:vocab].float()
+            counts = torch.bincount(self._tensor(outputs, torch.int64), minlength=vocab)[:vocab].float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
     def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -180,6 +236,16 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.params.seed is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=self._generator_for(r)).squeeze(0)
+        return out
+
+    def _uniform(self, rows: list[Row], device: torch.device) -> torch.Tensor:
+        """A uniform draw per row, from the generator its token is drawn with; a seeded request draws only for its
+        draft rows, so what it samples never depends on whether others in the batch drafted."""
+        out = torch.rand(len(rows), generator=self.generator, device=device)
+        for i, row in enumerate(rows):
+            if row.request.params.seed is not None:
+                out[i] = (0.0 if row.draft_id == NO_DRAFT else
+                          torch.rand(1, generator=self._generator_for(row.request), device=device)[0])
         return out
 
     def _generator_for(self, req: Request) -> torch.Generator:

@@ -5,35 +5,52 @@ The target scores the context and the k draft tokens in one step, giving its dis
 positions. For a deterministic proposer (prompt lookup, suffix trees: a draft token has probability 1 under the
 proposer) the standard rule (Leviathan et al. 2023; Chen et al. 2023) accepts draft token x with probability p(x);
 at the first rejection it draws the next token from p with x removed and renormalised, and after k acceptances it
-draws one more token from the last position's p. Each output token is then distributed as p itself.
+draws one more token from the last position's p. Each output token is then distributed as p itself. Greedy decoding
+accepts a draft token where it is the argmax.
+
+The device decides every row at once (`draft_acceptance`: each draft row's verdict, and the distribution its
+fallback token is drawn from); the host then takes the accepted prefix (`accepted_tokens`).
 """
 
 from __future__ import annotations
 
 import torch
 
+NO_DRAFT = -1  # the draft id of a row that verifies nothing (a request's last row: its token follows the drafts)
+
+
+def draft_acceptance(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [R, V] (the sampling distribution at each row: temperature, top-k/p and the rest applied), each row's
+    draft id (NO_DRAFT for none) and a uniform draw per row -> whether each row accepts its draft token x (u < p(x)),
+    and the distribution each row's own token is drawn from: p without x (unnormalised), or p where there is no x."""
+    has = draft_ids >= 0
+    ids = draft_ids.clamp(min=0)[:, None]
+    p_x = probs.gather(1, ids)[:, 0]
+    accepted = has & (uniforms < p_x)
+    residual = probs.scatter(1, ids, torch.where(has, torch.zeros_like(p_x), p_x)[:, None])
+    # p(x) = 1 leaves nothing: that row always accepts, and what it would draw is never used.
+    return accepted, torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+
+
+def accepted_tokens(draft: list[int], tokens: list[int], accepted: list[bool]) -> list[int]:
+    """A request's rows -> its draft tokens up to the first rejected one, then that row's own token (the row after
+    the last draft token when all are accepted)."""
+    n = next((j for j, ok in enumerate(accepted[:len(draft)]) if not ok), len(draft))
+    return draft[:n] + [tokens[n]]
+
 
 def verify_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
     """logits [k + 1, V] at the draft's positions -> the draft's prefix that equals the argmax, then the argmax."""
     best = logits.argmax(dim=-1).tolist()
-    n = next((i for i, (x, b) in enumerate(zip(draft, best)) if x != b), len(draft))
-    return draft[:n] + [best[n]]
+    return accepted_tokens(draft, best, [b == x for b, x in zip(best, draft)])
 
 
 def verify_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None = None) -> list[int]:
-    """probs [k + 1, V] (the sampling distribution at each position: temperature, top-k/p and the rest applied) ->
-    the accepted draft prefix and one token drawn as above."""
-    k = len(draft)
-    n = k
-    if k:
-        ids = torch.tensor(draft, device=probs.device)
-        chosen = probs[:k].gather(1, ids[:, None])[:, 0]
-        u = torch.rand(k, generator=generator, device=probs.device)
-        rejected = (u >= chosen).nonzero()
-        n = int(rejected[0]) if len(rejected) else k
-    p = probs[n]
-    if n < k:  # p without the rejected token: what is left of p once the draft's share of it is spent
-        p = p.clone()
-        p[draft[n]] = 0.0
-    token = int(torch.multinomial(p / p.sum(), 1, generator=generator))
-    return draft[:n] + [token]
+    """One request's rows, through the rule the sampler applies to a batch: probs [k + 1, V] -> the accepted draft
+    prefix and the token drawn after it."""
+    ids = torch.tensor(draft + [NO_DRAFT], device=probs.device)
+    uniforms = torch.rand(len(ids), generator=generator, device=probs.device)
+    accepted, residual = draft_acceptance(probs, ids, uniforms)
+    tokens = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    return accepted_tokens(draft, tokens.tolist(), accepted.tolist())

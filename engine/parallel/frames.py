@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from engine.core.config import EngineConfig
+from engine.core.request import SampledTokens, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Batch
 
@@ -54,13 +55,12 @@ class StageBatch(msgspec.Struct, tag=True):
 
 
 class StageResult(msgspec.Struct, tag=True):
-    """Last stage -> driver, per iteration: one sampled token per sampling row, in batch order."""
+    """Last stage -> driver, per iteration: each sampling request's tokens (accepted drafts, then one), in batch order."""
 
     batch_id: int
-    token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen logprob, top pairs) where asked
-    # Per request whose chunk asked for prompt logprobs, one (token, logprob, rank, top pairs) per row.
-    prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = {}
+    sampled: list[SampledTokens]
+    # Per request whose chunk asked for prompt logprobs, one per row.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
 class StageShutdown(msgspec.Struct, tag=True):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from engine.core.config import EngineConfig
 from engine.core.executor import PromptLogprobs, Sampled
-from engine.core.request import Request, TokenLogprobs
+from engine.core.request import Request
 from engine.core.scheduler import Batch
 from engine.parallel.frames import (
     PendingSends,
@@ -161,12 +161,8 @@ class PipelineExecutor:
         batch_id, batch, sampling_ids = self.in_flight.popleft()
         if not isinstance(result, StageResult) or result.batch_id != batch_id:
             raise StageFailedError(f"pipeline out of order: expected batch {batch_id}, got {result!r}")
-        sampled: Sampled = {}
-        for request_id, token, lp in zip(sampling_ids, result.token_ids, result.logprobs):
-            sampled[request_id] = (token, None if lp is None else TokenLogprobs(token, lp[0], [tuple(p) for p in lp[1]]))
-        prompt = {request_id: [TokenLogprobs(t, lp, [tuple(p) for p in top], rank) for t, lp, rank, top in rows]
-                  for request_id, rows in result.prompt_logprobs.items()}
-        return batch, sampled, prompt
+        sampled: Sampled = dict(zip(sampling_ids, result.sampled))
+        return batch, sampled, result.prompt_logprobs
 
     def release(self, request_ids: list[str]) -> None:
         gone = [r for r in request_ids if r in self.known]

@@ -137,17 +137,12 @@ class Stage:
         if not self.samples:
             return  # its logits went into the gather; tensor-parallel rank 0 samples
         sampling = [self.requests[r.request_id] for r in batch.requests if r.sample]
-        sampled = self.sampler(out, sampling)
-        token_ids, logprobs = [], []
-        for req in sampling:
-            token, lp = sampled[req.request_id]
-            req.output_token_ids.append(token)  # the penalties and min_tokens of its next sample see it
-            token_ids.append(token)
-            logprobs.append(None if lp is None else (lp.logprob, lp.top))
+        sampled = self.sampler(out, sampling, [r.draft_token_ids for r in batch.requests if r.sample])
+        for req in sampling:  # the penalties and min_tokens of its next sample see them
+            req.output_token_ids += sampled[req.request_id].token_ids
         prompt = self.runner.prompt_logprobs
-        prompt_logprobs = {} if prompt is None else {
-            request_id: [(t.token_id, t.logprob, t.rank, t.top) for t in rows] for request_id, rows in prompt.finish().items()}
-        send_frame(StageResult(frame.batch_id, token_ids, logprobs, prompt_logprobs), DRIVER, self.pending)
+        send_frame(StageResult(frame.batch_id, [sampled[r.request_id] for r in sampling],
+                               {} if prompt is None else prompt.finish()), DRIVER, self.pending)
 
 
 def _request(state: SamplingState) -> Request:

@@ -8,7 +8,7 @@ import torch
 
 from engine.core.config import EngineConfig, FaultPlan
 from engine.core.executor import PromptLogprobs, Sampled
-from engine.core.request import Failure, Request
+from engine.core.request import Failure, Request, SampledTokens
 from engine.core.scheduler import Batch
 from engine.model.decoder import Decoder, SkippedInit
 from engine.model.families import model_class
@@ -98,32 +98,37 @@ class LocalExecutor:
             failed = {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}
             self.done.append((batch, failed, None))
             return
-        result = self._sample_isolated(logits, sampling)
+        drafts = [r.draft_token_ids for r in batch.requests if r.sample]
+        result = self._sample_isolated(logits, sampling, drafts)
         if isinstance(result, DeviceSample):
-            tokens = result.tokens
+            # A row scheduled ahead reads its request's token, from a step that drafted nothing for it.
+            self.previous = result.tokens, {r.request_id: i for r, i in zip(sampling, result.last_rows)}
         else:  # sampled request by request: the survivors' ids go back to the device
             ids = [result[r.request_id] for r in sampling]
-            tokens = torch.tensor([t[0] if isinstance(t, tuple) else 0 for t in ids], device=self.runner.device)
-        self.previous = tokens, {r.request_id: i for i, r in enumerate(sampling)}
+            tokens = [t.token_ids[-1] if isinstance(t, SampledTokens) else 0 for t in ids]
+            self.previous = torch.tensor(tokens, device=self.runner.device), {r.request_id: i for i, r in enumerate(sampling)}
         self.done.append((batch, result, self.runner.prompt_logprobs))
 
-    def _sample_isolated(self, logits: torch.Tensor, sampling: list[Request]) -> DeviceSample | Sampled:
+    def _sample_isolated(self, logits: torch.Tensor, sampling: list[Request], drafts: list[list[int]]
+                         ) -> DeviceSample | Sampled:
         restore = self.sampler.save_rng(sampling)
         try:
-            return self._sample(logits, sampling)
+            return self._sample(logits, sampling, drafts)
         except Exception:
             # Who raised? Each request samples alone, its generator back where it was; the others get their tokens.
             restore()
             out: Sampled = {}
-            for i, req in enumerate(sampling):
+            start = 0
+            for req, draft in zip(sampling, drafts):
+                rows, start = logits[start:start + len(draft) + 1], start + len(draft) + 1
                 try:
-                    out.update(self.sampler.finish(self._sample(logits[i : i + 1], [req])))
+                    out.update(self.sampler.finish(self._sample(rows, [req], [draft])))
                 except Exception as e:
                     out[req.request_id] = Failure(f"sampling failed: {e!r}")
             return out
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> DeviceSample:
-        sample = self.sampler.sample(logits, sampling)
+    def _sample(self, logits: torch.Tensor, sampling: list[Request], drafts: list[list[int]]) -> DeviceSample:
+        sample = self.sampler.sample(logits, sampling, drafts)
         self.faults.at_sampling([r.prompt_token_ids for r in sampling])  # after the generators moved
         return sample
 

@@ -42,7 +42,7 @@ class StepInputs:
             "query_start_loc": buf(max_seqs + 1, torch.int32),
             "context_lens": buf(max_seqs, torch.int32),
             "block_tables": buf(max_seqs * max_blocks, torch.int32),
-            "logits_indices": buf(max_seqs, torch.int64),
+            "logits_indices": buf(max_tokens, torch.int64),  # a request verifying drafts has a row per draft
             "ahead_rows": buf(max_seqs, torch.int64),
             "ahead_sources": buf(max_seqs, torch.int64),
             "prompt_rows": buf(max_tokens, torch.int64),
@@ -122,7 +122,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, hidden: torch.Tensor | None = None,
             previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor:
-        """Logits [num_sampled, vocab] (float32), in batch order of the requests that sample.
+        """Logits [rows, vocab] (float32): each request that samples has `num_logits_rows`, in batch order.
 
         A pipeline stage takes the previous stage's `hidden` states and, unless it is the last,
         returns its own for the next. `previous` is the batch before's sampled ids on the device and each
@@ -180,8 +180,8 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start + n)
             query_start.append(query_start[-1] + n)
-            if r.sample:
-                logits_indices.append(query_start[-1] - 1)
+            if r.sample:  # its last known token's row, then each draft token's
+                logits_indices += range(query_start[-1] - r.num_logits_rows, query_start[-1])
         max_blocks = max(len(r.block_table) for r in batch.requests)
         tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
 

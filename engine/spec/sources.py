@@ -1,0 +1,39 @@
+"""What the engine asks for a request's drafter: one source per method, named by `--speculative`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.spec.ngram import NgramDrafter
+from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
+
+
+class NgramSource:
+    """Prompt lookup: each request drafts from its own context alone."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def new_drafter(self) -> NgramDrafter:
+        return NgramDrafter(self.min_n, self.max_n)
+
+    def finished(self, output_token_ids: Sequence[int]) -> None:
+        pass
+
+
+class SuffixSource:
+    """Suffix trees: each request's own context, and a tree shared by all over the last `capacity` outputs."""
+
+    def __init__(self, capacity: int = 256, depth: int = 24):
+        self.depth = depth
+        self.shared = SuffixTree(depth)
+        self.recent = RecentOutputs(self.shared, capacity)
+
+    def new_drafter(self) -> SuffixDrafter:
+        return SuffixDrafter(self.shared, self.depth)
+
+    def finished(self, output_token_ids: Sequence[int]) -> None:
+        self.recent.add(output_token_ids)
+
+
+DRAFT_SOURCES = {"ngram": NgramSource, "suffix": SuffixSource}

@@ -1,0 +1,268 @@
+"""Speculative decoding (issue 30): steps that verify draft tokens give exactly the tokens (and logprobs) of steps that
+do not, under every way the scheduler cuts and moves work; sampled tokens keep the target's distribution; rejected
+drafts' K/V never reach the prefix cache; nobody gets more than max_tokens."""
+
+import itertools
+import json
+
+import jsonschema
+import pytest
+import torch
+from conftest import PROMPTS, run_staggered
+
+from engine import LLM, SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.request import Request, SampledTokens
+from engine.core.scheduler import Scheduler
+from engine.core.speculation import Speculation
+from engine.ipc.messages import EngineStats
+from engine.model import sampler as sampler_module
+from engine.model.sampler import Sampler
+from gateway.metrics import Metrics
+from gateway.structured import json_schema_grammar
+
+# Answers that reuse their prompt, so drafts are accepted, beside PROMPTS, whose drafts mostly are not.
+GROUNDED = [
+    "Repeat exactly: the cat sat on the mat, the dog sat on the log, the cat sat on the mat, the dog sat on the log.",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
+    "<|im_start|>user\nCopy this list: apples, pears, plums, apples, pears, plums.<|im_end|>\n<|im_start|>assistant\n",
+]
+ALL = PROMPTS + GROUNDED
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+EXACT = {"block_activations": "float32", "speculative_max_batch": 64}  # float32; drafts at every batch size
+BLOCK = 737_280  # bytes of one KV block of the bundled model in float32
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return LLM(checkpoint=checkpoint, **EXACT)
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    return [o.token_ids for o in reference.generate(ALL, GREEDY)]
+
+
+def accepted(llm: LLM) -> int:
+    return llm.engine.scheduler.speculation.num_accepted
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_tokens_are_the_same_with_staggered_arrivals(checkpoint, expected, method):
+    llm = LLM(checkpoint=checkpoint, speculative=method, **EXACT)
+    ids = [llm.tokenizer.encode(p, add_special_tokens=True) for p in ALL]
+    requests = run_staggered(llm.engine, ids, GREEDY)  # and every KV block is free again
+    assert [r.output_token_ids for r in requests] == expected
+    assert accepted(llm) > 40  # the grounded prompts' drafts were accepted: the test saw speculation
+
+
+@pytest.mark.parametrize("config", [
+    {"kv_cache_memory": 14 * BLOCK, "max_num_seqs": 8},  # preemption
+    {"max_num_batched_tokens": 16},  # chunked prefill, and drafts cut to the token budget
+], ids=["preemption", "chunked-prefill"])
+def test_greedy_tokens_are_the_same_when_the_scheduler_preempts_or_chunks(checkpoint, expected, config):
+    llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT, **config)
+    assert [o.token_ids for o in llm.generate(ALL, GREEDY)] == expected
+    assert accepted(llm) > 40
+    s = llm.engine.scheduler
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+    if "kv_cache_memory" in config:
+        assert s.num_preemptions > 0
+
+
+def test_prefix_cache_reuse_gives_the_same_tokens(checkpoint, reference):
+    """Prompts sharing a long prefix, twice: the second round takes blocks the first one's speculative steps filled."""
+    shared = GROUNDED[0] * 3
+    prompts = [shared + f" Now number {i}:" for i in range(4)]
+    want = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
+    first = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    hits = llm.engine.scheduler.prefix_hit_tokens
+    second = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert first == second == want
+    assert llm.engine.scheduler.prefix_hit_tokens - hits > 4 * 64 and accepted(llm) > 0
+
+
+def test_logprobs_of_accepted_tokens_equal_the_non_speculative_ones(checkpoint, reference):
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=3)
+    want = reference.generate(GROUNDED, params)
+    llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
+    got = llm.generate(GROUNDED, params)
+    assert accepted(llm) > 5
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id and [i for i, _ in x.top] == [i for i, _ in y.top]
+            assert abs(x.logprob - y.logprob) < 1e-4
+            assert max(abs(u - v) for (_, u), (_, v) in zip(x.top, y.top)) < 1e-4
+
+
+def test_the_served_defaults_speculate_to_the_same_greedy_tokens(checkpoint):
+    """int16 activations, as served: each row's sums are its own, so verifying rows changes no answer."""
+    want = [o.token_ids for o in LLM(checkpoint=checkpoint).generate(ALL, GREEDY)]
+    llm = LLM(checkpoint=checkpoint, speculative="suffix", speculative_max_batch=64)
+    assert [o.token_ids for o in llm.generate(ALL, GREEDY)] == want
+    assert accepted(llm) > 40
+
+
+def test_max_tokens_and_stop_tokens_hold_mid_draft(checkpoint, reference, expected):
+    llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
+    i = len(PROMPTS)  # the first grounded prompt: its drafts are long
+    for n in (1, 2, 5, 13):
+        [out] = llm.generate([ALL[i]], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        assert out.token_ids == expected[i][:n] and out.finish_reason == "length"
+    stop = expected[i][20]
+    [out] = llm.generate([ALL[i]], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,)))
+    assert out.token_ids == expected[i][:expected[i].index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_constrained_outputs_validate_and_match(checkpoint, reference):
+    schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 6, "items": {
+        "type": "string", "maxLength": 12}}}, "required": ["items"], "additionalProperties": False}
+    prompt = reference.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "List as JSON: apples, pears, plums, apples, pears, plums."}])
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, grammar=json_schema_grammar(schema))
+    sampled = [SamplingParams(max_tokens=120, temperature=0.8, seed=s, grammar=json_schema_grammar(schema))
+               for s in range(4)]
+    want = reference.generate([prompt], greedy)[0]
+    llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
+    outs = llm.generate([prompt] * 5, [greedy, *sampled])
+    assert outs[0].token_ids == want.token_ids
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    assert llm.engine.scheduler.speculation.num_drafted > 0
+
+
+def test_seeded_sampling_repeats_under_speculation(checkpoint):
+    llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
+    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=s, ignore_eos=True) for s in (1, 1, 2)]
+    a, b, c = llm.generate([GROUNDED[0]] * 3, params)
+    assert a.token_ids == b.token_ids != c.token_ids
+    assert accepted(llm) > 0
+
+
+def test_pipeline_stages_speculate_to_the_same_tokens(expected):
+    with LLM(speculative="ngram", pipeline_stages=2, **EXACT) as llm:
+        assert [o.token_ids for o in llm.generate(ALL, GREEDY)] == expected
+        assert accepted(llm) > 40
+
+
+def test_tensor_parallel_ranks_speculate_to_the_same_tokens():
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 8, 9], [10, 11, 10, 11, 10, 11]]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = LLM(model="dummy:tiny", **EXACT).generate(prompts, params)
+    with LLM(model="dummy:tiny", speculative="ngram", tensor_parallel_size=2, **EXACT) as llm:
+        got = llm.generate(prompts, params)
+        assert accepted(llm) > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# ------------------------------------------------------------------------------------------ the sampler's rule
+
+V, LENGTH, SAMPLES = 4, 3, 20_000
+
+
+def chi_square_p_value(P: torch.Tensor, sampler: Sampler) -> float:
+    """SAMPLES sequences of LENGTH tokens after token 0 of the Markov chain P, through the sampler's batched
+    verification, two drafts a step from a deterministic proposer (prev + 1, prev + 2); P's exact distribution of
+    sequences against their counts."""
+    requests = [Request(f"r{i}", [0], SamplingParams(temperature=1.0)) for i in range(SAMPLES)]
+    while any(r.num_output_tokens < LENGTH for r in requests):
+        live = [r for r in requests if r.num_output_tokens < LENGTH]
+        prev = [(r.output_token_ids or [0])[-1] for r in live]
+        drafts = [[(p + 1) % V, (p + 2) % V] for p in prev]
+        rows = torch.stack([P[torch.tensor([p, *d])] for p, d in zip(prev, drafts)]).flatten(0, 1)
+        for r, out in zip(live, sampler(rows.log(), live, drafts).values()):
+            r.output_token_ids += out.token_ids
+    counts = {}
+    for r in requests:
+        seq = tuple(r.output_token_ids[:LENGTH])
+        counts[seq] = counts.get(seq, 0) + 1
+    stat = 0.0
+    for seq in itertools.product(range(V), repeat=LENGTH):
+        expected = SAMPLES * float(P[0, seq[0]] * P[seq[0], seq[1]] * P[seq[1], seq[2]])
+        stat += (counts.get(seq, 0) - expected) ** 2 / expected
+    df = V**LENGTH - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_the_samplers_verification_keeps_the_targets_distribution(monkeypatch):
+    P = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(1)), dim=-1)
+    assert chi_square_p_value(P, Sampler(seed=7)) > 1e-3
+
+    def keep_the_rejected_token(probs, draft_ids, uniforms):  # a wrong rule: redraw from p itself on rejection
+        has = draft_ids >= 0
+        return has & (uniforms < probs.gather(1, draft_ids.clamp(min=0)[:, None])[:, 0]), probs
+
+    monkeypatch.setattr(sampler_module, "draft_acceptance", keep_the_rejected_token)
+    assert chi_square_p_value(P, Sampler(seed=7)) < 1e-6  # the test has the power to see it
+
+
+# ------------------------------------------------------------------------------------------ the scheduler's side
+
+
+class FixedDrafts:
+    """A draft source proposing `draft` every time."""
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def new_drafter(self):
+        return self
+
+    def propose(self, tokens, k):
+        return self.draft[:k]
+
+    def finished(self, output_token_ids):
+        pass
+
+
+def test_rejected_drafts_are_rolled_back_and_never_named_for_the_prefix_cache():
+    config = EngineConfig(block_size=4, max_num_batched_tokens=64)
+    spec = Speculation(FixedDrafts([50, 51, 52, 53, 54, 55]), max_tokens=6, max_batch=8, min_gain=0.01)
+    s = Scheduler(config, num_blocks=32, max_model_len=64, speculation=spec)
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=9, temperature=0.0))
+    s.add(req)
+    batch = s.schedule()
+    s.update(batch, {"a": SampledTokens([9])})  # prefill: 3 computed, first output
+    batch = s.schedule()
+    [sr] = batch.requests
+    assert sr.token_ids[0] == 9 and sr.num_draft == 6 and sr.draft_token_ids == [50, 51, 52, 53, 54, 55]
+    s.update(batch, {"a": SampledTokens([50, 51, 7])})  # two accepted, the third rejected: 7 in its place
+    assert req.output_token_ids == [9, 50, 51, 7]
+    assert req.num_computed_tokens == 6  # 3 prompt + 9, 50, 51: the rejected drafts' slots are not counted
+    assert len(req.block_names) == 1 and req.num_registered_blocks == 1  # tokens 1 2 3 9 only
+    assert spec.num_drafted == 6 and spec.num_accepted == 2 and spec.drain_accepted_lengths() == [2]
+    # Two tokens left of max_tokens 9 after 4 outputs and at most... the next draft stops short of max_tokens.
+    batch = s.schedule()
+    [sr] = batch.requests
+    assert sr.num_draft == 4  # 9 - 4 outputs - 1: every draft accepted still ends at max_tokens
+    s.update(batch, {"a": SampledTokens([50, 51, 52, 53, 8])})
+    assert req.num_output_tokens == 9 and req.status.finished
+    assert s.kv.num_free_blocks == s.kv.num_blocks and not s.drafting
+
+
+def test_acceptance_estimate_grows_drafts_and_stops_them():
+    spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=16, max_batch=4)
+    req = Request("a", [1, 2], SamplingParams())
+    req.output_token_ids = [3]
+    first = spec.draft(req, 16, 1)
+    assert 0 < len(first) < 16
+    for _ in range(30):
+        spec.verified(req, len(first), len(first))
+    assert len(spec.draft(req, 16, 1)) == 16  # all accepted: as long as allowed
+    assert spec.draft(req, 16, 5) == []  # too many requests decode: none
+    for _ in range(30):
+        spec.verified(req, 4, 0)
+    assert spec.draft(req, 16, 1) == []  # all rejected: it stops drafting
+
+
+def test_metrics_report_drafted_and_accepted_tokens():
+    m = Metrics()
+    m.observe_stats(EngineStats(1, 0, 3, 5, 9, 1, spec_draft_tokens_total=12, spec_accepted_tokens_total=7,
+                                spec_accepted_lengths=[0, 3, 4]))
+    text = m.render().decode()
+    assert "orcinus_spec_decode_draft_tokens 12.0" in text and "orcinus_spec_decode_accepted_tokens 7.0" in text
+    assert 'orcinus_spec_decode_accepted_length_bucket{le="3.0"} 2.0' in text
+    assert "orcinus_spec_decode_accepted_length_count 3.0" in text
