@@ -43,9 +43,19 @@ def resolve_async(config: EngineConfig) -> EngineConfig:
     return config.with_(async_scheduling=mode)
 
 
+def resolve_speculative(config: EngineConfig) -> EngineConfig:
+    """"auto" speculation becomes prompt lookup on the CPU, where benchmarks/speculative.json measured it, and off on
+    a GPU, where nobody has yet, and under --batch-invariant (whether a request drafts depends on the batch's size, and
+    its sampled draws on its drafts)."""
+    if config.speculative != "auto":
+        return config
+    on = torch.device(config.device).type == "cpu" and not config.batch_invariant
+    return config.with_(speculative="ngram" if on else "off")
+
+
 def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineCore:
     """`checkpoint` reuses weights already loaded (e.g. to try several configs on one model)."""
-    config = resolve_async(resolve_device(config))
+    config = resolve_speculative(resolve_async(resolve_device(config)))
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # Stage processes load their own weights: the driver needs only the shape and the tokenizer.

@@ -38,8 +38,9 @@ _ENGINE_FLAGS = {
     "prefix_caching": dict(action=argparse.BooleanOptionalAction,
                            help="reuse the cached K/V of prompt prefixes shared with earlier requests (default: on)"),
     "attention_backend": dict(choices=["auto", "torch", "cpu", "cuda"], help="attention backend: auto|torch|cpu|cuda"),
-    "speculative": dict(choices=["off", "ngram", "suffix"],
-                        help="speculative decoding: draft from prompt lookup (ngram) or suffix trees, verify in one step"),
+    "speculative": dict(choices=["auto", "off", "ngram", "suffix"],
+                        help="speculative decoding: draft from prompt lookup (ngram) or suffix trees, verify in one step "
+                             "(default auto: ngram on the CPU, off on a GPU)"),
     "num_speculative_tokens": dict(type=int, help="most draft tokens per request per step (default 8)"),
     "speculative_max_batch": dict(type=int, help="drafting stops while more requests than this decode (default 4)"),
     "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),

@@ -192,13 +192,15 @@ class Generation:
             self._release(rid)
             self.metrics.finished.labels("length").inc()
             return ChoiceEvent(choice.index, "", [], [], [], "length", prompt)
-        choice.num_tokens += len(delta.token_ids)
-        self.metrics.generation_tokens.inc(len(delta.token_ids))
-
         detok = choice.detok
         first = detok.num_tokens
         text = detok.push(delta.token_ids)
         offsets = detok.token_offsets[first:]
+        # A delta of several tokens (a step that accepted draft tokens) may hold a stop string's end: the detokenizer
+        # stopped there, and the tokens after it are not the choice's.
+        token_ids, logprobs = delta.token_ids[:len(offsets)], (delta.logprobs or [])[:len(offsets)]
+        choice.num_tokens += len(token_ids)
+        self.metrics.generation_tokens.inc(len(token_ids))
         finish = delta.finish_reason
         if detok.stopped and finish is None:
             finish = "stop"
@@ -211,4 +213,4 @@ class Generation:
             self.metrics.e2e.observe(now - choice.started)
             self.metrics.request_prompt_tokens.observe(choice.num_prompt_tokens)
             self.metrics.request_generation_tokens.observe(choice.num_tokens)
-        return ChoiceEvent(choice.index, text, list(delta.token_ids), delta.logprobs or [], offsets, finish, prompt)
+        return ChoiceEvent(choice.index, text, token_ids, logprobs, offsets, finish, prompt)

@@ -55,21 +55,23 @@ def story(rng: random.Random, n: int) -> str:
 
 
 def function(rng: random.Random) -> str:
-    name, a, b = rng.sample(WORDS, 3)
-    k1, k2 = rng.randint(2, 99), rng.randint(2, 99)
-    return (f"def get_{name}({a}, {b}):\n    {name} = {a} * {k1}\n    if {name} > {b}:\n        {name} = {name} - {b}\n"
-            f"    for i in range({k2}):\n        {name} = {name} + i\n    return {name}\n")
+    name, a, b, c = rng.sample(WORDS, 4)
+    k = [rng.randint(2, 99) for _ in range(4)]
+    return (f"def get_{name}({a}, {b}, {c}):\n    {name} = {a} * {k[0]}\n    if {name} > {b}:\n"
+            f"        {name} = {name} - {b}\n    else:\n        {name} = {name} + {c}\n"
+            f"    for i in range({k[1]}):\n        {name} = {name} + i * {k[2]}\n        if {name} > {c}:\n"
+            f"            {name} = {name} % {k[3]}\n    return {name}\n")
 
 
 def grounded(rng: random.Random) -> str:
     kind = rng.randrange(5)
     if kind == 0:
-        return f"Rewrite this text, replacing every day of the week with 'today':\n\n{story(rng, 5)}"
+        return f"Rewrite this text, replacing every day of the week with 'today':\n\n{story(rng, 8)}"
     if kind == 1:
-        return f"Copy these sentences as a numbered list, one per line:\n\n{story(rng, 5)}"
+        return f"Copy these sentences as a numbered list, one per line:\n\n{story(rng, 8)}"
     if kind == 2:
         rows = "\n".join(f"Name: {rng.choice(NAMES)}, Age: {rng.randint(18, 90)}, City: {rng.choice(CITIES)}"
-                         for _ in range(5))
+                         for _ in range(8))
         return f"Convert these records to a JSON list of objects with keys name, age and city:\n\n{rows}"
     if kind == 3:
         return f"Add a docstring to this Python function and return the whole function:\n\n{function(rng)}"
@@ -116,7 +118,8 @@ async def closed_loop(url: str, model: str, workload: str, concurrency: int, sec
             latencies.append(time.perf_counter() - t)
             done += 1
 
-    async with httpx.AsyncClient(timeout=600) as http:
+    # A new connection per request: llama-server may close a kept-alive one just as the next request reuses it.
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
     return {"output_tok_s": sum(tokens) / elapsed, "completed": done, "output_tokens": sum(tokens),

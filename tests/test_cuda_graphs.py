@@ -58,7 +58,9 @@ def test_no_buckets_below_one_token():
 @pytest.fixture(scope="module")
 def engines(checkpoint):
     """An eager engine and one whose runner replays (CPU stand-in) graphs up to 16 tokens, on the same weights."""
-    config = EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280)
+    # One token per request per step: the bucket checks count decode rows.
+    config = EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280,
+                          speculative="off")
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     r = graphed.runner
     r.graphs = CudaGraphRunner(r.model, r.kv_caches, 16, r.scratch_block, torch.device("cpu"), torch.float32)

@@ -134,12 +134,18 @@ def test_constrained_outputs_validate_and_match(checkpoint, reference):
     assert llm.engine.scheduler.speculation.num_drafted > 0
 
 
-def test_seeded_sampling_repeats_under_speculation(checkpoint):
+def test_sampled_requests_speculate_and_seeded_ones_keep_their_tokens(checkpoint, reference):
+    """Unseeded sampling drafts; a seeded request does not (its draws would follow its drafts, which follow the
+    batch), so its tokens are those it gets without speculation, in any batch."""
     llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
-    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=s, ignore_eos=True) for s in (1, 1, 2)]
-    a, b, c = llm.generate([GROUNDED[0]] * 3, params)
-    assert a.token_ids == b.token_ids != c.token_ids
+    llm.generate([GROUNDED[0]] * 2, SamplingParams(max_tokens=40, temperature=0.7, ignore_eos=True))
     assert accepted(llm) > 0
+    drafted = llm.engine.scheduler.speculation.num_drafted
+    seeded = [SamplingParams(max_tokens=40, temperature=0.7, seed=s, ignore_eos=True) for s in (1, 2)]
+    got = llm.generate([GROUNDED[0], GROUNDED[0], GROUNDED[1]], [seeded[0], GREEDY, seeded[1]])
+    want = reference.generate([GROUNDED[0], GROUNDED[1]], seeded)
+    assert [got[0].token_ids, got[2].token_ids] == [w.token_ids for w in want]
+    assert llm.engine.scheduler.speculation.num_drafted > drafted  # the greedy one beside them drafted
 
 
 def test_pipeline_stages_speculate_to_the_same_tokens(expected):
@@ -266,3 +272,18 @@ def test_metrics_report_drafted_and_accepted_tokens():
     assert "orcinus_spec_decode_draft_tokens 12.0" in text and "orcinus_spec_decode_accepted_tokens 7.0" in text
     assert 'orcinus_spec_decode_accepted_length_bucket{le="3.0"} 2.0' in text
     assert "orcinus_spec_decode_accepted_length_count 3.0" in text
+
+
+def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_choice_there(client, model):
+    """Served with the defaults (speculating on the CPU): a delta may carry several tokens; those after the one that
+    completes the stop string are not the choice's, in its text, its logprobs or its usage."""
+    kw = dict(model=model, prompt=GROUNDED[0], max_tokens=40, temperature=0)
+    free = client.completions.create(**kw, logprobs=1)
+    pieces = free.choices[0].logprobs.tokens
+    text = "".join(pieces)
+    stop = text[len(text) // 2:len(text) // 2 + 6]
+    expected = next(k for k in range(1, len(pieces) + 1) if stop in "".join(pieces[:k]))
+    cut = client.completions.create(**kw, logprobs=1, stop=[stop])
+    choice = cut.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == text[:text.index(stop)]
+    assert cut.usage.completion_tokens == expected == len(choice.logprobs.tokens)

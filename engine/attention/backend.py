@@ -19,7 +19,7 @@ import torch
 # A request with at most this many queries (a decode step, or one verifying draft tokens) attends as that many
 # decode queries, each against the keys up to its own position: a paged decode op reads them in place, where a chunk's
 # SDPA would first gather its whole context.
-MAX_DECODE_LIKE_QUERIES = 16
+MAX_DECODE_LIKE_QUERIES = 32
 
 
 @dataclass(frozen=True)

@@ -137,8 +137,9 @@ class EngineConfig:
     prefix_caching: bool = True  # requests reuse the cached K/V of full blocks their prompts share
     attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cpu|cuda
     # speculative decoding without a second model: each step verifies draft tokens from prompt lookup (ngram) or suffix
-    # trees over the context and recent outputs (suffix) beside the one it samples
-    speculative: Literal["off", "ngram", "suffix"] = "off"
+    # trees over the context and recent outputs (suffix) beside the one it samples; auto = ngram on the CPU (what
+    # benchmarks/speculative.json measured best there), off on a GPU (not measured there yet)
+    speculative: Literal["auto", "off", "ngram", "suffix"] = "auto"
     num_speculative_tokens: int = 8  # most draft tokens per request per step (each request drafts as it earns)
     speculative_max_batch: int = 4  # drafting stops while more requests decode: their rows then cost compute
     pipeline_stages: int = 1  # processes the decoder layers are split over; up to this many batches in flight

@@ -213,6 +213,8 @@ class Scheduler:
         never more than its max_tokens, the context window or the step's token budget leave room for."""
         if self.speculation is None or req.request_id in self.in_flight or req.num_output_tokens == 0:
             return []
+        if req.params.seed is not None and not req.params.greedy:
+            return []  # its draws would follow its drafts, which follow the batch: a seed gives the same tokens anywhere
         limit = min(budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
         return self.speculation.draft(req, limit, len(self.running))

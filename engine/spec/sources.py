@@ -11,7 +11,9 @@ from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
 class NgramSource:
     """Prompt lookup: each request drafts from its own context alone."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    # Matches of up to 8 tokens: on copy-heavy answers (benchmarks/speculative.json's grounded workload) 0.82 of the
+    # draft tokens were accepted against 0.78 with n <= 4, in 254 steps against 271.
+    def __init__(self, min_n: int = 2, max_n: int = 8):
         self.min_n, self.max_n = min_n, max_n
 
     def new_drafter(self) -> NgramDrafter:
