@@ -44,7 +44,7 @@ class RequestSpeculation:
 class Speculation:
     """Hands out drafts at schedule time and learns from each step's verification."""
 
-    PRIOR = 0.6  # a new request's acceptance estimate: it drafts a couple of tokens before it knows better
+    PRIOR = 0.8  # a new request's acceptance estimate: it drafts a few tokens before it knows better
     WEIGHT = 0.2  # how much each draft token's outcome moves the estimate
     RECOVERY = 0.05  # how far a request that does not draft moves back toward PRIOR per step
 
