@@ -3,7 +3,8 @@ number of already running peers (llama.cpp's `llama-server`, with and without it
 workloads, closed-loop streaming clients at several concurrencies, rounds interleaved, medians over rounds.
 
 (a) input-grounded: rewrite / extract / convert / code-edit requests whose answers reuse their prompt, greedy;
-(b) open chat: stories, explanations, advice, at temperature 0.7.
+(b) open chat: stories, explanations, advice, at temperature 0.7, unseeded (as chat UIs send them; a seeded sampled
+request does not speculate).
 Every prompt is unique (random names, numbers and identifiers drawn from a seed per round and workload, the same for
 every system): no system's prefix cache or suffix tree sees a prompt, or its answer, twice.
 
@@ -104,8 +105,7 @@ async def closed_loop(url: str, model: str, workload: str, concurrency: int, sec
         nonlocal done
         while time.perf_counter() - start < seconds:
             body = {"model": model, "messages": [{"role": "user", "content": next(prompts)}], "stream": True,
-                    "max_tokens": max_tokens, "temperature": temperature, "seed": rng.randint(0, 2**31),
-                    "stream_options": {"include_usage": True}}
+                    "max_tokens": max_tokens, "temperature": temperature, "stream_options": {"include_usage": True}}
             t = time.perf_counter()
             usage = None
             async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:

@@ -29,7 +29,7 @@ GROUNDED = [
 ]
 ALL = PROMPTS + GROUNDED
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-EXACT = {"block_activations": "float32", "speculative_max_batch": 64}  # float32; drafts at every batch size
+EXACT = {"block_activations": "float32", "speculative_row_cost": 0.01}  # float32; drafts at every batch size
 BLOCK = 737_280  # bytes of one KV block of the bundled model in float32
 
 
@@ -100,7 +100,7 @@ def test_logprobs_of_accepted_tokens_equal_the_non_speculative_ones(checkpoint, 
 def test_the_served_defaults_speculate_to_the_same_greedy_tokens(checkpoint):
     """int16 activations, as served: each row's sums are its own, so verifying rows changes no answer."""
     want = [o.token_ids for o in LLM(checkpoint=checkpoint).generate(ALL, GREEDY)]
-    llm = LLM(checkpoint=checkpoint, speculative="suffix", speculative_max_batch=64)
+    llm = LLM(checkpoint=checkpoint, speculative="suffix", speculative_row_cost=0.01)
     assert [o.token_ids for o in llm.generate(ALL, GREEDY)] == want
     assert accepted(llm) > 40
 
@@ -226,7 +226,7 @@ class FixedDrafts:
 
 def test_rejected_drafts_are_rolled_back_and_never_named_for_the_prefix_cache():
     config = EngineConfig(block_size=4, max_num_batched_tokens=64)
-    spec = Speculation(FixedDrafts([50, 51, 52, 53, 54, 55]), max_tokens=6, max_batch=8, min_gain=0.01)
+    spec = Speculation(FixedDrafts([50, 51, 52, 53, 54, 55]), max_tokens=6, row_cost=0.0)
     s = Scheduler(config, num_blocks=32, max_model_len=64, speculation=spec)
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=9, temperature=0.0))
     s.add(req)
@@ -249,19 +249,22 @@ def test_rejected_drafts_are_rolled_back_and_never_named_for_the_prefix_cache():
     assert s.kv.num_free_blocks == s.kv.num_blocks and not s.drafting
 
 
-def test_acceptance_estimate_grows_drafts_and_stops_them():
-    spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=16, max_batch=4)
+def test_drafts_grow_with_acceptance_and_shrink_as_the_batch_grows():
+    spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=16, row_cost=0.25)
     req = Request("a", [1, 2], SamplingParams())
     req.output_token_ids = [3]
-    first = spec.draft(req, 16, 1)
-    assert 0 < len(first) < 16
+    assert len(spec.draft(req, 16, 1)) == 7  # a new request's estimate 0.8: 0.8 ** 7 >= 0.25 / 1.25 > 0.8 ** 8
+    assert spec.draft(req, 16, 32) == []  # beside 31 others a draft token must be accepted 8 times in 9
     for _ in range(30):
-        spec.verified(req, len(first), len(first))
-    assert len(spec.draft(req, 16, 1)) == 16  # all accepted: as long as allowed
-    assert spec.draft(req, 16, 5) == []  # too many requests decode: none
+        spec.verified(req, 4, 4)
+    assert len(spec.draft(req, 16, 1)) == len(spec.draft(req, 16, 32)) == 16  # always accepted: as long as allowed
+    assert len(spec.draft(req, 3, 1)) == 3  # never past its limit
     for _ in range(30):
         spec.verified(req, 4, 0)
-    assert spec.draft(req, 16, 1) == []  # all rejected: it stops drafting
+    assert spec.draft(req, 16, 1) == []  # always rejected: it stops drafting
+    for _ in range(12):
+        spec.draft(req, 16, 1)
+    assert len(spec.draft(req, 16, 1)) == 1  # and probes again once its estimate has recovered
 
 
 def test_metrics_report_drafted_and_accepted_tokens():

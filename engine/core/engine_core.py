@@ -33,7 +33,7 @@ class EngineCore:
         num_blocks = executor.num_blocks
         # Speculative decoding: `draft_source` (engine/spec) makes each request's drafter, as --speculative names.
         speculation = None if draft_source is None else Speculation(
-            draft_source, config.num_speculative_tokens, config.speculative_max_batch)
+            draft_source, config.num_speculative_tokens, config.speculative_row_cost)
         self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation)
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
         held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
