@@ -2,13 +2,13 @@
 do not, under every way the scheduler cuts and moves work; sampled tokens keep the target's distribution; rejected
 drafts' K/V never reach the prefix cache; nobody gets more than max_tokens."""
 
-import itertools
 import json
 
 import jsonschema
 import pytest
 import torch
 from conftest import PROMPTS, run_staggered
+from test_verification import LENGTH, SAMPLES, V, p_value
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
@@ -166,7 +166,6 @@ def test_tensor_parallel_ranks_speculate_to_the_same_tokens():
 
 # ------------------------------------------------------------------------------------------ the sampler's rule
 
-V, LENGTH, SAMPLES = 4, 3, 20_000
 
 
 def chi_square_p_value(P: torch.Tensor, sampler: Sampler) -> float:
@@ -181,16 +180,7 @@ def chi_square_p_value(P: torch.Tensor, sampler: Sampler) -> float:
         rows = torch.stack([P[torch.tensor([p, *d])] for p, d in zip(prev, drafts)]).flatten(0, 1)
         for r, out in zip(live, sampler(rows.log(), live, drafts).values()):
             r.output_token_ids += out.token_ids
-    counts = {}
-    for r in requests:
-        seq = tuple(r.output_token_ids[:LENGTH])
-        counts[seq] = counts.get(seq, 0) + 1
-    stat = 0.0
-    for seq in itertools.product(range(V), repeat=LENGTH):
-        expected = SAMPLES * float(P[0, seq[0]] * P[seq[0], seq[1]] * P[seq[1], seq[2]])
-        stat += (counts.get(seq, 0) - expected) ** 2 / expected
-    df = V**LENGTH - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+    return p_value(P, [tuple(r.output_token_ids[:LENGTH]) for r in requests])
 
 
 def test_the_samplers_verification_keeps_the_targets_distribution(monkeypatch):

@@ -28,9 +28,13 @@ def speculate(P: torch.Tensor, verify, generator) -> tuple[int, ...]:
 
 def chi_square_p_value(P: torch.Tensor, verify) -> float:
     generator = torch.Generator().manual_seed(7)
+    return p_value(P, [speculate(P, verify, generator) for _ in range(SAMPLES)])
+
+
+def p_value(P: torch.Tensor, sequences: list[tuple[int, ...]]) -> float:
+    """Chi-square test of SAMPLES sequences of LENGTH tokens after token 0 against the chain P's exact distribution."""
     counts = {}
-    for _ in range(SAMPLES):
-        seq = speculate(P, verify, generator)
+    for seq in sequences:
         counts[seq] = counts.get(seq, 0) + 1
     stat = 0.0
     for seq in itertools.product(range(V), repeat=LENGTH):
