@@ -68,10 +68,10 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
 
 
 def grammar_compiler(engine: EngineCore) -> Callable[[str], object] | None:
-    """Grammar text -> a matcher the engine's requests copy (engine/model/grammar.py); None without a tokenizer."""
+    """Grammar text -> a matcher the engine's requests copy (engine/model/sampling/grammar.py); None without a tokenizer."""
     if engine.tokenizer is None:
         return None
-    from engine.model.grammar import GrammarCompiler
+    from engine.model.sampling.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(engine.tokenizer)
     compiler.warm_up()

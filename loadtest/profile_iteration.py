@@ -48,7 +48,8 @@ def phases(engine: EngineCore, steps: int) -> dict[str, float]:
         t1 = time.perf_counter()
         logits = engine.runner.run(batch)
         t2 = time.perf_counter()
-        sampled = engine.executor.sampler(logits, [engine.scheduler.requests[r.request_id] for r in batch.requests])
+        rows = [r for r in batch.requests if r.sample]  # their sampling states were added by the prefill
+        sampled = engine.executor.sampler(logits, [r.request_id for r in rows], [r.draft_token_ids for r in rows])
         t3 = time.perf_counter()
         engine.scheduler.update(batch, sampled)
         t4 = time.perf_counter()

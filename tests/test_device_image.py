@@ -85,7 +85,7 @@ def test_the_walk_sees_module_level_imports_only():
     assert module_level_imports(tree) == {"torch", "llguidance", "os", "msgspec", "regex"}
     # And on the real tree: the imports the GPU path needs at load time are found where they are.
     found = third_party_imports()
-    assert "engine/model/grammar.py" in found["llguidance"] and "gateway/structured.py" in found["llguidance"]
+    assert "engine/model/sampling/grammar.py" in found["llguidance"] and "gateway/structured.py" in found["llguidance"]
     assert "gateway/serving.py" in found["sse-starlette"] and "cupy-cuda13x" not in found  # CuPy loads lazily
 
 

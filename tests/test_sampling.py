@@ -24,6 +24,22 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch(llm):
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_the_sampler_keeps_state_only_for_live_requests(llm):
+    """Generators, outputs and grammar matchers of finished and aborted requests are released."""
+    sampler = llm.engine.executor.sampler
+    llm.generate([PROMPT, "Hello"], [SamplingParams(max_tokens=6, temperature=1.0, seed=3),
+                                     SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=0.5)])
+    assert sampler.states == {}
+    req = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=50, temperature=1.0, seed=5))
+    while req.num_output_tokens < 2:
+        llm.engine.step()
+    assert sampler.states[req.request_id].output_token_ids == req.output_token_ids
+    llm.engine.abort_request(req.request_id)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert sampler.states == {}
+
+
 def test_max_tokens_finishes_with_length(llm):
     [c] = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert c.finish_reason == "length" and len(c.token_ids) == 5
@@ -128,10 +144,10 @@ def distribution(probs: list[float], **params) -> list[float]:
     """The probabilities the sampler draws from, for one request whose model gives `probs`."""
     import torch
 
-    from engine.core.request import Request
-    from engine.model.sampler import Sampler
+    from engine.model.sampling.sampler import Sampler
+    from engine.model.sampling.state import SamplingState
 
-    req = Request("r", [1], SamplingParams(temperature=1.0, **params))
+    req = SamplingState("r", [1], SamplingParams(temperature=1.0, **params), frozenset())
     return Sampler()._probs(torch.tensor([probs]).log(), [req])[0].tolist()
 
 
@@ -160,12 +176,12 @@ def test_top_k_top_p_and_min_p_leave_the_expected_distribution(params, expected)
 def test_temperature_sharpens_and_flattens():
     import torch
 
-    from engine.core.request import Request
-    from engine.model.sampler import Sampler
+    from engine.model.sampling.sampler import Sampler
+    from engine.model.sampling.state import SamplingState
 
     logits = torch.tensor([P]).log()
     for t in (0.5, 2.0):
-        [row] = Sampler()._probs(logits, [Request("r", [1], SamplingParams(temperature=t))]).tolist()
+        [row] = Sampler()._probs(logits, [SamplingState("r", [1], SamplingParams(temperature=t), frozenset())]).tolist()
         expected = [p ** (1 / t) for p in P]
         assert row == pytest.approx([e / sum(expected) for e in expected], abs=1e-6)
 
@@ -174,14 +190,16 @@ def test_draws_follow_the_distribution():
     """20k seeded draws from top_p=0.75 over P: each kept token's frequency within 1.5% of its probability."""
     import torch
 
-    from engine.core.request import Request
-    from engine.model.sampler import Sampler
+    from engine.model.sampling.sampler import Sampler
+    from engine.model.sampling.state import SamplingState
 
     sampler = Sampler(seed=3)
-    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, top_p=0.75)) for i in range(20000)]
-    tokens = sampler(torch.tensor([P] * len(reqs)).log(), reqs)
+    ids = [f"r{i}" for i in range(20000)]
+    for request_id in ids:
+        sampler.add(SamplingState(request_id, [1], SamplingParams(temperature=1.0, top_p=0.75), frozenset()))
+    tokens = sampler(torch.tensor([P] * len(ids)).log(), ids)
     counts = [0] * 4
     for (token,) in (t.token_ids for t in tokens.values()):
         counts[token] += 1
     assert counts[3] == 0
-    assert [c / len(reqs) for c in counts[:3]] == pytest.approx([0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9], abs=0.015)
+    assert [c / len(ids) for c in counts[:3]] == pytest.approx([0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9], abs=0.015)

@@ -16,8 +16,9 @@ from engine.core.request import Request, SampledTokens
 from engine.core.scheduler import Scheduler
 from engine.core.speculation import Speculation
 from engine.ipc.messages import EngineStats
-from engine.model import sampler as sampler_module
-from engine.model.sampler import Sampler
+from engine.model.sampling import sampler as sampler_module
+from engine.model.sampling.sampler import Sampler
+from engine.model.sampling.state import SamplingState
 from gateway.metrics import Metrics
 from gateway.structured import json_schema_grammar
 
@@ -172,14 +173,15 @@ def chi_square_p_value(P: torch.Tensor, sampler: Sampler) -> float:
     """SAMPLES sequences of LENGTH tokens after token 0 of the Markov chain P, through the sampler's batched
     verification, two drafts a step from a deterministic proposer (prev + 1, prev + 2); P's exact distribution of
     sequences against their counts."""
-    requests = [Request(f"r{i}", [0], SamplingParams(temperature=1.0)) for i in range(SAMPLES)]
+    requests = [SamplingState(f"r{i}", [0], SamplingParams(temperature=1.0), frozenset()) for i in range(SAMPLES)]
+    for r in requests:
+        sampler.add(r)
     while any(r.num_output_tokens < LENGTH for r in requests):
         live = [r for r in requests if r.num_output_tokens < LENGTH]
         prev = [(r.output_token_ids or [0])[-1] for r in live]
         drafts = [[(p + 1) % V, (p + 2) % V] for p in prev]
         rows = torch.stack([P[torch.tensor([p, *d])] for p, d in zip(prev, drafts)]).flatten(0, 1)
-        for r, out in zip(live, sampler(rows.log(), live, drafts).values()):
-            r.output_token_ids += out.token_ids
+        sampler(rows.log(), [r.request_id for r in live], drafts)  # each one's outputs grow by its tokens
     return p_value(P, [tuple(r.output_token_ids[:LENGTH]) for r in requests])
 
 

@@ -227,7 +227,7 @@ def test_the_gate_holds_requests_until_their_grammar_compiles_and_gives_each_its
 
     from engine.ipc.grammar_gate import BACKGROUND_NICE, GrammarGate
     from engine.ipc.messages import AddGrammar, AddRequest
-    from engine.model.grammar import GrammarCompiler
+    from engine.model.sampling.grammar import GrammarCompiler
 
     compiler, go, woken = GrammarCompiler(tokenizer), threading.Event(), threading.Event()
     niceness = []
@@ -267,7 +267,7 @@ def test_the_gate_holds_requests_until_their_grammar_compiles_and_gives_each_its
 
 
 def test_requests_sharing_a_grammar_compile_it_once_in_the_sampler(llm, monkeypatch):
-    from engine.model import grammar as grammar_module
+    from engine.model.sampling import grammar as grammar_module
 
     calls = []
     real = grammar_module.GrammarCompiler.compile

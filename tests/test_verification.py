@@ -1,11 +1,11 @@
-"""Speculative verification (engine/model/verification.py): greedy keeps the argmax tokens, and sampling with drafts
+"""Speculative verification (engine/model/sampling/verification.py): greedy keeps the argmax tokens, and sampling with drafts
 keeps the target's distribution, checked by a chi-square test on a model whose distribution is known exactly."""
 
 import itertools
 
 import torch
 
-from engine.model.verification import verify_greedy, verify_sampled
+from engine.model.sampling.verification import verify_greedy, verify_sampled
 
 V, LENGTH, SAMPLES = 4, 3, 20_000
 

@@ -5,14 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from engine.core.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -77,8 +73,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission (usage reports them)
     queue_seconds: float | None = None  # from arrival to its first admission (the queue-time histogram)
-    generator: torch.Generator | None = None  # a seeded request's own RNG, made by the sampler on its device
-    matcher: object | None = None  # a constrained request's llguidance matcher (made by the engine process or the sampler)
+    matcher: object | None = None  # a constrained request's llguidance matcher, compiled by the engine process for its sampler
     speculation: object | None = None  # its drafter and acceptance estimate (core/speculation.py), from its first draft
     num_delivered_tokens: int = 0  # outputs already handed to its caller (the engine process's deltas)
     cache_salt: bytes = b""  # opaque; mixed into its first block's name, so only requests with the same salt share blocks

@@ -36,13 +36,13 @@ class StageReady(msgspec.Struct, tag=True):
     num_blocks: int
 
 
-class SamplingState(msgspec.Struct, array_like=True):
-    """What the last stage needs to sample for a request it has not seen before."""
+class SamplingStart(msgspec.Struct, array_like=True):
+    """What the last stage's sampler needs of a request it has not seen before (engine/model/sampling/state.py)."""
 
     request_id: str
     prompt_token_ids: list[int]  # repetition penalties look at the prompt
     params: SamplingParams
-    eos_token_id: int | None
+    stop_token_ids: list[int]  # what min_tokens masks
 
 
 class StageBatch(msgspec.Struct, tag=True):
@@ -50,7 +50,7 @@ class StageBatch(msgspec.Struct, tag=True):
 
     batch_id: int
     batch: Batch
-    new_requests: list[SamplingState]
+    new_requests: list[SamplingStart]
     released: list[str]
 
 

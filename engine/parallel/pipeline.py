@@ -27,7 +27,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Batch
 from engine.parallel.frames import (
     PendingSends,
-    SamplingState,
+    SamplingStart,
     StageBatch,
     StageReady,
     StageResult,
@@ -137,7 +137,7 @@ class PipelineExecutor:
 
     def submit(self, batch: Batch, sampling: list[Request]) -> None:
         new = [
-            SamplingState(r.request_id, r.prompt_token_ids, r.params, r.eos_token_id)
+            SamplingStart(r.request_id, r.prompt_token_ids, r.params, sorted(r.stop_token_ids))
             for r in sampling if r.request_id not in self.known
         ]
         self.known.update(s.request_id for s in new)

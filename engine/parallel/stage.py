@@ -24,14 +24,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.core.request import Request
 from engine.model.loader import load_checkpoint
-from engine.model.sampler import Sampler
+from engine.model.sampling.sampler import Sampler
+from engine.model.sampling.state import SamplingState
 from engine.model.sharding import TensorShard
 from engine.parallel.frames import (
     ACTIVATION_TAG,
     PendingSends,
-    SamplingState,
     StageBatch,
     StageReady,
     StageResult,
@@ -105,7 +104,6 @@ class Stage:
         self.sampler = Sampler(config.seed, self.runner.device, tokenizer) if self.samples else None
         # Activations go to and come from the same tensor-parallel rank of the next and previous stage.
         self.prev_rank, self.next_rank = self.rank - setup.tp_size, self.rank + setup.tp_size
-        self.requests: dict[str, Request] = {}  # the last stage's copy of what sampling needs per request
         self.pending = PendingSends()
 
     def run(self) -> None:
@@ -118,10 +116,11 @@ class Stage:
             self.step(frame)
 
     def step(self, frame: StageBatch) -> None:
-        for request_id in frame.released:
-            self.requests.pop(request_id, None)
-        for state in frame.new_requests:
-            self.requests[state.request_id] = _request(state)
+        if self.samples:
+            self.sampler.release(frame.released)
+            for new in frame.new_requests:
+                self.sampler.add(SamplingState(new.request_id, new.prompt_token_ids, new.params,
+                                               frozenset(new.stop_token_ids)))
         batch = frame.batch
         hidden = None
         if not self.model.is_first:
@@ -136,17 +135,11 @@ class Stage:
             return
         if not self.samples:
             return  # its logits went into the gather; tensor-parallel rank 0 samples
-        sampling = [self.requests[r.request_id] for r in batch.requests if r.sample]
+        sampling = [r.request_id for r in batch.requests if r.sample]
         sampled = self.sampler(out, sampling, [r.draft_token_ids for r in batch.requests if r.sample])
-        for req in sampling:  # the penalties and min_tokens of its next sample see them
-            req.output_token_ids += sampled[req.request_id].token_ids
         prompt = self.runner.prompt_logprobs
-        send_frame(StageResult(frame.batch_id, [sampled[r.request_id] for r in sampling],
+        send_frame(StageResult(frame.batch_id, [sampled[request_id] for request_id in sampling],
                                {} if prompt is None else prompt.finish()), DRIVER, self.pending)
-
-
-def _request(state: SamplingState) -> Request:
-    return Request(state.request_id, list(state.prompt_token_ids), state.params, 0.0, state.eos_token_id)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -15,7 +15,8 @@ from engine.model.families import model_class
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.quantized import can_use_blocks, use_block_weights
-from engine.model.sampler import DeviceSample, Sampler
+from engine.model.sampling.sampler import DeviceSample, Sampler
+from engine.model.sampling.state import SamplingState
 from engine.model.sharding import TensorShard
 from engine.model.token_ops import Rotary, can_fuse, fuse_token_ops
 from engine.runner.device import DeviceError, block_weights, int16_activations
@@ -88,6 +89,11 @@ class LocalExecutor:
     def submit(self, batch: Batch, sampling: list[Request]) -> None:
         """Run and sample; what raises fails only the requests it can be traced to, and the engine goes on."""
         self.num_submitted += 1
+        for req in sampling:
+            if req.request_id not in self.sampler.states:
+                self.sampler.add(SamplingState(req.request_id, req.prompt_token_ids, req.params, req.stop_token_ids,
+                                               list(req.output_token_ids), matcher=req.matcher))
+        ids = [req.request_id for req in sampling]
         previous, self.previous = self.previous, None
         try:
             self.faults.at_forward(self.num_submitted)
@@ -99,37 +105,36 @@ class LocalExecutor:
             self.done.append((batch, failed, None))
             return
         drafts = [r.draft_token_ids for r in batch.requests if r.sample]
-        result = self._sample_isolated(logits, sampling, drafts)
+        result = self._sample_isolated(logits, ids, drafts)
         if isinstance(result, DeviceSample):
             # A row scheduled ahead reads its request's token, from a step that drafted nothing for it.
-            self.previous = result.tokens, {r.request_id: i for r, i in zip(sampling, result.last_rows)}
+            self.previous = result.tokens, dict(zip(ids, result.last_rows))
         else:  # sampled request by request: the survivors' ids go back to the device
-            ids = [result[r.request_id] for r in sampling]
-            tokens = [t.token_ids[-1] if isinstance(t, SampledTokens) else 0 for t in ids]
-            self.previous = torch.tensor(tokens, device=self.runner.device), {r.request_id: i for i, r in enumerate(sampling)}
+            tokens = [t.token_ids[-1] if isinstance(t, SampledTokens) else 0 for t in (result[i] for i in ids)]
+            self.previous = torch.tensor(tokens, device=self.runner.device), {i: row for row, i in enumerate(ids)}
         self.done.append((batch, result, self.runner.prompt_logprobs))
 
-    def _sample_isolated(self, logits: torch.Tensor, sampling: list[Request], drafts: list[list[int]]
+    def _sample_isolated(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]
                          ) -> DeviceSample | Sampled:
-        restore = self.sampler.save_rng(sampling)
+        restore = self.sampler.save_rng(ids)
         try:
-            return self._sample(logits, sampling, drafts)
+            return self._sample(logits, ids, drafts)
         except Exception:
             # Who raised? Each request samples alone, its generator back where it was; the others get their tokens.
             restore()
             out: Sampled = {}
             start = 0
-            for req, draft in zip(sampling, drafts):
+            for request_id, draft in zip(ids, drafts):
                 rows, start = logits[start:start + len(draft) + 1], start + len(draft) + 1
                 try:
-                    out.update(self.sampler.finish(self._sample(rows, [req], [draft])))
+                    out.update(self.sampler.finish(self._sample(rows, [request_id], [draft])))
                 except Exception as e:
-                    out[req.request_id] = Failure(f"sampling failed: {e!r}")
+                    out[request_id] = Failure(f"sampling failed: {e!r}")
             return out
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request], drafts: list[list[int]]) -> DeviceSample:
-        sample = self.sampler.sample(logits, sampling, drafts)
-        self.faults.at_sampling([r.prompt_token_ids for r in sampling])  # after the generators moved
+    def _sample(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]) -> DeviceSample:
+        sample = self.sampler.sample(logits, ids, drafts)
+        self.faults.at_sampling([r.prompt_token_ids for r in sample.requests])  # after the generators moved
         return sample
 
     def collect(self) -> tuple[Batch, Sampled, PromptLogprobs]:
@@ -138,7 +143,7 @@ class LocalExecutor:
         return batch, sampled, prompt.finish() if prompt is not None else {}
 
     def release(self, request_ids: list[str]) -> None:
-        pass  # the sampler keeps nothing per request here: it reads the scheduler's own Request objects
+        self.sampler.release(request_ids)
 
     def describe(self) -> str:
         return self.runner.describe()

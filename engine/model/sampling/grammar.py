@@ -15,7 +15,7 @@ from collections import OrderedDict
 import llguidance
 import torch
 
-from engine.core.request import Request
+from engine.model.sampling.state import SamplingState
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -70,7 +70,7 @@ class GrammarMasks:
         self._compiler = GrammarCompiler(tokenizer)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> matcher in start state
 
-    def _matcher(self, req: Request) -> llguidance.LLMatcher:
+    def _matcher(self, req: SamplingState) -> llguidance.LLMatcher:
         if req.matcher is None:
             grammar = req.params.grammar
             start = self._compiled.pop(grammar, None) or self._compiler.compile(grammar)
@@ -78,13 +78,13 @@ class GrammarMasks:
             while len(self._compiled) > self.KEPT_GRAMMARS:
                 self._compiled.popitem(last=False)
             req.matcher = start.deep_copy()
-            # After a preemption the outputs so far come back as prompt: the new matcher catches up on them.
+            # Outputs it had before it was added (sampled elsewhere), the new matcher catches up on.
             req.matcher.consume_tokens(req.output_token_ids)
         return req.matcher
 
     def apply(self, logits: torch.Tensor, rows: list) -> None:
         """Set the logits of tokens each constrained request may not take next to -inf, in place. `rows` are the
-        sampler's (engine/model/sampler.py): a row after draft tokens is masked as the grammar stands after them."""
+        sampler's (engine/model/sampling/sampler.py): a row after draft tokens is masked as the grammar stands after them."""
         rows = [(i, row) for i, row in enumerate(rows) if row.request.params.grammar is not None]
         if not rows:
             return
@@ -112,7 +112,7 @@ class GrammarMasks:
         index = torch.tensor([i for i, _ in rows], device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
 
-    def advance(self, requests: list[Request], tokens: list[list[int]]) -> None:
+    def advance(self, requests: list[SamplingState], tokens: list[list[int]]) -> None:
         for req, ids in zip(requests, tokens):
             for token in ids:
                 if req.params.grammar is None or req.matcher is None or req.matcher.is_stopped():

@@ -3,10 +3,11 @@ the verdicts on draft tokens (speculative decoding).
 
 A request with d draft tokens has d + 1 rows of logits: row j is the next token's distribution after its context and
 the first j draft tokens, and is adjusted as if those j were already its outputs (penalties, min_tokens, grammar).
-Sampling stays on the logits' device. `sample` returns the ids there (where the next step's input can read
+Sampling stays on the logits' device, and so does what it keeps per request (engine/model/sampling/state.py):
+a request is added before its first sample and released when it is gone. `sample` returns the ids there (where the next step's input can read
 them) and starts one asynchronous copy to the host: each row's id and verdict, with the logprobs packed next to
 them when any request asked for them. `finish` waits for that copy, so the host syncs with the device only there,
-and takes each request's accepted drafts and the token after them (engine/model/verification.py).
+and takes each request's accepted drafts and the token after them (engine/model/sampling/verification.py).
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.request import Request, SampledTokens, TokenLogprobs
-from engine.model.grammar import GrammarMasks
-from engine.model.verification import NO_DRAFT, accepted_tokens, draft_acceptance
+from engine.core.request import SampledTokens, TokenLogprobs
+from engine.model.sampling.grammar import GrammarMasks
+from engine.model.sampling.state import SamplingState
+from engine.model.sampling.verification import NO_DRAFT, accepted_tokens, draft_acceptance
 
 
 @dataclass(frozen=True)
 class Row:
     """One row of logits: its request, and the draft tokens before it (taken as outputs when adjusting it)."""
 
-    request: Request
+    request: SamplingState
     drafted: list[int]
     draft_id: int  # the draft token this row verifies, NO_DRAFT on a request's last row
 
@@ -34,7 +36,7 @@ class Row:
         return self.request.output_token_ids + self.drafted if self.drafted else self.request.output_token_ids
 
 
-def rows_of(requests: list[Request], drafts: list[list[int]] | None) -> list[Row]:
+def rows_of(requests: list[SamplingState], drafts: list[list[int]] | None) -> list[Row]:
     rows = []
     for i, req in enumerate(requests):
         draft = drafts[i] if drafts else []
@@ -46,7 +48,7 @@ def rows_of(requests: list[Request], drafts: list[list[int]] | None) -> list[Row
 class DeviceSample:
     """One batch's sampled ids on the device, and their copy on its way to the host."""
 
-    requests: list[Request]
+    requests: list[SamplingState]
     drafts: list[list[int]]  # each request's draft tokens (rows: one per draft token, then one)
     tokens: torch.Tensor  # [R] int64 on the sampling device: each row's own token
     host: torch.Tensor  # [R, 2] ids and verdicts, or [R, 4 + 2k]: then the row's and its draft's logprobs, top-k
@@ -70,6 +72,16 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for requests without their own seed
         self.grammar = GrammarMasks(tokenizer) if tokenizer is not None else None  # no tokenizer: no grammars
+        self.states: dict[str, SamplingState] = {}  # by request id: the requests added and not yet released
+
+    def add(self, state: SamplingState) -> None:
+        """A request to sample for from now on."""
+        self.states[state.request_id] = state
+
+    def release(self, request_ids: list[str]) -> None:
+        """These requests are gone (a batch already sampled for them still finishes)."""
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
 
     def _tensor(self, values, dtype=None) -> torch.Tensor:
         """A small host list on the sampling device without a sync: pinned memory, asynchronous copy."""
@@ -78,15 +90,16 @@ class Sampler:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
+    def __call__(self, logits: torch.Tensor, request_ids: list[str],
                  drafts: list[list[int]] | None = None) -> dict[str, SampledTokens]:
         """Sample and wait for the result."""
-        return self.finish(self.sample(logits, requests, drafts))
+        return self.finish(self.sample(logits, request_ids, drafts))
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]] | None = None
+    def sample(self, logits: torch.Tensor, request_ids: list[str], drafts: list[list[int]] | None = None
                ) -> DeviceSample:
         """Each request's tokens, left on the device; their host copy is started, not awaited. `logits` has a row
         per request, or with `drafts` (each request's draft tokens) one per draft token and one more."""
+        requests = [self.states[request_id] for request_id in request_ids]
         drafts = drafts or [[] for _ in requests]
         rows = rows_of(requests, drafts)
         logits = logits.float()
@@ -132,7 +145,7 @@ class Sampler:
 
     def finish(self, sample: DeviceSample) -> dict[str, SampledTokens]:
         """Wait for a sample's host copy; take each request's accepted drafts and the token after them, and advance
-        the grammars by them."""
+        its outputs and grammar by them."""
         if sample.ready is not None:
             sample.ready.synchronize()
         host = sample.host.tolist()
@@ -153,11 +166,14 @@ class Sampler:
             out[req.request_id] = SampledTokens(tokens, lps)
         if self.grammar is not None:
             self.grammar.advance(sample.requests, [out[r.request_id].token_ids for r in sample.requests])
+        for req in sample.requests:  # the penalties, min_tokens and draft rows of its next step see them
+            req.output_token_ids += out[req.request_id].token_ids
         return out
 
-    def save_rng(self, requests: list[Request]) -> Callable[[], None]:
+    def save_rng(self, request_ids: list[str]) -> Callable[[], None]:
         """A function that puts every generator these requests sample with back where it is now, so a batch that
         failed part-way can be sampled again request by request without drawing twice."""
+        requests = [self.states[request_id] for request_id in request_ids]
         if all(r.params.greedy for r in requests):
             return lambda: None
         shared = self.generator.get_state()
@@ -187,7 +203,7 @@ class Sampler:
                 logits[i].index_fill_(0, self._tensor(sorted(req.stop_token_ids), torch.int64), float("-inf"))
         return logits
 
-    def _penalize(self, row: torch.Tensor, req: Request, outputs: list[int]) -> None:
+    def _penalize(self, row: torch.Tensor, req: SamplingState, outputs: list[int]) -> None:
         p = req.params
         vocab = row.shape[0]
         if p.repetition_penalty != 1.0:
@@ -200,7 +216,7 @@ class Sampler:
             counts = torch.bincount(self._tensor(outputs, torch.int64), minlength=vocab)[:vocab].float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
-    def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
         logits = logits / self._tensor([r.params.temperature for r in requests], torch.float32).unsqueeze(1)
         top_ks = [r.params.top_k for r in requests]
         top_ps = [r.params.top_p for r in requests]
@@ -227,7 +243,7 @@ class Sampler:
         greedy = torch.zeros_like(probs).scatter_(1, logits.nan_to_num(nan=float("-inf")).argmax(-1, keepdim=True), 1.0)
         return torch.where(unusable, greedy, probs)
 
-    def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
         out = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
         shared = [i for i, r in enumerate(requests) if r.params.seed is None]
         if shared:
@@ -248,7 +264,7 @@ class Sampler:
                           torch.rand(1, generator=self._generator_for(row.request), device=device)[0])
         return out
 
-    def _generator_for(self, req: Request) -> torch.Generator:
+    def _generator_for(self, req: SamplingState) -> torch.Generator:
         """A seeded request's own RNG, made on the sampling device the first time it samples."""
         if req.generator is None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
