@@ -38,12 +38,17 @@ class LLM:
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: list[int] | None = None,
     ) -> list[Completion]:
+        """`priority`: one per prompt, lower admitted first under the `priority` scheduling policy (vLLM's)."""
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("give one priority per prompt")
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         requests = [
-            self.engine.add_request(self._ids(p), sp) for p, sp in zip(prompts, params_list)
+            self.engine.add_request(self._ids(p), sp, priority=priority[i] if priority else 0)
+            for i, (p, sp) in enumerate(zip(prompts, params_list))
         ]
         with tqdm(total=len(requests), disable=not use_tqdm, desc="generating") as bar:
             while self.engine.has_unfinished():

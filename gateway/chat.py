@@ -50,7 +50,7 @@ async def start_chat(req: ChatCompletionRequest, request: Request, state: Server
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
     salt = state.cache_salt(request, req.cache_salt)
-    gen = state.generation([prompt], params, req.n, req.stop_strings, salt)
+    gen = state.generation([prompt], params, req.n, req.stop_strings, salt, req.priority)
     # OpenAI's default: several calls may come
     return ChatRun(gen, plan, req.parallel_tool_calls is not False, params.logprobs)
 

@@ -32,6 +32,9 @@ _ENGINE_FLAGS = {
     "max_num_batched_tokens": dict(type=int, help="per-iteration token budget (default: 2048 on a GPU, 512 on the CPU)"),
     "max_model_len": dict(type=int, help="context window cap"),
     "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
+    "scheduling_policy": dict(choices=["fcfs", "priority"],
+                              help="who is admitted first: arrival order (default), or the requests' `priority` field "
+                                   "(lower first)"),
     "async_scheduling": dict(choices=["auto", "on", "off"],
                              help="schedule the next step while the device runs this one (default: on for one GPU)"),
     "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),

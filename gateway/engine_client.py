@@ -150,13 +150,15 @@ class EngineClient:
     # ---------------------------------------------------------------- requests
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  queue: asyncio.Queue, cache_salt: bytes = b"", grammar_id: str | None = None) -> None:
+                  queue: asyncio.Queue, cache_salt: bytes = b"", grammar_id: str | None = None,
+                  priority: int = 0) -> None:
         """Route `request_id`'s deltas (TokenDelta, or an exception) into `queue`, then submit it."""
         if not self.healthy:
             raise EngineUnavailableError("the engine is not available")
         self.routes[request_id] = queue
         try:
-            await self._send(self.engine, AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id))
+            msg = AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id, priority)
+            await self._send(self.engine, msg)
         except BaseException:
             self.routes.pop(request_id, None)
             raise

@@ -97,6 +97,8 @@ class _SamplingFields(Struct, kw_only=True):
     response_format: ResponseFormat | None = None  # constrain the output to JSON (a schema's, or any object)
     # vLLM's: only requests with the same salt (and API key) share cached prompt prefixes; make it random and secret
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    # vLLM's: under `--scheduling-policy priority` lower is admitted first; ignored under fcfs
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
 
     @property
     def stop_strings(self) -> list[str]:

@@ -109,10 +109,11 @@ class ServerState:
         return self.salts.salt(request.scope.get("state", {}).get(TENANT), cache_salt)
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
-                   cache_salt: bytes = b"") -> Generation:
+                   cache_salt: bytes = b"", priority: int = 0) -> Generation:
         """Admit the request's sequences (429 past the queue's bound); the caller must `close()` the Generation."""
         ticket = self.admission.admit(len(prompts) * n, n * sum(map(len, prompts)))
-        gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, cache_salt)
+        gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, cache_salt,
+                         priority)
         self.live.add(gen)
         return gen
 

@@ -83,6 +83,8 @@ CASES = [
     ("logit_bias value 1000", "POST", CHAT, {**M, "logit_bias": {"5": 1000}}, 400, INVALID, "logit_bias", None),
     ("stop_token_ids >= vocab", "POST", CMPL, {**P, "stop_token_ids": [VOCAB]}, 400, INVALID, "stop_token_ids",
      None),
+    ("priority not an int", "POST", CHAT, {**M, "priority": "high"}, 400, INVALID, "priority", None),
+    ("priority past int32", "POST", CMPL, {**P, "priority": 2**31}, 400, INVALID, "priority", None),
     # unsupported
     ("best_of 2", "POST", CMPL, {**P, "best_of": 2}, 400, INVALID, "best_of", None),
     ("suffix", "POST", CMPL, {**P, "suffix": "x"}, 400, INVALID, "suffix", None),
@@ -176,8 +178,8 @@ def test_good_requests_still_succeed_after_the_bad_ones(http):
     assert http.get("/health").status_code == 200
 
 
-def test_large_but_valid_top_k_and_seed_work(http):
-    r = http.post(CMPL, json={**P, "top_k": 10**6, "seed": 2**63 - 1, "n": 2, "temperature": 0.7})
+def test_large_but_valid_top_k_seed_and_priority_work(http):
+    r = http.post(CMPL, json={**P, "top_k": 10**6, "seed": 2**63 - 1, "n": 2, "temperature": 0.7, "priority": -5})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
 

@@ -100,6 +100,30 @@ def test_fcfs_under_block_pressure_no_overtaking():
     assert step(s) == {"big": 16, "small": 2}
 
 
+def test_priority_policy_admits_lower_first_and_arrival_order_among_equals():
+    s = make(num_blocks=6, scheduling_policy="priority")
+    s.add(req("a", prompt_len=12, max_tokens=4))  # 3 blocks: alone, it is admitted at once
+    step(s)
+    for rid, priority in [("late", 5), ("first", -1), ("second", 0), ("third", 0)]:
+        r = req(rid, prompt_len=4, max_tokens=2)
+        r.priority = priority
+        s.add(r)
+    assert [r.request_id for r in s.waiting] == ["first", "second", "third", "late"]
+
+
+def test_priority_policy_preempts_the_highest_priority_value_not_the_newest():
+    s = make(num_blocks=4, scheduling_policy="priority")
+    low, high = req("low", prompt_len=4, max_tokens=8), req("high", prompt_len=4, max_tokens=8)
+    low.priority, high.priority = 3, 0
+    s.add(low)
+    s.add(high)  # admitted after low: under FCFS it would be the one to go
+    assert step(s) == {"high": 4, "low": 4}
+    for _ in range(4):
+        step(s)  # tokens 5..8 fill the two blocks each holds; the pool is empty
+    assert step(s) == {"high": 1}  # token 9 needs a block: low gives up its own
+    assert low.status == RequestStatus.WAITING and low.num_preemptions == 1 and high.num_preemptions == 0
+
+
 def test_preempts_newest_when_blocks_run_out_and_recomputes_it():
     s = make(num_blocks=4)
     old, new = req("old", prompt_len=4, max_tokens=8), req("new", prompt_len=4, max_tokens=8)

@@ -130,6 +130,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # context cap; None = the model's own window
     scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
+    # who is admitted first: arrival order (Orca), or the requests' `priority` field (lower first, vLLM's)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # schedule step N+1 while the device runs step N, its sampled ids feeding N+1 on the device;
     # auto = on for one GPU process, off on the CPU (where nothing would overlap) and with stages or ranks
     async_scheduling: Literal["auto", "on", "off"] = "auto"

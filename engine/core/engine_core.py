@@ -55,17 +55,17 @@ class EngineCore:
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        cache_salt: bytes = b"",
+        cache_salt: bytes = b"", priority: int = 0,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError for one that can never run. Only requests with
-        the same `cache_salt` share prefix-cache blocks."""
+        the same `cache_salt` share prefix-cache blocks; `priority` orders admission under the priority policy."""
         self.limits.check(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         # An id whose batch is still in flight is taken too: that batch's tokens must not reach a newcomer.
         if request_id in self.scheduler.requests or request_id in self.scheduler.in_flight:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, priority=priority)
         self.scheduler.add(req)
         return req
 

@@ -57,6 +57,8 @@ class Request:
     params: SamplingParams
     arrival_time: float = 0.0
     eos_token_id: int | None = None  # None when the caller asked to ignore eos
+    priority: int = 0  # lower is admitted first under the `priority` scheduling policy
+    arrival_order: int = 0  # its place among the scheduler's arrivals (numbered as they are added)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 
 import msgspec
 
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
+from engine.core.queue_policy import QUEUE_POLICIES, WaitingQueue
 from engine.core.request import Failure, Request, RequestStatus, SampledTokens, TokenLogprobs
 from engine.core.speculation import Speculation
 
@@ -80,7 +81,8 @@ ADMISSION_POLICIES = {"iteration": IterationLevel, "request": RequestLevel}
 
 
 class Scheduler:
-    """FCFS over a waiting queue; running requests first; preempts the newest when blocks run out."""
+    """Running requests first, then the waiting queue in the policy's order (engine/core/queue_policy.py);
+    preempts the newest of the policy's highest rank when blocks run out."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, kv_window: int | None = None,
                  speculation: Speculation | None = None):
@@ -89,7 +91,8 @@ class Scheduler:
         self.kv_window = kv_window  # every layer's sliding window: blocks before it go back as requests move on
         self.kv = KVCacheManager(num_blocks, config.block_size, config.kv_policy, config.prefix_caching)
         self.admission = ADMISSION_POLICIES[config.scheduling]()
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(QUEUE_POLICIES[config.scheduling_policy])
+        self.num_arrived = 0
         self.running: list[Request] = []  # in admission order: oldest first
         self.requests: dict[str, Request] = {}
         # Batches submitted but not yet updated, per request id: at most one (Orca), or two when a request is
@@ -117,7 +120,9 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        req.arrival_order = self.num_arrived
+        self.num_arrived += 1
+        self.waiting.add(req)
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request wherever it is and free its blocks; call between iterations.
@@ -157,7 +162,7 @@ class Scheduler:
             if draft and not self.kv.allocate(req, num_new + len(draft)):
                 draft = []  # no blocks for them: drafts never preempt anybody
             while not self.kv.allocate(req, num_new):
-                victim = self._preempt_newest()
+                victim = self._preempt(i)
                 if victim is None:  # every newer request is in flight: wait for one to come back
                     i += 1
                     break
@@ -175,7 +180,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
             and self.admission.may_admit(num_running_at_start, budget)
         ):
-            req = self.waiting[0]
+            req = self.waiting.first
             req.num_computed_tokens = 0 if req.needs_prompt_logprobs else self.kv.take_cached_prefix(req)
             # A running request may be computing the next block of this prompt (a sibling choice of an n > 1
             # request, a shared system prompt): then wait an iteration or two and take it from the cache.
@@ -185,13 +190,13 @@ class Scheduler:
             if waits or not self.kv.allocate(req, num_new):
                 self.kv.free(req)  # the prefix it took stays cached for its next try
                 req.num_computed_tokens = 0
-                break  # FCFS: nobody overtakes a request that waits or does not fit
+                break  # in the policy's order: nobody overtakes a request that waits or does not fit
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += req.num_computed_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 req.queue_seconds = time.monotonic() - req.arrival_time
-            self.waiting.popleft()
+            self.waiting.pop_first()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             pending.update(req.block_names[req.num_registered_blocks:])
@@ -262,19 +267,22 @@ class Scheduler:
         req.num_prompt_logprob_rows = hi
         return PromptLogprobRows(lo - start, req.prompt_token_ids[lo + 1:hi + 1], req.params.prompt_logprobs)
 
-    def _preempt_newest(self) -> Request | None:
+    def _preempt(self, start: int) -> Request | None:
+        """Free the blocks of a running request from `start` on (those before it are in this batch already)."""
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
         # One in a batch still in flight is left alone: its tokens are being computed into those blocks.
-        victim = next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
-        if victim is None:
+        candidates = [(self.waiting.policy.rank(r), i) for i, r in enumerate(self.running)
+                      if i >= start and r.request_id not in self.in_flight]
+        if not candidates:
             return None
+        victim = self.running[max(candidates)[1]]
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.add(victim)  # in front of everyone who arrived after it (FCFS)
         return victim
 
     def update(

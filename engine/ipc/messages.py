@@ -32,6 +32,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams  # `grammar` unset when `grammar_id` names one
     cache_salt: bytes = b""  # opaque to the engine (the gateway derives it from the API key and `cache_salt`)
     grammar_id: str | None = None  # an AddGrammar sent before: the request waits until it has compiled
+    priority: int = 0  # lower is admitted first under the `priority` scheduling policy
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

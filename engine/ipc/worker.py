@@ -123,7 +123,7 @@ class EngineWorker:
     def add(self, msg: AddRequest, params: SamplingParams):
         """Queue a request in the engine; None (and a RequestError to the gateway) if it is invalid."""
         try:
-            req = self.engine.add_request(msg.prompt_token_ids, params, msg.request_id, msg.cache_salt)
+            req = self.engine.add_request(msg.prompt_token_ids, params, msg.request_id, msg.cache_salt, msg.priority)
         except InvalidRequestError as e:
             self.outbox.send(RequestError(msg.request_id, str(e), e.param))
             return None
