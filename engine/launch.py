@@ -9,6 +9,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
+from engine.model.length_predictor import RidgeLengthPredictor
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.sharding import check_splittable
 from engine.runner.device import resolve_device
@@ -64,7 +65,11 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
     executor = make_executor(config, ckpt, max_model_len)
     draft_source = None if config.speculative == "off" else DRAFT_SOURCES[config.speculative]()
-    return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source)
+    predictor = None
+    if config.scheduling_policy == "predicted":
+        predictor = RidgeLengthPredictor(ckpt.shape.hidden_size, config.length_predictor)
+    return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source,
+                      predictor)
 
 
 def grammar_compiler(engine: EngineCore) -> Callable[[str], object] | None:

@@ -32,9 +32,12 @@ _ENGINE_FLAGS = {
     "max_num_batched_tokens": dict(type=int, help="per-iteration token budget (default: 2048 on a GPU, 512 on the CPU)"),
     "max_model_len": dict(type=int, help="context window cap"),
     "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
-    "scheduling_policy": dict(choices=["fcfs", "priority"],
-                              help="who is admitted first: arrival order (default), or the requests' `priority` field "
-                                   "(lower first)"),
+    "scheduling_policy": dict(choices=["fcfs", "priority", "predicted", "oracle"],
+                              help="who runs first: arrival order (default), the requests' `priority` field (lower "
+                                   "first), or the shortest remaining output predicted from the model's hidden state "
+                                   "(oracle: `priority` carries the real length, a benchmark's ceiling)"),
+    "length_predictor": dict(metavar="PATH", help="--scheduling-policy predicted: the file its length predictor starts "
+                                                  "from and saves to as it learns (default: start afresh)"),
     "async_scheduling": dict(choices=["auto", "on", "off"],
                              help="schedule the next step while the device runs this one (default: on for one GPU)"),
     "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),

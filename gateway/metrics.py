@@ -10,6 +10,7 @@ from engine.ipc.messages import EngineStats
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+_RATIO_BUCKETS = (0.125, 0.25, 0.5, 0.8, 1.25, 2.0, 4.0, 8.0)  # predicted over real: 1 is exact
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -79,6 +80,13 @@ class Metrics:
         self.spec_accepted_length = Histogram("orcinus_spec_decode_accepted_length",
                                               "Draft tokens accepted per request per step that drafted", registry=r,
                                               buckets=_DRAFT_BUCKETS)
+        self.length_prediction = Histogram("orcinus_length_prediction_ratio",
+                                           "A finished request's output length predicted from its prompt over its "
+                                           "real length (--scheduling-policy predicted)", registry=r,
+                                           buckets=_RATIO_BUCKETS)
+        self.queue_time_by_pool = Histogram("orcinus_request_queue_time_by_pool_seconds",
+                                            "Time waiting for admission, by predicted length (short: < 64 tokens)",
+                                            ["pool"], registry=r, buckets=_LATENCY_BUCKETS)
 
     def observe_stats(self, s: EngineStats) -> None:
         self.running.set(s.num_running)
@@ -100,6 +108,9 @@ class Metrics:
         self.spec_accepted.set(s.spec_accepted_tokens_total)
         for n in s.spec_accepted_lengths:
             self.spec_accepted_length.observe(n)
+        for ratio, pool, queue_seconds in s.length_outcomes:
+            self.length_prediction.observe(ratio)
+            self.queue_time_by_pool.labels(pool).observe(queue_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

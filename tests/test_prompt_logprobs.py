@@ -163,7 +163,7 @@ def test_each_prompt_position_is_asked_of_exactly_one_chunk_across_chunks_and_a_
         asked += [(start + rows.first_row + i, t) for i, t in enumerate(rows.targets)]
     assert asked == [(p, 100 + p + 1) for p in range(10)]
     assert [t.token_id for t in req.prompt_logprobs] == list(range(101, 111))
-    s._preempt(0)  # computed again from position 0 (not from the prefix cache): positions 0..9 asked already
+    s._preempt(set())  # computed again from position 0 (not from the prefix cache): positions 0..9 asked already
     assert [step() for _ in range(2)] == [(0, None), (5, None)]
     assert step() == (10, PromptLogprobRows(0, [111], 1))
     assert [t.token_id for t in req.prompt_logprobs] == list(range(101, 112))

@@ -7,6 +7,7 @@ import time
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
+from engine.core.queue_policy import LengthPredictor
 from engine.core.request import Request
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
@@ -22,7 +23,7 @@ class EngineCore:
 
     def __init__(
         self, config: EngineConfig, executor: Executor, model_name: str, shape: ModelShape, tokenizer, max_model_len: int,
-        draft_source: DraftSource | None = None,
+        draft_source: DraftSource | None = None, predictor: LengthPredictor | None = None,
     ):
         self.config = config
         self.executor = executor
@@ -34,7 +35,9 @@ class EngineCore:
         # Speculative decoding: `draft_source` (engine/spec) makes each request's drafter, as --speculative names.
         speculation = None if draft_source is None else Speculation(
             draft_source, config.num_speculative_tokens, config.speculative_row_cost)
-        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation)
+        # Length-aware scheduling: `predictor` (engine/model/length_predictor.py) for the `predicted` policy.
+        self.predictor = predictor
+        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, predictor)
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
         held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
         self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size, held)
@@ -98,5 +101,7 @@ class EngineCore:
         return updated
 
     def close(self) -> None:
-        """Stop the executor's processes, if it has any."""
+        """Stop the executor's processes, if it has any; keep what the length predictor learnt."""
+        if self.predictor is not None:
+            self.predictor.save()
         self.executor.close()

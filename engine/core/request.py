@@ -46,6 +46,7 @@ class SampledTokens(msgspec.Struct, array_like=True):
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one per token, where the request asked for logprobs
+    hidden: list[float] | None = None  # the final hidden state at its last known token, where the step probed it
 
 
 @dataclass(eq=False)
@@ -59,6 +60,10 @@ class Request:
     eos_token_id: int | None = None  # None when the caller asked to ignore eos
     priority: int = 0  # lower is admitted first under the `priority` scheduling policy
     arrival_order: int = 0  # its place among the scheduler's arrivals (numbered as they are added)
+    predicted_output_tokens: float | None = None  # the length predictor's latest estimate of its whole output
+    first_predicted_output_tokens: float | None = None  # its estimate from the prompt alone (what metrics judge)
+    # (outputs so far, final hidden state at its last known token) per length probe: what the predictor learns from
+    length_probes: list[tuple[int, list[float]]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -9,7 +9,7 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
-from engine.core.queue_policy import QUEUE_POLICIES, WaitingQueue
+from engine.core.queue_policy import QUEUE_POLICIES, LengthPredictor, WaitingQueue
 from engine.core.request import Failure, Request, RequestStatus, SampledTokens, TokenLogprobs
 from engine.core.speculation import Speculation
 
@@ -17,6 +17,8 @@ from engine.core.speculation import Speculation
 # In a chunk scheduled ahead (async scheduling): the token the batch before samples for this request, which only
 # the device knows yet; the executor puts it in place.
 PLACEHOLDER = -1
+PROBE_EVERY = 16  # outputs between a request's length probes (engine/core/queue_policy.py's `predicted`)
+LONG_POOL_TOKENS = 64  # a request predicted at least this long from its prompt is in the "long" pool (metrics)
 
 
 class PromptLogprobRows(msgspec.Struct, array_like=True):
@@ -39,6 +41,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     sample: bool  # these tokens reach the end of what is known: sample the next one (after the accepted drafts)
     prompt_logprobs: PromptLogprobRows | None = None  # rows whose prompt logprobs the LM head computes too
     num_draft: int = 0  # draft tokens at the end of token_ids; the rows from the last known token on sample
+    probe: bool = False  # return the final hidden state at its last known token (the length predictor reads it)
 
     @property
     def num_logits_rows(self) -> int:
@@ -85,13 +88,18 @@ class Scheduler:
     preempts the newest of the policy's highest rank when blocks run out."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, kv_window: int | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, predictor: LengthPredictor | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.kv_window = kv_window  # every layer's sliding window: blocks before it go back as requests move on
         self.kv = KVCacheManager(num_blocks, config.block_size, config.kv_policy, config.prefix_caching)
         self.admission = ADMISSION_POLICIES[config.scheduling]()
-        self.waiting = WaitingQueue(QUEUE_POLICIES[config.scheduling_policy])
+        self.policy = QUEUE_POLICIES[config.scheduling_policy]
+        self.waiting = WaitingQueue(self.policy)
+        self.max_running = config.max_num_seqs * self.policy.RUNNING_PER_SEQ  # requests holding KV blocks
+        self.predictor = predictor  # None: no length probes, no predictions
+        # Per request finished since the last drain: (first prediction / real length, its pool, its queue seconds).
+        self.length_outcomes: list[tuple[float, str, float]] = []
         self.num_arrived = 0
         self.running: list[Request] = []  # in admission order: oldest first
         self.requests: dict[str, Request] = {}
@@ -149,10 +157,16 @@ class Scheduler:
         scheduled: list[tuple[Request, int, list[int]]] = []
         num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
         # Running ahead, consecutive batches share their requests rather than split them.
-        max_seqs = self.config.max_num_seqs if self.run_ahead else -(-num_ready // num_batches)
+        max_seqs = self.config.max_num_seqs
+        if not self.run_ahead:
+            max_seqs = min(max_seqs, -(-num_ready // num_batches))
+        if self.max_running > self.config.max_num_seqs:  # more hold blocks than run: the policy's order decides
+            self.running.sort(key=self.policy.key)
+            self._make_room(budget)
+        max_running_seqs = self._running_slots(max_seqs)
 
         i = 0
-        while i < len(self.running) and len(scheduled) < max_seqs:
+        while i < len(self.running) and len(scheduled) < max_running_seqs:
             req = self.running[i]
             num_new = min(self._num_schedulable(req), budget)
             if num_new == 0:
@@ -162,7 +176,7 @@ class Scheduler:
             if draft and not self.kv.allocate(req, num_new + len(draft)):
                 draft = []  # no blocks for them: drafts never preempt anybody
             while not self.kv.allocate(req, num_new):
-                victim = self._preempt(i)
+                victim = self._preempt({r.request_id for r, _, _ in scheduled})
                 if victim is None:  # every newer request is in flight: wait for one to come back
                     i += 1
                     break
@@ -177,7 +191,7 @@ class Scheduler:
         while (
             self.waiting
             and len(scheduled) < max_seqs
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) < self.max_running
             and self.admission.may_admit(num_running_at_start, budget)
         ):
             req = self.waiting.first
@@ -187,7 +201,7 @@ class Scheduler:
             following = len(req.block_table)
             waits = following < len(req.block_names) and req.block_names[following] in pending
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if waits or not self.kv.allocate(req, num_new):
+            if waits or not self._blocks_for_newcomer(req, num_new, {r.request_id for r, _, _ in scheduled}):
                 self.kv.free(req)  # the prefix it took stays cached for its next try
                 req.num_computed_tokens = 0
                 break  # in the policy's order: nobody overtakes a request that waits or does not fit
@@ -212,6 +226,16 @@ class Scheduler:
             if draft:
                 self.drafting.add(req.request_id)
         return batch
+
+    def _running_slots(self, max_seqs: int) -> int:
+        """Of an iteration's `max_seqs` requests, how many running ones take: all, unless more hold blocks than run
+        and waiting ones key before some of them (then those newcomers are admitted in their place)."""
+        if self.max_running == self.config.max_num_seqs or not self.waiting:
+            return max_seqs
+        room = min(self.max_running - len(self.running), max_seqs)
+        newcomers = [(self.policy.key(r), 1) for r, _ in zip(self.waiting, range(room))]
+        ready = [(self.policy.key(r), 0) for r in self.running if self._num_schedulable(r)]
+        return max_seqs - sum(waiting for _, waiting in sorted(ready + newcomers)[:max_seqs])
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a request about to decode one token, if speculation is on and it is not running ahead:
@@ -250,10 +274,18 @@ class Scheduler:
         end = start + num_new
         known = req.num_tokens
         token_ids = req.token_ids(start, min(end, known)) + [PLACEHOLDER] * (end - max(start, known))
+        sample = end == known + req.num_pending_outputs
         return ScheduledRequest(
-            req.request_id, token_ids + draft, start, list(req.block_table), end == known + req.num_pending_outputs,
-            self._prompt_logprob_rows(req, start, end), len(draft),
+            req.request_id, token_ids + draft, start, list(req.block_table), sample,
+            self._prompt_logprob_rows(req, start, end), len(draft), sample and self._probes(req),
         )
+
+    def _probes(self, req: Request) -> bool:
+        """Whether this step should return the request's hidden state for the length predictor: at its first sample
+        (the prompt's last token), then every PROBE_EVERY outputs."""
+        if self.predictor is None:
+            return False
+        return not req.length_probes or req.num_output_tokens - req.length_probes[-1][0] >= PROBE_EVERY
 
     @staticmethod
     def _prompt_logprob_rows(req: Request, start: int, end: int) -> PromptLogprobRows | None:
@@ -267,12 +299,35 @@ class Scheduler:
         req.num_prompt_logprob_rows = hi
         return PromptLogprobRows(lo - start, req.prompt_token_ids[lo + 1:hi + 1], req.params.prompt_logprobs)
 
-    def _preempt(self, start: int) -> Request | None:
-        """Free the blocks of a running request from `start` on (those before it are in this batch already)."""
+    def _make_room(self, budget: int) -> None:
+        """Before running requests take this iteration's blocks: where the first waiting request's first chunk would
+        not fit, running requests that rank after it give theirs up, highest first (the `predicted` policy)."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return
+        first = self.waiting.first
+        needed = self.kv.blocks_for(min(first.num_tokens, budget))  # as if nothing were cached: at worst, one too many
+        while self.kv.num_free_blocks < needed:
+            if self._preempt(set(), above=self.policy.rank(first)) is None:
+                return
+
+    def _blocks_for_newcomer(self, req: Request, num_new: int, scheduled: set[str]) -> bool:
+        """Blocks for a waiting request's first chunk. Where more requests hold blocks than an iteration takes (the
+        `predicted` policy), running ones that rank after it give theirs up, highest first, when there are too few."""
+        while not self.kv.allocate(req, num_new):
+            if self.max_running == self.config.max_num_seqs:
+                return False
+            if self._preempt(scheduled, above=self.policy.rank(req)) is None:
+                return False
+        return True
+
+    def _preempt(self, scheduled: set[str], above: float | None = None) -> Request | None:
+        """Free the blocks of a running request not in this batch (`scheduled`) nor in one in flight, of the highest
+        rank (above `above`, if given), the newest admitted among equals."""
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
         # One in a batch still in flight is left alone: its tokens are being computed into those blocks.
-        candidates = [(self.waiting.policy.rank(r), i) for i, r in enumerate(self.running)
-                      if i >= start and r.request_id not in self.in_flight]
+        rank = self.waiting.policy.rank
+        candidates = [(rank(r), i) for i, r in enumerate(self.running) if r.request_id not in self.in_flight
+                      and r.request_id not in scheduled and (above is None or rank(r) > above)]
         if not candidates:
             return None
         victim = self.running[max(candidates)[1]]
@@ -314,6 +369,8 @@ class Scheduler:
             req.num_computed_tokens += len(sr.token_ids) - sr.num_draft + num_accepted
             if sr.prompt_logprobs is not None:
                 req.prompt_logprobs += prompt_logprobs[sr.request_id]
+            if result is not None and result.hidden is not None and self.predictor is not None:
+                self._predict(req, result.hidden)
             status = self._append(req, result) if sr.sample else None
             self.kv.cache_full_blocks(req)
             if self.kv_window:  # the next query (at num_computed_tokens) sees keys from here on
@@ -338,6 +395,20 @@ class Scheduler:
                 return status
         return None
 
+    def drain_length_outcomes(self) -> list[tuple[float, str, float]]:
+        outcomes, self.length_outcomes = self.length_outcomes, []
+        return outcomes
+
+    def _predict(self, req: Request, hidden: list[float]) -> None:
+        """A length probe came back: the hidden state at the request's last known token, before this step's outputs."""
+        t = req.num_output_tokens
+        req.length_probes.append((t, hidden))
+        remaining = self.predictor.predict(hidden, t)
+        if remaining is not None:
+            req.predicted_output_tokens = t + remaining
+            if len(req.length_probes) == 1:
+                req.first_predicted_output_tokens = req.predicted_output_tokens
+
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         if token_id in req.stop_token_ids and req.num_output_tokens >= req.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
@@ -348,6 +419,12 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if self.speculation is not None and status != RequestStatus.FINISHED_ERROR:
             self.speculation.finished(req)
+        if self.predictor is not None and req.length_probes and status != RequestStatus.FINISHED_ERROR:
+            self.predictor.observe(req.length_probes, req.num_output_tokens)
+            predicted = req.first_predicted_output_tokens
+            if predicted is not None:
+                pool = "short" if predicted < LONG_POOL_TOKENS else "long"
+                self.length_outcomes.append((predicted / max(1, req.num_output_tokens), pool, req.queue_seconds or 0.0))
         req.status = status
         self.running.remove(req)
         self.kv.free(req)

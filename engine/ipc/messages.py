@@ -115,6 +115,9 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     spec_draft_tokens_total: int = 0  # draft tokens verified since start (speculative decoding)
     spec_accepted_tokens_total: int = 0  # of those, accepted
     spec_accepted_lengths: list[int] = []  # per draft verified since the last report: its tokens accepted
+    # per request finished since the last report whose length was predicted: (prediction / real length, its pool
+    # "short" or "long", seconds it waited for admission)
+    length_outcomes: list[tuple[float, str, float]] = []
 
 
 ToEngine = Union[AddGrammar, ReleaseGrammar, AddRequest, Abort, Shutdown]

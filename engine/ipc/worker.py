@@ -174,7 +174,8 @@ class EngineWorker:
             e.last_batch_size, s.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
             e.last_batch_tokens, iteration_seconds, memory.resident_bytes, s.prefix_queried_tokens,
             s.prefix_hit_tokens, s.kv.num_cached_blocks, memory.private_bytes,
-            *((spec.num_drafted, spec.num_accepted, spec.drain_accepted_lengths()) if spec is not None else ()),
+            *((spec.num_drafted, spec.num_accepted, spec.drain_accepted_lengths()) if spec is not None else (0, 0, [])),
+            s.drain_length_outcomes(),
         ))
 
     def _memory(self) -> Memory:

@@ -40,7 +40,7 @@ from engine.parallel.frames import (
     send_frame,
 )
 from engine.runner.device import num_kv_blocks
-from engine.runner.local_executor import build_model
+from engine.runner.local_executor import attach_hidden, build_model
 from engine.runner.model_runner import ModelRunner
 
 DRIVER = 0
@@ -137,6 +137,7 @@ class Stage:
             return  # its logits went into the gather; tensor-parallel rank 0 samples
         sampling = [r.request_id for r in batch.requests if r.sample]
         sampled = self.sampler(out, sampling, [r.draft_token_ids for r in batch.requests if r.sample])
+        attach_hidden(sampled, self.runner.probed_hidden)
         prompt = self.runner.prompt_logprobs
         send_frame(StageResult(frame.batch_id, [sampled[request_id] for request_id in sampling],
                                {} if prompt is None else prompt.finish()), DRIVER, self.pending)

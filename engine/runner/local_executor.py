@@ -75,7 +75,8 @@ class LocalExecutor:
         self.num_blocks = self.runner.num_blocks
         self.max_in_flight = 2 if config.async_scheduling == "on" else 1
         self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
-        self.done: deque[tuple[Batch, DeviceSample | Sampled, DevicePromptLogprobs | None]] = deque()
+        # Each batch in flight: its sample, prompt logprobs and length probes' hidden states.
+        self.done: deque[tuple[Batch, DeviceSample | Sampled, DevicePromptLogprobs | None, dict]] = deque()
         # The newest batch's sampled ids on the device, and each request's row in them: what rows scheduled ahead
         # of their token read.
         self.previous: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -102,7 +103,7 @@ class LocalExecutor:
             if self.runner.device.type == "cuda":
                 raise  # a failed kernel may leave the device or the KV cache in doubt: the engine restarts
             failed = {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}
-            self.done.append((batch, failed, None))
+            self.done.append((batch, failed, None, {}))
             return
         drafts = [r.draft_token_ids for r in batch.requests if r.sample]
         result = self._sample_isolated(logits, ids, drafts)
@@ -112,7 +113,7 @@ class LocalExecutor:
         else:  # sampled request by request: the survivors' ids go back to the device
             tokens = [t.token_ids[-1] if isinstance(t, SampledTokens) else 0 for t in (result[i] for i in ids)]
             self.previous = torch.tensor(tokens, device=self.runner.device), {i: row for row, i in enumerate(ids)}
-        self.done.append((batch, result, self.runner.prompt_logprobs))
+        self.done.append((batch, result, self.runner.prompt_logprobs, self.runner.probed_hidden))
 
     def _sample_isolated(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]
                          ) -> DeviceSample | Sampled:
@@ -138,8 +139,9 @@ class LocalExecutor:
         return sample
 
     def collect(self) -> tuple[Batch, Sampled, PromptLogprobs]:
-        batch, result, prompt = self.done.popleft()
+        batch, result, prompt, probed = self.done.popleft()
         sampled = self.sampler.finish(result) if isinstance(result, DeviceSample) else result
+        attach_hidden(sampled, probed)
         return batch, sampled, prompt.finish() if prompt is not None else {}
 
     def release(self, request_ids: list[str]) -> None:
@@ -150,3 +152,11 @@ class LocalExecutor:
 
     def close(self) -> None:
         pass
+
+
+def attach_hidden(sampled: Sampled, probed: dict[str, list[float]]) -> None:
+    """Each probed request's hidden state goes back with its tokens (one that failed has none to carry it)."""
+    for request_id, hidden in probed.items():
+        tokens = sampled.get(request_id)
+        if isinstance(tokens, SampledTokens):
+            tokens.hidden = hidden

@@ -98,6 +98,8 @@ class ModelRunner:
         ]
         # The last run's prompt logprobs (rows its chunks asked for), their host copy started; None if none asked.
         self.prompt_logprobs: DevicePromptLogprobs | None = None
+        # The last run's final hidden states of the requests that asked for a length probe, by request id.
+        self.probed_hidden: dict[str, list[float]] = {}
         self.graphs: CudaGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         segments = pick_segments(config.compile, use_graphs, model, self.kv_caches, self.scratch_block)
@@ -131,9 +133,11 @@ class ModelRunner:
         """
         input_ids, positions, meta, logits_indices = self.prepare(batch, previous)
         self.prompt_logprobs = None
+        self.probed_hidden = {}
         prompt = PromptRows.of(batch) if self.model.is_last else None
-        if prompt is not None:
-            return self._run_with_prompt_rows(input_ids, positions, meta, logits_indices, hidden, prompt)
+        probes = probe_rows(batch) if self.model.is_last else {}
+        if prompt is not None or probes:
+            return self._run_normed(input_ids, positions, meta, logits_indices, hidden, prompt, probes)
         logits = None
         if self.decode_graphs is not None and batch.num_tokens == len(batch.requests) and all(
                 r.sample for r in batch.requests):
@@ -144,18 +148,23 @@ class ModelRunner:
             return logits
         return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
 
-    def _run_with_prompt_rows(self, input_ids, positions, meta, logits_indices, hidden, prompt: PromptRows):
-        """The forward to the final norm for every row; then the sampled rows' logits and the prompt rows' logprobs,
-        the latter in bounded chunks."""
+    def _run_normed(self, input_ids, positions, meta, logits_indices, hidden, prompt: PromptRows | None,
+                    probes: dict[str, int]):
+        """The forward to the final norm for every row; then the sampled rows' logits, the prompt rows' logprobs (in
+        bounded chunks) and the probed rows' hidden states."""
         normed = None
         if self.graphs is not None:
             normed = self.graphs.forward(input_ids, positions, meta, self.attention, None)
         if normed is None:
             normed = self.model(input_ids, positions, self.kv_caches, meta, self.attention, None, hidden)
-        inputs = self.inputs[(self.num_steps - 1) % 2]  # the buffers prepare() just filled
-        rows, targets = inputs.put("prompt_rows", prompt.rows), inputs.put("prompt_targets", prompt.targets)
-        packed = reduce_rows(self.model, normed.index_select(0, rows), targets, prompt.num_top)
-        self.prompt_logprobs = DevicePromptLogprobs(packed, prompt)
+        if probes:
+            states = normed[list(probes.values())].float().cpu().tolist()
+            self.probed_hidden = dict(zip(probes, states))
+        if prompt is not None:
+            inputs = self.inputs[(self.num_steps - 1) % 2]  # the buffers prepare() just filled
+            rows, targets = inputs.put("prompt_rows", prompt.rows), inputs.put("prompt_targets", prompt.targets)
+            packed = reduce_rows(self.model, normed.index_select(0, rows), targets, prompt.num_top)
+            self.prompt_logprobs = DevicePromptLogprobs(packed, prompt)
         return self.model.logits(normed[logits_indices])
 
     def prepare(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None = None):
@@ -201,3 +210,13 @@ class ModelRunner:
             rows, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
             ids.index_copy_(0, rows, previous[0].index_select(0, sources))
         return ids, put("positions", positions), meta, put("logits_indices", logits_indices)
+
+
+def probe_rows(batch: Batch) -> dict[str, int]:
+    """Each probed request's row in the flattened batch: its last known token's (the first of its logits rows)."""
+    rows, end = {}, 0
+    for r in batch.requests:
+        end += len(r.token_ids)
+        if r.probe and r.sample:
+            rows[r.request_id] = end - r.num_logits_rows
+    return rows

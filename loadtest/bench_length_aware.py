@@ -1,0 +1,176 @@
+"""Length-aware scheduling side by side (issue 31): `orcinus serve` under fcfs, predicted and oracle, on the mixed
+workload (loadtest/length_workload.py) with Poisson arrivals at shares of the saturation rate, runs interleaved.
+
+The saturation rate is FCFS's: requests per second completed by enough closed-loop clients to keep every slot busy.
+Each run sends the same arrival schedule (prompts, times, max_tokens) to each policy, streamed, greedy; the oracle
+gets each request's real output length (from the FCFS run just before it) in its `priority` field. Per run: mean
+and p99 end-to-end latency, median TTFT, output tokens per second, and latency by kind of answer.
+
+    python loadtest/eval_length_predictor.py --train 2000 --predictor /tmp/length.safetensors
+    python loadtest/bench_length_aware.py --length-predictor /tmp/length.safetensors \\
+        --out benchmarks/length_aware.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "loadtest"))
+
+from length_workload import requests  # noqa: E402
+from local_server import launch_server, stop_server  # noqa: E402
+
+
+async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int]:
+    """(seconds to the first token, completion tokens) of one streamed chat request."""
+    t, first, usage = time.perf_counter(), None, None
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - t
+            usage = chunk.get("usage") or usage
+    return first, usage["completion_tokens"]
+
+
+def body(model: str, prompt: str, max_tokens: int, priority: int = 0) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": max_tokens, "temperature": 0.0, "stream_options": {"include_usage": True},
+            "priority": priority}
+
+
+async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, int]],
+                    lengths: list[int] | None) -> dict:
+    """Send each request at its time; wait for all. `lengths`: the oracle's priorities."""
+    rows: list[dict] = [{} for _ in schedule]
+    start = time.perf_counter()
+
+    async def one(i: int, at: float, kind: str, prompt: str, max_tokens: int, http: httpx.AsyncClient) -> None:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+        sent = time.perf_counter()
+        ttft, tokens = await stream_one(http, url, body(model, prompt, max_tokens, lengths[i] if lengths else 0))
+        rows[i] = {"kind": kind, "arrival_s": at, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent,
+                   "output_tokens": tokens}
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        await asyncio.gather(*(one(i, *s, http) for i, s in enumerate(schedule)))
+    elapsed = time.perf_counter() - start
+    e2e = sorted(r["e2e_s"] for r in rows)
+    ttfts = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
+    return {
+        "requests": len(rows), "elapsed_s": elapsed,
+        "output_tok_s": sum(r["output_tokens"] for r in rows) / elapsed,
+        "e2e_mean_s": statistics.fmean(e2e), "e2e_p99_s": e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
+        "ttft_median_s": statistics.median(ttfts),
+        "e2e_mean_by_kind_s": {k: statistics.fmean(r["e2e_s"] for r in rows if r["kind"] == k)
+                               for k in sorted({r["kind"] for r in rows})},
+        "rows": rows,
+    }
+
+
+async def saturation(url: str, model: str, clients: int, seconds: float, seed: int) -> float:
+    """Requests per second that `clients` closed-loop clients complete."""
+    rng = random.Random(seed)
+    done, start = 0, time.perf_counter()
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal done
+        while time.perf_counter() - start < seconds:
+            [(_, prompt, max_tokens)] = requests(rng, 1)
+            await stream_one(http, url, body(model, prompt, max_tokens))
+            done += 1
+
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return done / (time.perf_counter() - start)
+
+
+def poisson(rng: random.Random, rate: float, seconds: float) -> list[tuple[float, str, str, int]]:
+    schedule, t = [], rng.expovariate(rate)
+    while t < seconds:
+        [(kind, prompt, max_tokens)] = requests(rng, 1)
+        schedule.append((t, kind, prompt, max_tokens))
+        t += rng.expovariate(rate)
+    return schedule
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--length-predictor", required=True, help="a trained predictor (loadtest/eval_length_predictor.py)")
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95], help="shares of the saturation rate")
+    ap.add_argument("--seconds", type=float, default=90, help="arrivals per run")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--saturation-clients", type=int, default=64)
+    ap.add_argument("--saturation-seconds", type=float, default=60)
+    ap.add_argument("--saturation-rate", type=float, default=None, help="requests/s; measured when not given")
+    ap.add_argument("--flags", default="", help="more `orcinus serve` flags for every policy")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="length_aware_"))
+    predictor = work / "length.safetensors"  # a copy: the server goes on learning into it
+    shutil.copy(args.length_predictor, predictor)
+    variants = {"fcfs": ["--scheduling-policy", "fcfs"],
+                "predicted": ["--scheduling-policy", "predicted", "--length-predictor", str(predictor)],
+                "oracle": ["--scheduling-policy", "oracle"]}
+    servers, urls = {}, {}
+    try:
+        for name, flags in variants.items():
+            servers[name], urls[name] = launch_server(flags + args.flags.split())
+        model = httpx.get(f"{urls['fcfs']}/v1/models", timeout=10).json()["data"][0]["id"]
+        rate = args.saturation_rate or asyncio.run(
+            saturation(urls["fcfs"], model, args.saturation_clients, args.saturation_seconds, seed=99))
+        print(f"saturation: {rate:.2f} requests/s", flush=True)
+        runs: dict = {str(load): {name: [] for name in variants} for load in args.loads}
+        for r in range(args.rounds):
+            for load in args.loads:
+                schedule = poisson(random.Random(1000 * r + int(100 * load)), load * rate, args.seconds)
+                lengths = None
+                for name in variants:  # fcfs first: the oracle takes its lengths
+                    res = asyncio.run(open_loop(urls[name], model, schedule, lengths if name == "oracle" else None))
+                    if name == "fcfs":
+                        lengths = [row["output_tokens"] for row in res["rows"]]
+                    runs[str(load)][name].append(res)
+                    print(f"round {r} load {load} {name}: mean e2e {res['e2e_mean_s']:.2f}s p99 {res['e2e_p99_s']:.2f}s "
+                          f"median TTFT {res['ttft_median_s']:.3f}s {res['output_tok_s']:.1f} tok/s "
+                          f"({res['requests']} requests)", flush=True)
+        summary = {load: {name: {k: statistics.median(x[k] for x in xs)
+                                 for k in ("e2e_mean_s", "e2e_p99_s", "ttft_median_s", "output_tok_s")}
+                          for name, xs in by.items()} for load, by in runs.items()}
+        for load, by in summary.items():
+            f, p = by["fcfs"], by["predicted"]
+            print(f"load {load}: predicted vs fcfs: mean e2e {f['e2e_mean_s'] / p['e2e_mean_s']:.2f}x lower, "
+                  f"median TTFT {f['ttft_median_s'] / p['ttft_median_s']:.2f}x lower, p99 {p['e2e_p99_s'] / f['e2e_p99_s']:.2f}x "
+                  f"fcfs's, throughput {p['output_tok_s'] / f['output_tok_s']:.2f}x", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({
+                "command": " ".join(sys.argv), "variants": variants, "saturation_rate": rate,
+                "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                         text=True).stdout.strip(),
+                "machine": subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
+                "summary": summary, "runs": runs,
+            }, indent=1))
+    finally:
+        for proc in servers.values():
+            stop_server(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

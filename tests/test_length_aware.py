@@ -1,0 +1,191 @@
+"""Length-aware scheduling (issue 31): the length predictor, and the `predicted` policy's order, bound and tokens."""
+
+import math
+import random
+
+import pytest
+from conftest import PROMPTS
+
+from engine import LLM, SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.queue_policy import Predicted
+from engine.core.request import Request, RequestStatus, SampledTokens
+from engine.core.scheduler import Scheduler
+from engine.ipc.messages import EngineStats
+from engine.model.length_predictor import RidgeLengthPredictor
+from gateway.metrics import Metrics
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+# ------------------------------------------------------------------------------------------------- the predictor
+
+
+def synthetic(rng: random.Random, length: int, size: int = 8) -> list[float]:
+    """A hidden state whose first coordinate carries log(length), the rest noise."""
+    return [math.log1p(length) + rng.gauss(0, 0.1)] + [rng.gauss(0, 1) for _ in range(size - 1)]
+
+
+def test_the_predictor_says_nothing_until_it_has_learnt_then_ranks_lengths(tmp_path):
+    rng = random.Random(0)
+    p = RidgeLengthPredictor(8, str(tmp_path / "length.safetensors"))
+    for i in range(p.MIN_REQUESTS - 1):
+        length = rng.choice([2, 20, 200])
+        p.observe([(0, synthetic(rng, length))], length)
+        assert p.predict(synthetic(rng, 5), 0) is None
+    for _ in range(2 * p.REFIT_EVERY):
+        length = rng.choice([2, 20, 200])
+        p.observe([(0, synthetic(rng, length)), (length // 2, synthetic(rng, length - length // 2))], length)
+    short, middle, long = (p.predict(synthetic(rng, n), 0) for n in (2, 20, 200))
+    assert short < middle < long
+    assert 10 < middle < 40  # log-space regression: the scale is right too
+
+
+def test_the_predictor_keeps_what_it_learnt_in_its_file(tmp_path):
+    path = str(tmp_path / "length.safetensors")
+    rng = random.Random(1)
+    p = RidgeLengthPredictor(8, path)
+    for _ in range(p.SAVE_EVERY):
+        length = rng.choice([3, 300])
+        p.observe([(0, synthetic(rng, length))], length)
+    probe = synthetic(rng, 30)
+    again = RidgeLengthPredictor(8, path)
+    assert again.num_requests == p.SAVE_EVERY
+    assert again.predict(probe, 0) == pytest.approx(p.predict(probe, 0), rel=1e-9)
+    with pytest.raises(ValueError, match="hidden size 8"):
+        RidgeLengthPredictor(16, path)
+
+
+# ------------------------------------------------------------------------------------- the policy, on the scheduler
+
+
+class ByHidden:
+    """A predictor that reads the remaining length off the probe's first value (the test writes it there)."""
+
+    def predict(self, hidden, num_output_tokens):
+        return hidden[0] - num_output_tokens
+
+    def observe(self, probes, num_output_tokens):
+        pass
+
+    def save(self):
+        pass
+
+
+def make(**cfg) -> Scheduler:
+    config = EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy="predicted", **cfg)
+    return Scheduler(config, 4096, max_model_len=4096, predictor=ByHidden())
+
+
+def test_a_stream_of_short_requests_overtakes_a_long_one_only_within_its_aging_bound():
+    """One request of 1000 tokens, then a short one (4 tokens) arriving every 0.1 s (an iteration), one slot an
+    iteration: more work arrives than runs. Short ones go first, but only those that arrived within 1000 / AGING
+    seconds of the long one: after that it runs, and finishes, while they keep coming."""
+    s = make(max_num_seqs=1)
+    length = {"long": 1000}
+    long = Request("long", [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True), arrival_time=0.0)
+    s.add(long)
+    overtook, step, arrivals = None, 0, {}
+    while long.status != RequestStatus.FINISHED_LENGTH:
+        step += 1
+        rid = f"short{step}"
+        arrivals[rid], length[rid] = step * 0.1, 4
+        s.add(Request(rid, [5, step % 50 + 10], SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=step * 0.1))
+        batch = s.schedule()
+        s.update(batch, {r.request_id: SampledTokens([7], hidden=[float(length[r.request_id])] if r.probe else None)
+                         for r in batch.requests if r.sample})
+        if overtook is None and long.num_output_tokens > 1:  # its first decode
+            overtook = [r for r in arrivals if r not in s.requests]
+        assert step < 20000
+    bound = 1000 / Predicted.AGING
+    assert len(overtook) > 100  # shortest first: a short request's 4 tokens before the long one's 1000
+    assert max(arrivals[r] for r in overtook) <= bound + 0.1  # but none that came after its bound
+    assert len(s.requests) > 1000  # the stream kept coming while it finished
+
+
+def test_newcomers_take_slots_from_predicted_long_running_requests():
+    s = make(max_num_seqs=2)
+    for rid, n in [("long1", 500), ("long2", 500)]:
+        s.add(Request(rid, [1, 2, 3, len(rid)], SamplingParams(max_tokens=500, ignore_eos=True), arrival_time=0.0))
+    batch = s.schedule()
+    s.update(batch, {r.request_id: SampledTokens([7], hidden=[500.0]) for r in batch.requests})
+    s.add(Request("short", [9, 9], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=1.0))
+    batch = s.schedule()
+    assert sorted(r.request_id for r in batch.requests) == ["long1", "short"]  # 2 slots: the newcomer takes one
+    assert len(s.running) == 3  # all three hold blocks
+
+
+def test_a_newcomer_short_of_blocks_takes_them_from_a_predicted_long_request_only():
+    config = EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy="predicted", max_num_seqs=4)
+    s = Scheduler(config, 6, max_model_len=4096, predictor=ByHidden())
+    long = Request("long", list(range(1, 17)), SamplingParams(max_tokens=500, ignore_eos=True), arrival_time=0.0)
+    s.add(long)
+    batch = s.schedule()  # 4 of the 6 blocks
+    s.update(batch, {"long": SampledTokens([7], hidden=[500.0])})  # its key: 0 s + 499 tokens / AGING
+    late = Request("late", list(range(30, 42)), SamplingParams(max_tokens=5, ignore_eos=True),
+                   arrival_time=2 * 500 / Predicted.AGING)
+    s.add(late)  # 3 blocks, 2 free: it keys after long, so it waits
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["long"] and late.status == RequestStatus.WAITING
+    s.update(batch, {"long": SampledTokens([7])})
+    soon = Request("soon", list(range(50, 62)), SamplingParams(max_tokens=5, ignore_eos=True), arrival_time=1.0)
+    s.add(soon)  # keys before long: long gives up its blocks for it
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["soon"]
+    assert long.status == RequestStatus.WAITING and long.num_preemptions == 1
+
+
+def test_finished_requests_report_their_prediction_error_and_pool():
+    s = make(max_num_seqs=4)
+    for rid, predicted, real in [("a", 10.0, 5), ("b", 200.0, 100)]:
+        s.add(Request(rid, [1, len(rid)], SamplingParams(max_tokens=real, ignore_eos=True), arrival_time=0.0))
+    while s.has_unfinished():
+        batch = s.schedule()
+        s.update(batch, {r.request_id: SampledTokens([7], hidden=[{"a": 10.0, "b": 200.0}[r.request_id]]
+                                                      if r.probe else None) for r in batch.requests if r.sample})
+    outcomes = sorted(s.drain_length_outcomes())
+    assert [(ratio, pool) for ratio, pool, _ in outcomes] == [(2.0, "long"), (2.0, "short")]
+    assert s.drain_length_outcomes() == []
+    m = Metrics()
+    m.observe_stats(EngineStats(0, 0, 0, 0, 1, 0, length_outcomes=outcomes))
+    text = m.render().decode()
+    assert 'orcinus_length_prediction_ratio_bucket{le="2.0"} 2.0' in text
+    assert 'orcinus_length_prediction_ratio_bucket{le="1.25"} 0.0' in text
+    assert 'orcinus_request_queue_time_by_pool_seconds_count{pool="short"} 1.0' in text
+
+
+# ------------------------------------------------------------------------------------------- the engine's tokens
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return [o.token_ids for o in LLM(checkpoint=checkpoint, dtype="float32").generate(PROMPTS, GREEDY)]
+
+
+class Scrambled(ByHidden):
+    """An arbitrary but fixed order: a prediction from the hidden state's bits."""
+
+    def predict(self, hidden, num_output_tokens):
+        return float(int(abs(hidden[0]) * 1e4) % 97)
+
+
+def test_predicted_order_keeps_greedy_tokens_and_frees_every_block(checkpoint, reference):
+    llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="predicted", max_num_seqs=2)
+    llm.engine.scheduler.predictor = Scrambled()
+    tokens = [llm.engine.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
+    requests = []
+    for ids in tokens:  # one arrival per iteration
+        requests.append(llm.engine.add_request(ids, GREEDY))
+        llm.engine.step()
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [r.output_token_ids for r in requests] == reference
+    assert all(r.length_probes and r.predicted_output_tokens is not None for r in requests)
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
+
+
+def test_pipeline_stages_send_the_probes_back(reference):
+    with LLM(dtype="float32", scheduling_policy="predicted", pipeline_stages=2) as llm:
+        llm.engine.scheduler.predictor = Scrambled()
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
