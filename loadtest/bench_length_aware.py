@@ -1,7 +1,9 @@
 """Length-aware scheduling side by side (issue 31): `orcinus serve` under fcfs, predicted and oracle, on the mixed
 workload (loadtest/length_workload.py) with Poisson arrivals at shares of the saturation rate, runs interleaved.
 
-The saturation rate is FCFS's: requests per second completed by enough closed-loop clients to keep every slot busy.
+The saturation rate is FCFS's: the output tokens per second enough closed-loop clients draw from it at steady state
+(the engine's own counter, after a warm-up), over the workload's mean output length (`--mean-output-tokens`, as
+loadtest/eval_length_predictor.py measured it on its held-out requests).
 Each run sends the same arrival schedule (prompts, times, max_tokens) to each policy, streamed, greedy; the oracle
 gets each request's real output length (from the FCFS run just before it) in its `priority` field. Per run: mean
 and p99 end-to-end latency, median TTFT, output tokens per second, and latency by kind of answer.
@@ -30,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "loadtest"))
 
-from length_workload import requests  # noqa: E402
+from length_workload import request  # noqa: E402
 from local_server import launch_server, stop_server  # noqa: E402
 
 
@@ -85,27 +87,37 @@ async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, 
     }
 
 
-async def saturation(url: str, model: str, clients: int, seconds: float, seed: int) -> float:
-    """Requests per second that `clients` closed-loop clients complete."""
+def generated_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("orcinus_generation_tokens_total "))
+
+
+async def saturation_tokens(url: str, model: str, clients: int, warmup: float, seconds: float, seed: int) -> float:
+    """Output tokens per second that `clients` closed-loop clients draw, measured after `warmup` seconds."""
     rng = random.Random(seed)
-    done, start = 0, time.perf_counter()
 
     async def client(http: httpx.AsyncClient) -> None:
-        nonlocal done
-        while time.perf_counter() - start < seconds:
-            [(_, prompt, max_tokens)] = requests(rng, 1)
+        while True:
+            _, prompt, max_tokens = request(rng)
             await stream_one(http, url, body(model, prompt, max_tokens))
-            done += 1
 
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
-        await asyncio.gather(*(client(http) for _ in range(clients)))
-    return done / (time.perf_counter() - start)
+        tasks = [asyncio.create_task(client(http)) for _ in range(clients)]
+        await asyncio.sleep(warmup)
+        t0, n0 = time.perf_counter(), generated_tokens(url)
+        await asyncio.sleep(seconds)
+        rate = (generated_tokens(url) - n0) / (time.perf_counter() - t0)
+        for task in tasks:
+            task.cancel()  # a closed stream aborts its request
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return rate
 
 
 def poisson(rng: random.Random, rate: float, seconds: float) -> list[tuple[float, str, str, int]]:
     schedule, t = [], rng.expovariate(rate)
     while t < seconds:
-        [(kind, prompt, max_tokens)] = requests(rng, 1)
+        kind, prompt, max_tokens = request(rng)
         schedule.append((t, kind, prompt, max_tokens))
         t += rng.expovariate(rate)
     return schedule
@@ -119,7 +131,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--saturation-clients", type=int, default=64)
     ap.add_argument("--saturation-seconds", type=float, default=60)
-    ap.add_argument("--saturation-rate", type=float, default=None, help="requests/s; measured when not given")
+    ap.add_argument("--saturation-warmup", type=float, default=60)
+    ap.add_argument("--mean-output-tokens", type=float, required=True,
+                    help="the workload's mean output length (loadtest/eval_length_predictor.py's held-out requests)")
     ap.add_argument("--flags", default="", help="more `orcinus serve` flags for every policy")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -134,9 +148,11 @@ def main() -> int:
         for name, flags in variants.items():
             servers[name], urls[name] = launch_server(flags + args.flags.split())
         model = httpx.get(f"{urls['fcfs']}/v1/models", timeout=10).json()["data"][0]["id"]
-        rate = args.saturation_rate or asyncio.run(
-            saturation(urls["fcfs"], model, args.saturation_clients, args.saturation_seconds, seed=99))
-        print(f"saturation: {rate:.2f} requests/s", flush=True)
+        tok_s = asyncio.run(saturation_tokens(urls["fcfs"], model, args.saturation_clients, args.saturation_warmup,
+                                              args.saturation_seconds, seed=99))
+        rate = tok_s / args.mean_output_tokens
+        print(f"saturation: {tok_s:.1f} output tok/s, {rate:.2f} requests/s", flush=True)
+        time.sleep(5)  # the aborted requests leave
         runs: dict = {str(load): {name: [] for name in variants} for load in args.loads}
         for r in range(args.rounds):
             for load in args.loads:
@@ -160,7 +176,8 @@ def main() -> int:
                   f"fcfs's, throughput {p['output_tok_s'] / f['output_tok_s']:.2f}x", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({
-                "command": " ".join(sys.argv), "variants": variants, "saturation_rate": rate,
+                "command": " ".join(sys.argv), "variants": variants, "saturation_output_tok_s": tok_s,
+                "saturation_rate": rate,
                 "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                          text=True).stdout.strip(),
                 "machine": subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),

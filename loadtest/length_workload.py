@@ -36,6 +36,12 @@ def prompt(rng: random.Random, kind: str) -> str:
     return f"Write a long, detailed story about a {rng.choice(ANIMALS)} who lives in {rng.choice(PLACES)}."
 
 
+def request(rng: random.Random) -> tuple[str, str, int]:
+    """One (kind, prompt, max_tokens), of a kind drawn at random."""
+    kind = rng.choice(KINDS)
+    return kind, prompt(rng, kind), rng.choice(MAX_TOKENS)
+
+
 def requests(rng: random.Random, n: int) -> list[tuple[str, str, int]]:
     """n (kind, prompt, max_tokens), the kinds in equal shares, shuffled."""
     out = []
