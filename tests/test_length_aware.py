@@ -165,7 +165,11 @@ def reference(checkpoint):
 class Scrambled(ByHidden):
     """An arbitrary but fixed order: a prediction from the hidden state's bits."""
 
+    def __init__(self):
+        self.num_probes = 0
+
     def predict(self, hidden, num_output_tokens):
+        self.num_probes += 1
         return float(int(abs(hidden[0]) * 1e4) % 97)
 
 
@@ -184,8 +188,13 @@ def test_predicted_order_keeps_greedy_tokens_and_frees_every_block(checkpoint, r
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
 
 
-def test_pipeline_stages_send_the_probes_back(reference):
-    with LLM(dtype="float32", scheduling_policy="predicted", pipeline_stages=2) as llm:
-        llm.engine.scheduler.predictor = Scrambled()
-        outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == reference
+def test_pipeline_stages_send_the_probes_back():
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 8, 9], [10, 11, 10, 11, 10, 11], [12] * 20]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = LLM(model="dummy:tiny", dtype="float32").generate(prompts, params)
+    with LLM(model="dummy:tiny", dtype="float32", scheduling_policy="predicted", max_num_seqs=2,
+             pipeline_stages=2) as llm:
+        predictor = llm.engine.scheduler.predictor = Scrambled()
+        got = llm.generate(prompts, params)
+        assert predictor.num_probes >= 4 * 3  # at each prompt's end and every 16 outputs: from the last stage
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -1,0 +1,91 @@
+"""How far can prompt-lookup speculation go on this machine? (issue 30)
+
+Greedy outputs of N prompts (speculation off) are the truth each draft is checked against: for a greedy request a
+draft token is accepted exactly where it equals the next output. Replaying each request step by step, a drafting
+policy picks the draft length; the cost model of engine/core/speculation.py (a step of R rows costs 1 + r R, r the
+row cost) turns steps and rows into a modeled speedup over one token per step. Policies: the engine's running
+acceptance estimate, and an oracle that drafts exactly the tokens that will be accepted (the drafter's ceiling).
+
+    python loadtest/spec_ceiling.py --prompts 60 --out benchmarks/spec_ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "loadtest"))
+
+from bench_speculative import chat, grounded  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.core.speculation import Speculation  # noqa: E402
+from engine.spec.ngram import NgramDrafter  # noqa: E402
+
+
+def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, row_cost: float, oracle: bool) -> dict:
+    """Modeled speedup, tokens per step and draft acceptance of one policy over every request."""
+    cost = tokens = steps = drafted = accepted = 0
+    policy = Speculation(None, max_k, row_cost)
+    for prompt, out in data:
+        drafter = NgramDrafter(min_n, 8)
+        estimate, t = Speculation.PRIOR, 0
+        while t < len(out):
+            proposal = drafter.propose(prompt + out[:t], 64)
+            agree = 0
+            while agree < len(proposal) and t + agree < len(out) - 1 and proposal[agree] == out[t + agree]:
+                agree += 1
+            if oracle:
+                k = min(agree, max_k)
+            else:  # the engine's own rule, alone (one decoding request)
+                k = min(max_k, policy._worth_drafting(estimate, 1))
+                if k == 0:
+                    estimate = min(Speculation.PRIOR, estimate + Speculation.RECOVERY)
+            k = min(k, len(proposal))
+            a = min(agree, k)
+            if k and not oracle:
+                for outcome in [1.0] * a + [0.0] * (a < k):
+                    estimate += Speculation.WEIGHT * (outcome - estimate)
+            drafted, accepted = drafted + k, accepted + a
+            advance = min(a + 1, len(out) - t)
+            t, tokens, steps, cost = t + advance, tokens + advance, steps + 1, cost + 1 + row_cost * (1 + k)
+    return {"modeled_speedup": tokens * (1 + row_cost) / cost, "tokens_per_step": tokens / steps,
+            "acceptance": accepted / max(1, drafted)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=60)
+    ap.add_argument("--row-cost", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    llm = LLM(speculative="off")
+    tok = llm.tokenizer
+    result = {"command": " ".join(sys.argv), "row_cost": args.row_cost, "workloads": {}}
+    for name, make in [("grounded", grounded), ("chat", chat)]:
+        rng = random.Random(args.seed)
+        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": make(rng)}]))
+               for _ in range(args.prompts)]
+        outs = llm.generate(ids, SamplingParams(max_tokens=256, temperature=0.0))
+        data = [(i, list(o.token_ids)) for i, o in zip(ids, outs)]
+        rows = {}
+        for min_n in (2, 1):
+            for max_k in (8, 16, 32):
+                for oracle in (False, True):
+                    key = f"{'oracle' if oracle else 'engine'} n>={min_n} k<={max_k}"
+                    rows[key] = replay(data, min_n, max_k, args.row_cost, oracle)
+                    print(name, key, json.dumps({k: round(v, 3) for k, v in rows[key].items()}), flush=True)
+        result["workloads"][name] = rows
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
