@@ -188,6 +188,29 @@ def test_predicted_order_keeps_greedy_tokens_and_frees_every_block(checkpoint, r
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
 
 
+def test_predicted_order_with_shared_prefixes_preemption_and_an_abort(checkpoint):
+    """Few KV blocks (preemptions), every prompt twice (the second finds the first's blocks), one aborted mid-way:
+    the others' greedy tokens are FCFS's, and every block and every sampling state is given back."""
+    prompts = [f"{a} {b}" for a, b in zip(PROMPTS[:4], PROMPTS[4:8])] * 2  # 2+ full blocks of 16 tokens each
+    want = LLM(checkpoint=checkpoint, dtype="float32").generate(prompts, GREEDY)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="predicted", max_num_seqs=3,
+              kv_cache_memory=8 * 737_280)  # 8 blocks of 16 tokens (737,280 bytes each): 6 requests need 18+
+    llm.engine.scheduler.predictor = Scrambled()
+    requests = [llm.engine.add_request(llm.engine.tokenizer.encode(p, add_special_tokens=True), GREEDY)
+                for p in prompts]
+    victim = requests[5]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        if victim.num_output_tokens >= 3 and not victim.status.finished:
+            llm.engine.abort_request(victim.request_id)
+    assert victim.finish_reason == "abort"
+    kept = [i for i, r in enumerate(requests) if r is not victim]
+    assert [requests[i].output_token_ids for i in kept] == [want[i].token_ids for i in kept]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.prefix_hit_tokens > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
+    assert llm.engine.executor.sampler.states == {}
+
+
 def test_pipeline_stages_send_the_probes_back():
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 8, 9], [10, 11, 10, 11, 10, 11], [12] * 20]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

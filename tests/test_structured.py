@@ -194,7 +194,7 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
         async def add_grammar(self, grammar_id, grammar):
             sent.append(("grammar", grammar_id, grammar))
 
-        async def add(self, rid, prompt, params, queue, cache_salt, grammar_id):
+        async def add(self, rid, prompt, params, queue, cache_salt, grammar_id, priority):
             sent.append(("request", rid, params.grammar, grammar_id, params.seed))
             queue.put_nowait((rid, TokenDelta(rid, [7], "stop")))
 
