@@ -63,11 +63,13 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     ckpt = checkpoint or load_checkpoint(config.model, config.seed, weights=not is_distributed(config))
     check_splittable(ckpt.shape, config.tensor_parallel_size)  # here, before any process starts
     max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
-    executor = make_executor(config, ckpt, max_model_len)
-    draft_source = None if config.speculative == "off" else DRAFT_SOURCES[config.speculative]()
-    predictor = None
+    if config.length_predictor and config.scheduling_policy != "predicted":
+        raise ValueError("--length-predictor is the predicted policy's: add --scheduling-policy predicted")
+    predictor = None  # before any stage process starts: its file may not suit the model
     if config.scheduling_policy == "predicted":
         predictor = RidgeLengthPredictor(ckpt.shape.hidden_size, config.length_predictor)
+    executor = make_executor(config, ckpt, max_model_len)
+    draft_source = None if config.speculative == "off" else DRAFT_SOURCES[config.speculative]()
     return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source,
                       predictor)
 

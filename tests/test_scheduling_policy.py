@@ -33,3 +33,8 @@ def test_offline_priority_matches_the_prompts():
     llm_args = {"model": "dummy:tiny", "scheduling_policy": "priority"}
     with pytest.raises(ValueError, match="one priority per prompt"):
         LLM(**llm_args).generate([[1, 2], [3, 4]], GREEDY, priority=[1])
+
+
+def test_a_length_predictor_file_needs_the_predicted_policy(tmp_path):
+    with pytest.raises(ValueError, match="--scheduling-policy predicted"):
+        LLM(model="dummy:tiny", length_predictor=str(tmp_path / "length.safetensors"))
