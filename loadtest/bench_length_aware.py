@@ -21,7 +21,6 @@ import json
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT / "loadtest"))
 
 from length_workload import request  # noqa: E402
 from local_server import launch_server, stop_server  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int]:
@@ -176,11 +176,7 @@ def main() -> int:
                   f"fcfs's, throughput {p['output_tok_s'] / f['output_tok_s']:.2f}x", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({
-                "command": " ".join(sys.argv), "variants": variants, "saturation_output_tok_s": tok_s,
-                "saturation_rate": rate,
-                "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                         text=True).stdout.strip(),
-                "machine": subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
+                **provenance(), "variants": variants, "saturation_output_tok_s": tok_s, "saturation_rate": rate,
                 "summary": summary, "runs": runs,
             }, indent=1))
     finally:

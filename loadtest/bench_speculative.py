@@ -22,7 +22,6 @@ import json
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT / "loadtest"))
 
 from compare_llama_server import peer_settings  # noqa: E402
 from local_server import launch_server, stop_server  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 NAMES = ["Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
          "Marta", "Nils", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tomas", "Uma", "Vera", "Wes", "Yuki"]
@@ -177,11 +177,8 @@ def main() -> int:
                 print(w, f"c={c}", "  ".join(f"{s} {v:.1f}" for s, v in tok_s.items()))
         if args.out:
             Path(args.out).write_text(json.dumps({
-                "command": " ".join(shlex.quote(a) for a in sys.argv), "variants": variants,
+                **provenance(), "variants": variants,
                 "peers": {name: {"url": url, **peer_settings(url)} for name, url in peers.items()},
-                "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                         text=True).stdout.strip(),
-                "machine": subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
                 "summary_median_output_tok_s": summary, "runs": runs,
             }, indent=1))
     finally:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "loadtest"))
 
 from length_workload import kendall_tau, requests  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -79,9 +78,7 @@ def main() -> int:
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": " ".join(sys.argv), "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores",
-            "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-            "seconds": round(time.time() - t0), **result, "progress": progress, "held_out_rows": held}, indent=1))
+            **provenance(), "seconds": round(time.time() - t0), **result, "progress": progress, "held_out_rows": held}, indent=1))
     llm.close()
     return 0
 
