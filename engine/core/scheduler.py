@@ -97,6 +97,9 @@ class Scheduler:
         self.policy = QUEUE_POLICIES[config.scheduling_policy]
         self.waiting = WaitingQueue(self.policy)
         self.max_running = config.max_num_seqs * self.policy.RUNNING_PER_SEQ  # requests holding KV blocks
+        # More may hold blocks than an iteration takes: the policy's order picks who runs, and newcomers may take
+        # slots and blocks from running requests that rank after them.
+        self.reorders = self.max_running > config.max_num_seqs
         self.predictor = predictor  # None: no length probes, no predictions
         # Per request finished since the last drain: (first prediction / real length, its pool, its queue seconds).
         self.length_outcomes: list[tuple[float, str, float]] = []
@@ -160,7 +163,7 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         if not self.run_ahead:
             max_seqs = min(max_seqs, -(-num_ready // num_batches))
-        if self.max_running > self.config.max_num_seqs:  # more hold blocks than run: the policy's order decides
+        if self.reorders:
             self.running.sort(key=self.policy.key)
             self._make_room(budget)
         max_running_seqs = self._running_slots(max_seqs)
@@ -230,7 +233,7 @@ class Scheduler:
     def _running_slots(self, max_seqs: int) -> int:
         """Of an iteration's `max_seqs` requests, how many running ones take: all, unless more hold blocks than run
         and waiting ones key before some of them (then those newcomers are admitted in their place)."""
-        if self.max_running == self.config.max_num_seqs or not self.waiting:
+        if not self.reorders or not self.waiting:
             return max_seqs
         room = min(self.max_running - len(self.running), max_seqs)
         newcomers = [(self.policy.key(r), 1) for r, _ in zip(self.waiting, range(room))]
@@ -314,7 +317,7 @@ class Scheduler:
         """Blocks for a waiting request's first chunk. Where more requests hold blocks than an iteration takes (the
         `predicted` policy), running ones that rank after it give theirs up, highest first, when there are too few."""
         while not self.kv.allocate(req, num_new):
-            if self.max_running == self.config.max_num_seqs:
+            if not self.reorders:
                 return False
             if self._preempt(scheduled, above=self.policy.rank(req)) is None:
                 return False
@@ -325,7 +328,7 @@ class Scheduler:
         rank (above `above`, if given), the newest admitted among equals."""
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
         # One in a batch still in flight is left alone: its tokens are being computed into those blocks.
-        rank = self.waiting.policy.rank
+        rank = self.policy.rank
         candidates = [(rank(r), i) for i, r in enumerate(self.running) if r.request_id not in self.in_flight
                       and r.request_id not in scheduled and (above is None or rank(r) > above)]
         if not candidates:
