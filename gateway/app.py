@@ -25,11 +25,12 @@ from gateway.banner import startup_block
 from gateway.chat import create_chat_completion
 from gateway.cors import add_cors
 from gateway.completions import create_completion
-from gateway.engine_client import EngineClient
 from gateway.guards import TrustedHostMiddleware, page_headers
 from gateway.metrics import Metrics
 from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
+from gateway.replicas import Replicas
+from gateway.routing import RoutingPolicy
 from gateway.responses import create_response, delete_response, retrieve_response
 from gateway.serving import ServerState, json_response
 from gateway.special_tokens import ContentTokens
@@ -42,6 +43,8 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 @dataclass(frozen=True)
 class GatewayConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # what the engine process runs
+    data_parallel_size: int = 1  # engine replicas, each its own process(es), KV cache and scheduler
+    routing: RoutingPolicy = "cache-aware"  # which replica serves a request (with several)
     api_keys: tuple[str, ...] = ()  # when any, every /v1 route needs `Authorization: Bearer <one of them>`
     served_model_name: str | None = None  # the `model` clients send; None = derived from the model path
     engine_start_timeout: float = 300.0  # seconds to wait for the model to load
@@ -83,8 +86,9 @@ def load_gateway_tokenizer(model: str | None):
 
 def build_app(config: GatewayConfig) -> Starlette:
     metrics = Metrics()
-    client = EngineClient(config.engine, metrics, config.engine_hang_timeout)
-    admission = Admission(config.engine.max_num_seqs, config.max_waiting, metrics, config.max_queued_tokens)
+    client = Replicas(config.engine, metrics, config.engine_hang_timeout, config.data_parallel_size, config.routing)
+    admission = Admission(config.engine.max_num_seqs * config.data_parallel_size, config.max_waiting, metrics,
+                          config.max_queued_tokens)
     tokenizer = load_gateway_tokenizer(config.engine.model)
     content_tokens = None if tokenizer is None else ContentTokens(tokenizer, config.special_tokens_in_content)
     state = ServerState(client, tokenizer, metrics, served_name(config), admission,

@@ -139,7 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         sys.exit(f"orcinus serve: {e}")
     config = GatewayConfig(
-        EngineConfig(**engine_kwargs(args)), keys, args.served_model_name, max_waiting=args.max_waiting,
+        EngineConfig(**engine_kwargs(args)), args.data_parallel_size, args.routing, keys, args.served_model_name,
+        max_waiting=args.max_waiting,
         max_queued_tokens=args.max_queued_tokens,
         metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
         special_tokens_in_content=args.special_tokens_in_content,
@@ -228,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
                           "limit is low)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM")
+    srv.add_argument("--data-parallel-size", type=_positive, default=1, metavar="N",
+                     help="engine replicas behind this gateway, each with its own KV cache and scheduler (and, on "
+                          "GPUs, its own tensor x pipeline devices)")
+    srv.add_argument("--routing", choices=["cache-aware", "least-loaded", "round-robin"], default="cache-aware",
+                     help="which replica serves a request: the one holding the longest cached prefix of its prompt, "
+                          "balanced against load (default), the one with the fewest tokens in flight, or in turn")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -1,4 +1,4 @@
-"""The gateway's side of the engine: submit requests, route token deltas back, keep an engine running.
+"""The gateway's side of one engine replica: submit requests, route token deltas back, keep an engine running.
 
 A supervisor task watches the engine process. When it dies (crash, OOM kill, kill -9) every
 in-flight request fails at once with EngineUnavailableError, the dead engine's channels are
@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from engine.core.config import EngineConfig
 from engine.ipc.messages import (
-    Abort, AddGrammar, AddRequest, EngineReady, EngineStats, PromptLogprobsPart, ReleaseGrammar, RequestError,
-    TokenDelta,
+    Abort, AddGrammar, AddRequest, CacheEvents, EngineReady, EngineStats, PromptLogprobsPart, ReleaseGrammar,
+    RequestError, TokenDelta,
 )
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
@@ -38,18 +39,36 @@ def _log_crash(task: asyncio.Task) -> None:
         log.critical("engine supervision stopped", exc_info=task.exception())
 
 
-class EngineClient:
-    """Owns the current EngineProcess; one asyncio queue per request receives its deltas."""
+class _Route:
+    """Where a request's deltas go, and its tokens so far (prompt and output): its share of the replica's load."""
 
-    def __init__(self, config: EngineConfig, metrics: Metrics, hang_timeout: float = 60.0):
+    __slots__ = ("queue", "num_tokens")
+
+    def __init__(self, queue: asyncio.Queue, num_tokens: int):
+        self.queue = queue
+        self.num_tokens = num_tokens
+
+
+class EngineClient:
+    """Owns replica `index`'s current EngineProcess; one asyncio queue per request receives its deltas.
+
+    `on_cache` (cache-aware routing) gets the engine's CacheEvents, and None whenever a new engine starts empty."""
+
+    def __init__(self, config: EngineConfig, metrics: Metrics, hang_timeout: float = 60.0, index: int = 0,
+                 on_cache: Callable[[int, CacheEvents | None], None] | None = None,
+                 devices: str | None = None):
         self.config = config
         self.metrics = metrics
         self.hang_timeout = hang_timeout
+        self.index = index
+        self.on_cache = on_cache
+        self.devices = devices  # CUDA_VISIBLE_DEVICES for its engine; None: inherited
         self.engine: EngineProcess | None = None
         self.ready: EngineReady | None = None
         self.stats: EngineStats | None = None
         self.last_heard = 0.0
-        self.routes: dict[str, asyncio.Queue] = {}
+        self.routes: dict[str, _Route] = {}
+        self.load = 0  # tokens of the requests in flight: the sum of their routes' num_tokens
         self.start_timeout = 300.0
         self._ready_event = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
@@ -88,7 +107,9 @@ class EngineClient:
         """Start an engine on fresh channels and wait until it is ready; clean up if it never is."""
         self.ready = self.stats = None
         self._ready_event = asyncio.Event()
-        engine = self.engine = EngineProcess(self.config, self._on_frame)
+        if self.on_cache is not None:
+            self.on_cache(self.index, None)
+        engine = self.engine = EngineProcess(self.config, self._on_frame, self.on_cache is not None, self.devices)
         await engine.start()
         exited = asyncio.ensure_future(engine.wait())
         ready = asyncio.ensure_future(self._ready_event.wait())
@@ -115,8 +136,9 @@ class EngineClient:
             self.ready = None
             self._fail_in_flight(EngineUnavailableError(f"the engine process exited (code {code})"))
             await engine.close()
-            log.error("engine process %s exited with code %s; starting a new one", engine.pid, code)
-            self.metrics.engine_restarts.inc()
+            log.error("engine process %s (replica %d) exited with code %s; starting a new one", engine.pid,
+                      self.index, code)
+            self.metrics.engine_restarts.labels(str(self.index)).inc()
             backoff = RESTART_BACKOFF[0]
             while True:
                 try:
@@ -143,9 +165,15 @@ class EngineClient:
             exited.cancel()
 
     def _fail_in_flight(self, error: Exception) -> None:
-        routes, self.routes = self.routes, {}
-        for request_id, queue in routes.items():
-            queue.put_nowait((request_id, error))
+        routes, self.routes, self.load = self.routes, {}, 0
+        for request_id, route in routes.items():
+            route.queue.put_nowait((request_id, error))
+
+    def _drop(self, request_id: str) -> _Route | None:
+        route = self.routes.pop(request_id, None)
+        if route is not None:
+            self.load -= route.num_tokens
+        return route
 
     # ---------------------------------------------------------------- requests
 
@@ -155,12 +183,13 @@ class EngineClient:
         """Route `request_id`'s deltas (TokenDelta, or an exception) into `queue`, then submit it."""
         if not self.healthy:
             raise EngineUnavailableError("the engine is not available")
-        self.routes[request_id] = queue
+        self.routes[request_id] = _Route(queue, len(prompt_token_ids))
+        self.load += len(prompt_token_ids)
         try:
             msg = AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id, priority)
             await self._send(self.engine, msg)
         except BaseException:
-            self.routes.pop(request_id, None)
+            self._drop(request_id)
             raise
 
     async def add_grammar(self, grammar_id: str, grammar: str) -> None:
@@ -178,7 +207,7 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and forget its route; frees its KV blocks at the engine's next iteration."""
-        if self.routes.pop(request_id, None) is None or self.engine is None or not self.engine.alive:
+        if self._drop(request_id) is None or self.engine is None or not self.engine.alive:
             return
         # An abort that does not fit now is retried from a task rather than lost.
         if not self.engine.try_send(Abort(request_id)):
@@ -186,7 +215,7 @@ class EngineClient:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's route."""
-        self.routes.pop(request_id, None)
+        self._drop(request_id)
 
     async def _send(self, engine: EngineProcess, msg) -> None:
         deadline = time.monotonic() + SEND_TIMEOUT
@@ -211,26 +240,31 @@ class EngineClient:
     def _on_frame(self, msg) -> None:
         self.last_heard = time.monotonic()
         if isinstance(msg, TokenDelta):
-            queue = self.routes.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait((msg.request_id, msg))
+            route = self.routes.get(msg.request_id)
+            if route is not None:
+                route.queue.put_nowait((msg.request_id, msg))
+                route.num_tokens += len(msg.token_ids)
+                self.load += len(msg.token_ids)
                 if msg.finish_reason is not None:
-                    self.routes.pop(msg.request_id, None)
+                    self._drop(msg.request_id)
         elif isinstance(msg, PromptLogprobsPart):
-            queue = self.routes.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait((msg.request_id, msg))
+            route = self.routes.get(msg.request_id)
+            if route is not None:
+                route.queue.put_nowait((msg.request_id, msg))
+        elif isinstance(msg, CacheEvents):
+            if self.on_cache is not None:
+                self.on_cache(self.index, msg)
         elif isinstance(msg, EngineStats):
             self.stats = msg
-            self.metrics.observe_stats(msg)
+            self.metrics.observe_stats(msg, self.index)
         elif isinstance(msg, RequestError):
-            queue = self.routes.pop(msg.request_id, None)
+            route = self._drop(msg.request_id)
             if msg.internal:
                 self.metrics.failed.inc()
-            if queue is not None:
+            if route is not None:
                 error = (errors.internal_error(f"The engine failed this request: {msg.message}") if msg.internal
                          else InvalidRequestError(msg.message, msg.param))
-                queue.put_nowait((msg.request_id, error))
+                route.queue.put_nowait((msg.request_id, error))
         elif isinstance(msg, EngineReady):
             self.ready = msg
             self._ready_event.set()

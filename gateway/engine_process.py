@@ -44,9 +44,12 @@ def engine_env() -> dict[str, str]:
 class EngineProcess:
     """Spawn with `start()`; frames from the engine go to `on_frame`; `close()` frees everything."""
 
-    def __init__(self, config: EngineConfig, on_frame: Callable[[object], None]):
+    def __init__(self, config: EngineConfig, on_frame: Callable[[object], None], cache_events: bool = False,
+                 devices: str | None = None):
         self.config = config
         self.on_frame = on_frame
+        self.cache_events = cache_events  # the engine reports the blocks it caches and evicts
+        self.devices = devices  # CUDA_VISIBLE_DEVICES for it (a data-parallel replica's GPUs); None: inherited
         self.proc: asyncio.subprocess.Process | None = None
         self.to_engine: Channel | None = None
         self.from_engine: Channel | None = None
@@ -56,10 +59,13 @@ class EngineProcess:
     async def start(self) -> None:
         self.to_engine = Channel.create(ToEngine)
         self.from_engine = Channel.create(FromEngine)
-        spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle())
+        spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events)
+        env = engine_env()
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode(), env=engine_env())
+                sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode(), env=env)
         except BaseException:
             await self.close()
             raise

@@ -15,7 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.ipc.messages import PromptLogprobsPart, TokenDelta
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.engine_client import EngineClient
+from gateway.replicas import Replicas
 from gateway.metrics import Metrics
 
 
@@ -68,7 +68,7 @@ class _Deltas(asyncio.Queue):
 class Generation:
     """Every choice of a request: `prompts` x `n`, choice index = prompt index * n + i."""
 
-    client: EngineClient
+    client: Replicas
     metrics: Metrics
     tokenizer: object
     prompts: list[list[int]]

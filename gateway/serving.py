@@ -19,10 +19,11 @@ from gateway import errors
 from gateway.admission import Admission
 from gateway.auth import TENANT, CacheSalts
 from gateway.response_store import ResponseStore
-from gateway.engine_client import EngineClient, EngineUnavailableError
+from gateway.engine_client import EngineUnavailableError
 from gateway.generation import Generation
 from gateway.guards import is_json
 from gateway.metrics import Metrics
+from gateway.replicas import Replicas
 from gateway.special_tokens import ContentTokens
 from gateway.structured import GrammarCompiler
 from gateway.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
@@ -33,7 +34,7 @@ THREADED_ENCODE_CHARS = 1 << 14  # a request with more text is tokenized off the
 
 @dataclass
 class ServerState:
-    client: EngineClient
+    client: Replicas
     tokenizer: object | None  # None for dummy models without the default tokenizer: token-id prompts only
     metrics: Metrics
     model_name: str

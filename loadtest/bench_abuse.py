@@ -48,7 +48,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local_server import launch_server, stop_server
+from local_server import launch_server, scrape_metrics, stop_server
 
 
 def big_schema(seed: int, target_bytes: int) -> dict:
@@ -203,12 +203,7 @@ def unread_stream(url: str, body: bytes, headers: dict[str, str]) -> socket.sock
 
 
 def metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", headers=headers, timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return scrape_metrics(url, headers)
 
 
 async def others(url: str, seconds: float, headers: dict[str, str]) -> dict[str, int]:

@@ -30,7 +30,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local_server import launch_server, stop_server
+from local_server import launch_server, parse_metrics, stop_server
 
 MODES = {"on": [], "off": ["--no-prefix-caching"]}  # caching is on by default
 # Common English words, each one token (with its leading space) for SmolLM2: word counts ~ token counts.
@@ -116,11 +116,7 @@ async def prefix_metrics(url: str) -> dict[str, float]:
              "orcinus_requests_waiting")
     async with httpx.AsyncClient(timeout=10) as http:
         for _ in range(100):
-            m = {}
-            for line in (await http.get(url + "/metrics")).text.splitlines():
-                name, _, value = line.partition(" ")
-                if name in names:
-                    m[name] = float(value)
+            m = parse_metrics((await http.get(url + "/metrics")).text)
             if not m.get("orcinus_requests_running") and not m.get("orcinus_requests_waiting"):
                 break
             await asyncio.sleep(0.05)

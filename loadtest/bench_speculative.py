@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "loadtest"))
 
 from compare_llama_server import peer_settings  # noqa: E402
-from local_server import launch_server, stop_server  # noqa: E402
+from local_server import launch_server, scrape_metrics, stop_server  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 NAMES = ["Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
@@ -128,9 +128,9 @@ async def closed_loop(url: str, model: str, workload: str, concurrency: int, sec
 
 
 def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    keep = ("orcinus_spec_decode_draft_tokens ", "orcinus_spec_decode_accepted_tokens ", "orcinus_generation_tokens_total ")
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith(keep)}
+    m = scrape_metrics(url)
+    keep = ("orcinus_spec_decode_draft_tokens", "orcinus_spec_decode_accepted_tokens", "orcinus_generation_tokens_total")
+    return {k: m.get(k, 0.0) for k in keep}
 
 
 def main() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,3 +52,21 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
         proc.kill()
         proc.wait()
     return sorted(p.name for p in Path("/dev/shm").glob(f"orcinus_{proc.pid}_*"))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {series: value}; an engine replica's series also summed over replicas, under its name
+    without the `replica` label (`orcinus_kv_blocks_used` beside `orcinus_kv_blocks_used{replica="0"}`)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+            if 'replica="' in name:
+                total = re.sub(r',?replica="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
+                out[total] = out.get(total, 0.0) + float(value)
+    return out
+
+
+def scrape_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{url}/metrics", headers=headers, timeout=30).text)

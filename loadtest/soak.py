@@ -24,11 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local_server import launch_server, stop_server
+from local_server import launch_server, scrape_metrics, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUST = Path(sys.executable).parent / "locust"
@@ -58,12 +57,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 
 def sample(url: str, headers: dict, started: float) -> dict:
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+    values = scrape_metrics(url, headers)
     row = {"elapsed_s": round(time.monotonic() - started, 1)}
     for column, name in METRICS.items():
         value = values.get(name, float("nan"))

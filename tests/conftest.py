@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -76,12 +77,16 @@ def run_staggered(engine, prompt_ids: list[list[int]], params) -> list:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {series: value}."""
-    out = {}
+    """Prometheus text exposition -> {series: value}; an engine replica's series also summed over replicas, under
+    its name without the `replica` label (`orcinus_kv_blocks_used` beside `orcinus_kv_blocks_used{replica="0"}`)."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
+            if 'replica="' in name:
+                total = re.sub(r',?replica="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
+                out[total] = out.get(total, 0.0) + float(value)
     return out
 
 

@@ -58,6 +58,19 @@ class KVCacheManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # name -> block holding those tokens' K/V
         self.block_names: dict[int, bytes] = {}  # the reverse, for eviction
+        # Names cached and evicted since the last drain_events(), when someone reads them (a cache-aware router).
+        self.events: tuple[list[bytes], list[bytes]] | None = None
+
+    def record_events(self) -> None:
+        """From now on, keep the names of blocks cached and evicted until `drain_events()` takes them."""
+        self.events = ([], [])
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Names (cached, evicted) since the last call, in order; a name may be in both."""
+        if self.events is None:
+            return [], []
+        events, self.events = self.events, ([], [])
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,6 +119,8 @@ class KVCacheManager:
             name = self.block_names.pop(block, None)
             if name is not None:  # evict: its contents are about to be overwritten
                 del self.cached[name]
+                if self.events is not None:
+                    self.events[1].append(name)
             self._hold(block)
             req.block_table.append(block)
         return True
@@ -121,6 +136,8 @@ class KVCacheManager:
             if name not in self.cached:  # another block may hold the same tokens already: keep that one
                 self.cached[name] = block
                 self.block_names[block] = name
+                if self.events is not None:
+                    self.events[0].append(name)
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
 
     def free(self, req: Request) -> None:

@@ -120,5 +120,18 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     length_outcomes: list[tuple[float, str, float]] = []
 
 
+class CacheEvents(msgspec.Struct, tag=True, array_like=True):
+    """Prefix-cache blocks named and evicted in a step, as routing keys (`cache_key` of their names), in order: what
+    a cache-aware router needs to know which replica holds which prefix. Sent only where the gateway asks."""
+
+    stored: list[int]
+    removed: list[int]
+
+
+def cache_key(name: bytes) -> int:
+    """A block name's first 8 bytes: a routing hint, not an identity (a collision misroutes, it corrupts nothing)."""
+    return int.from_bytes(name[:8], "little", signed=True)
+
+
 ToEngine = Union[AddGrammar, ReleaseGrammar, AddRequest, Abort, Shutdown]
-FromEngine = Union[EngineReady, PromptLogprobsPart, TokenDelta, RequestError, EngineStats]
+FromEngine = Union[EngineReady, PromptLogprobsPart, TokenDelta, RequestError, EngineStats, CacheEvents]

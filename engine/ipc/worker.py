@@ -27,6 +27,7 @@ from engine.ipc.messages import (
     Abort,
     AddGrammar,
     AddRequest,
+    CacheEvents,
     EngineReady,
     EngineSummary,
     EngineStats,
@@ -37,6 +38,7 @@ from engine.ipc.messages import (
     Shutdown,
     ToEngine,
     TokenDelta,
+    cache_key,
 )
 
 PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
@@ -48,6 +50,7 @@ class WorkerSpec(msgspec.Struct):
     config: EngineConfig
     to_engine: ChannelHandle
     from_engine: ChannelHandle
+    cache_events: bool = False  # send CacheEvents after each step that named or evicted blocks (cache-aware routing)
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
@@ -76,6 +79,9 @@ class EngineWorker:
                                 getattr(e.executor, "describe", lambda: "")())
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
+        self.cache_events = spec.cache_events and c.prefix_caching
+        if self.cache_events:
+            e.scheduler.kv.record_events()
         self.outbox.send(EngineReady(e.model_name, e.limits, summary))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -134,6 +140,8 @@ class EngineWorker:
         t = time.perf_counter()
         updated = self.engine.step()
         elapsed = time.perf_counter() - t
+        if self.cache_events:  # before the step's deltas: a client's next turn must find its prefix already known
+            self.send_cache_events()
         for req in updated:
             if req.error is not None:
                 self.outbox.send(RequestError(req.request_id, req.error, internal=True))
@@ -157,6 +165,11 @@ class EngineWorker:
         first = start == 0  # the first delta also says what admission found
         return TokenDelta(req.request_id, req.output_token_ids[start:], req.finish_reason, lp,
                           req.num_cached_tokens if first else None, req.queue_seconds if first else None)
+
+    def send_cache_events(self) -> None:
+        stored, removed = self.engine.scheduler.kv.drain_events()
+        if stored or removed:
+            self.outbox.send(CacheEvents([cache_key(n) for n in stored], [cache_key(n) for n in removed]))
 
     def send_prompt_logprobs(self, req) -> None:
         """A request's prompt logprobs, all computed by its first token, in parts (positions 1, 2, ...)."""
