@@ -36,7 +36,8 @@ from engine.parallel.frames import (
     recv_frame,
     send_frame,
 )
-from engine.parallel.stage import RENDEZVOUS_TIMEOUT, make_groups, rank_of
+from engine.parallel.stage import make_groups, rank_of
+from engine.parallel.world import Place, driver_place, join
 
 
 class StageFailedError(RuntimeError):
@@ -61,13 +62,12 @@ class PipelineExecutor:
         self.closing = False
         self.failed = False  # a stage died: the rest are killed, not asked to stop
         if config.external_stages:
-            init = "env://"  # MASTER_ADDR and MASTER_PORT from the environment, as torchrun sets them
+            place = driver_place(world)  # the stage ranks reach this process at MASTER_ADDR:MASTER_PORT
         else:
-            port = _free_port()
-            init = f"tcp://127.0.0.1:{port}"
+            place = Place(0, world, "127.0.0.1", _free_port())
             config = config.with_(num_threads=config.num_threads or self._threads_per_stage(config))
-            self.procs = [self._launch(rank, world, port) for rank in range(1, world)]
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=world, timeout=RENDEZVOUS_TIMEOUT)
+            self.procs = [self._launch(rank, world, place.port) for rank in range(1, world)]
+        join(place)
         self.ranks = range(1, world)
         self.last_rank = rank_of(self.num_stages - 1, 0, self.tp_size)  # it samples
         self.pending = PendingSends()

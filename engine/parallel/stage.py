@@ -5,9 +5,13 @@ The ranks form a grid, Orca's Figure 7: pipeline stages (inter-layer) by tensor-
 Each rank of a stage holds a shard of every one of its layers and sums partial results with its peers; the
 first stage embeds the batch's tokens; the last applies the final norm and LM head, and its tensor-parallel
 rank 0 samples and returns the sampled ids to the driver. Ranks rendezvous through the standard
-torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), so a rank can run on another host:
+torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), so a rank can run on another host,
+or under torchrun (engine/parallel/world.py):
 
     RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m engine.parallel.stage
+    torchrun --nnodes 1 --nproc-per-node 2 -m engine.parallel.stage --driver 10.0.0.1:29500
+
+A rank whose driver goes away (the server stopped, an offline LLM dropped) exits with one line and status 0.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,11 +44,10 @@ from engine.parallel.frames import (
 )
 from engine.runner.device import num_kv_blocks
 from engine.runner.local_executor import attach_hidden, build_model
+from engine.parallel.world import LinkLost, join, stage_place
 from engine.runner.model_runner import ModelRunner
 
 DRIVER = 0
-# An idle server sends no frames for as long as nobody asks it anything: receives must not time out.
-RENDEZVOUS_TIMEOUT = timedelta(days=365)
 
 
 def stage_span(num_layers: int, stage: int, num_stages: int) -> range:
@@ -108,7 +110,7 @@ class Stage:
 
     def run(self) -> None:
         while True:
-            frame = recv_frame(DRIVER)
+            frame = receive_from_driver()
             if isinstance(frame, StageShutdown):
                 self.pending.wait_all()
                 return
@@ -126,7 +128,10 @@ class Stage:
         if not self.model.is_first:
             hidden = torch.empty(batch.num_tokens, self.model.shape.hidden_size, dtype=self.runner.dtype,
                                  device="cpu" if self.via_host else self.runner.device)
-            dist.recv(hidden, self.prev_rank, group=self.tensors, tag=ACTIVATION_TAG)
+            try:
+                dist.recv(hidden, self.prev_rank, group=self.tensors, tag=ACTIVATION_TAG)
+            except RuntimeError as e:
+                raise LinkLost(self.prev_rank, e) from e
             hidden = hidden.to(self.runner.device)
         out = self.runner.run(batch, hidden)
         if not self.model.is_last:
@@ -143,30 +148,51 @@ class Stage:
                                {} if prompt is None else prompt.finish()), DRIVER, self.pending)
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def receive_from_driver():
+    try:
+        return recv_frame(DRIVER)
+    except RuntimeError as e:  # gloo: the driver's connection closed (it exited, or its host went away)
+        raise LinkLost(DRIVER, e) from e
+
+
+def _exit_when_orphaned(parent_pid: int, rank: str) -> None:
     """A locally launched stage must not outlive its driver, even one killed with SIGKILL."""
     while os.getppid() == parent_pid:
         time.sleep(0.2)
-    os._exit(1)
+    _leave(f"orcinus stage rank {rank}: its driver (pid {parent_pid}) exited; exiting", 0)
+
+
+def _leave(line: str, code: int) -> None:
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)  # not sys.exit: gloo's threads may still be blocked on the closed connections
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="an Orcinus pipeline stage (rank and peers from the environment)")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the driver) is gone")
+    ap.add_argument("--driver", default=None, metavar="HOST:PORT",
+                    help="where the driver listens (its MASTER_ADDR:MASTER_PORT); needed under torchrun")
     args = ap.parse_args(argv)
+    try:
+        place = stage_place(args.driver)
+    except ValueError as e:
+        ap.error(str(e))
     if args.parent_pid:
         # Ctrl-C reaches the whole process group; the driver decides when its stages stop.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
-    dist.init_process_group("gloo", init_method="env://", timeout=RENDEZVOUS_TIMEOUT)
+        threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid, place.rank), daemon=True).start()
     try:
-        setup = recv_frame(DRIVER)
+        join(place)
+        setup = receive_from_driver()
         assert isinstance(setup, StageSetup) and rank_of(setup.stage, setup.tp_rank, setup.tp_size) == dist.get_rank()
         stage = Stage(setup)
         pending = PendingSends()
         send_frame(StageReady(stage.num_blocks), DRIVER, pending)
         pending.wait_all()
         stage.run()
+    except LinkLost as e:
+        # The driver gone is the end of the job (its server stopped, its LLM was dropped): no error of this rank's.
+        _leave(f"orcinus stage rank {place.rank}: {e}; exiting", 0 if e.rank == DRIVER else 1)
     except Exception:
         # A failed stage must not leave its peers waiting: exiting closes its connections, which they see.
         traceback.print_exc()
