@@ -3,8 +3,9 @@ closed-loop clients; (b) multi-turn chat on two replicas, cache-aware against ro
 
 (a) Each client sends a streamed completion (a seeded prompt of 40-200 words, `max_tokens` tokens, ignore_eos) and
 the next as soon as it ends; output tok/s, TTFT and latency p50 over a window after a warm-up. (b) is
-loadtest/bench_multiturn.py's workload (distinct seeded system prompts, every turn resends the history) on
-`--data-parallel-size 2` under each routing policy: prefix-cache hit rate and TTFT p50 of turns 2+. Variants run
+loadtest/bench_multiturn.py's workload (distinct seeded system prompts, every turn resends the history; users
+arrive over --think-time seconds and think that long on average between turns, so their turns do not march in
+step) on `--data-parallel-size 2` under each routing policy: prefix-cache hit rate and TTFT p50 of turns 2+. Variants run
 in alternation, a fresh server each, --rounds times; medians over the rounds.
 
     python loadtest/bench_data_parallel.py --out benchmarks/data_parallel.json
@@ -95,9 +96,13 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--conversations", type=int, nargs="+", default=[16, 40],
+                    help="chat users (one conversation each); at 16 both replicas' caches hold every conversation, "
+                         "at 40 one replica's holds about half of them")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--chat-max-tokens", type=int, default=32)
+    ap.add_argument("--think-time", type=float, default=4.0,
+                    help="chat users' mean seconds between a reply and their next turn (exponential; 0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/data_parallel.json")
     args = ap.parse_args()
@@ -134,35 +139,38 @@ def main() -> int:
         save()
 
     if "routing" in args.part:
-        convs = conversations(args.conversations, args.turns, (150, 300), (30, 80), args.seed)
-        runs_r: dict[str, list[dict]] = {p: [] for p in ROUTING}
+        runs_r: dict[int, dict[str, list[dict]]] = {n: {p: [] for p in ROUTING} for n in args.conversations}
         for r in range(args.rounds):
-            for policy, flags in ROUTING.items():
-                proc, url, log = serve(flags, out.with_suffix(f".{policy}-{r}.server.log"))
-                try:
-                    res = asyncio.run(run_mode(url, convs, args.chat_max_tokens))
-                finally:
-                    stop_server(proc)
-                    log.close()
-                runs_r[policy].append(res)
-                print(f"round {r} {policy:>11}: hit rate {res['hit_rate']:.3f}, TTFT p50 turns 2+ "
-                      f"{res['ttft_p50_later_turns_s'] * 1000:.0f} ms, {res['output_tok_s']:.1f} tok/s, "
-                      f"failed {res['failed']}", flush=True)
-                result["routing"] = {"runs": runs_r}
-                save()
+            for n in args.conversations:
+                convs = conversations(n, args.turns, (150, 300), (30, 80), args.seed)
+                for policy, flags in ROUTING.items():
+                    proc, url, log = serve(flags, out.with_suffix(f".{policy}-{n}-{r}.server.log"))
+                    try:
+                        res = asyncio.run(run_mode(url, convs, args.chat_max_tokens, args.think_time))
+                    finally:
+                        stop_server(proc)
+                        log.close()
+                    runs_r[n][policy].append(res)
+                    print(f"round {r} {n:>3} users {policy:>11}: hit rate {res['hit_rate']:.3f}, TTFT p50 turns 2+ "
+                          f"{res['ttft_p50_later_turns_s'] * 1000:.0f} ms, {res['output_tok_s']:.1f} tok/s, "
+                          f"failed {res['failed']}", flush=True)
+                    result["routing"] = {"runs": runs_r}
+                    save()
         keys = ("hit_rate", "ttft_p50_later_turns_s", "ttft_p50_s", "output_tok_s")
-        medians_r = {p: {k: median_of(rs, k) for k in keys} for p, rs in runs_r.items()}
-        ca, rr = medians_r["cache-aware"], medians_r["round-robin"]
-        result["routing"] = {
-            "medians": medians_r,
-            "hit_rate_ratio": ca["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
-            "ttft_p50_later_turns_ratio_rr_over_ca": rr["ttft_p50_later_turns_s"] / ca["ttft_p50_later_turns_s"],
-            "runs": runs_r}
+        result["routing"] = {"by_users": {}, "runs": runs_r}
+        for n, by_policy in runs_r.items():
+            medians_r = {p: {k: median_of(rs, k) for k in keys} for p, rs in by_policy.items()}
+            ca, rr = medians_r["cache-aware"], medians_r["round-robin"]
+            summary = {"medians": medians_r,
+                       "hit_rate_ratio": ca["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
+                       "ttft_p50_later_turns_ratio_rr_over_ca": rr["ttft_p50_later_turns_s"]
+                       / ca["ttft_p50_later_turns_s"]}
+            result["routing"]["by_users"][n] = summary
+            print(f"{n} users, cache-aware vs round-robin: hit rate {ca['hit_rate']:.3f} vs {rr['hit_rate']:.3f} "
+                  f"({summary['hit_rate_ratio']:.2f}x; goal >= 1.8x), TTFT p50 turns 2+ "
+                  f"{ca['ttft_p50_later_turns_s'] * 1000:.0f} vs {rr['ttft_p50_later_turns_s'] * 1000:.0f} ms "
+                  f"({summary['ttft_p50_later_turns_ratio_rr_over_ca']:.2f}x lower; goal >= 1.5x)")
         save()
-        print(f"cache-aware vs round-robin: hit rate {ca['hit_rate']:.3f} vs {rr['hit_rate']:.3f} "
-              f"({result['routing']['hit_rate_ratio']:.2f}x; goal >= 1.8x), TTFT p50 turns 2+ "
-              f"{ca['ttft_p50_later_turns_s'] * 1000:.0f} vs {rr['ttft_p50_later_turns_s'] * 1000:.0f} ms "
-              f"({result['routing']['ttft_p50_later_turns_ratio_rr_over_ca']:.2f}x lower; goal >= 1.5x)")
     if "closed-loop" in args.part:
         for c, ratio in result["closed_loop"]["dp2_over_one_tok_s"].items():
             print(f"{c} clients: two replicas x 1 thread / one engine x 2 threads = {ratio:.2f}x output tok/s")

@@ -81,11 +81,18 @@ def mean(xs: list) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-async def converse(client: openai.AsyncOpenAI, model: str, conv: Conversation, max_tokens: int) -> list[dict]:
-    """The conversation's turns one after another; stops at the first failed turn."""
+async def converse(client: openai.AsyncOpenAI, model: str, conv: Conversation, max_tokens: int,
+                   think_s: float = 0.0) -> list[dict]:
+    """The conversation's turns one after another; stops at the first failed turn. With `think_s`, the user first
+    arrives within U[0, think_s] and reads and types for Exp(mean think_s) seconds before each later turn (seeded)."""
     messages = [{"role": "system", "content": conv.system}]
     turns = []
-    for user in conv.users:
+    rng = random.Random(conv.system)
+    if think_s:
+        await asyncio.sleep(rng.uniform(0, think_s))
+    for t, user in enumerate(conv.users):
+        if think_s and t:
+            await asyncio.sleep(rng.expovariate(1 / think_s))
         messages.append({"role": "user", "content": user})
         t0 = time.perf_counter()
         ttft, reply, usage = None, [], None
@@ -123,7 +130,7 @@ async def prefix_metrics(url: str) -> dict[str, float]:
     return {k.removeprefix("orcinus_"): m.get(k, 0.0) for k in names[:2]}
 
 
-async def run_mode(url: str, convs: list[Conversation], max_tokens: int) -> dict:
+async def run_mode(url: str, convs: list[Conversation], max_tokens: int, think_s: float = 0.0) -> dict:
     """All conversations at once against the server at `url`; per-turn TTFTs, throughput, prefix-cache hits."""
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
         model = (await client.models.list()).data[0].id
@@ -131,7 +138,7 @@ async def run_mode(url: str, convs: list[Conversation], max_tokens: int) -> dict
         await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi."}], max_tokens=2)
         before = await prefix_metrics(url)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(converse(client, model, c, max_tokens) for c in convs))
+        results = await asyncio.gather(*(converse(client, model, c, max_tokens, think_s) for c in convs))
         duration = time.perf_counter() - t0
         after = await prefix_metrics(url)
     n_turns = len(convs[0].users)
