@@ -15,11 +15,19 @@ import time
 from collections.abc import Callable
 
 from engine.core.config import EngineConfig
-from engine.ipc.messages import (
-    Abort, AddGrammar, AddRequest, CacheEvents, EngineReady, EngineStats, PromptLogprobsPart, ReleaseGrammar,
-    RequestError, TokenDelta,
-)
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
+from engine.ipc.messages import (
+    Abort,
+    AddGrammar,
+    AddRequest,
+    CacheEvents,
+    EngineReady,
+    EngineStats,
+    PromptLogprobsPart,
+    ReleaseGrammar,
+    RequestError,
+    TokenDelta,
+)
 from gateway import errors
 from gateway.engine_process import EngineProcess
 from gateway.metrics import Metrics
@@ -42,7 +50,7 @@ def _log_crash(task: asyncio.Task) -> None:
 class _Route:
     """Where a request's deltas go, and its tokens so far (prompt and output): its share of the replica's load."""
 
-    __slots__ = ("queue", "num_tokens")
+    __slots__ = ("num_tokens", "queue")
 
     def __init__(self, queue: asyncio.Queue, num_tokens: int):
         self.queue = queue

@@ -25,9 +25,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_multiturn import WORDS, conversations, median_of, pct, run_mode  # noqa: E402
-from local_server import launch_server, stop_server  # noqa: E402
-from provenance import provenance  # noqa: E402
+from bench_multiturn import WORDS, conversations, median_of, pct, run_mode
+from local_server import launch_server, stop_server
+from provenance import provenance
 
 CLOSED_LOOP = {"dp2": ["--data-parallel-size", "2", "--num-threads", "1"], "one": ["--num-threads", "2"]}
 ROUTING = {"cache-aware": ["--data-parallel-size", "2", "--routing", "cache-aware"],

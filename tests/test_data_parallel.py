@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -49,7 +50,7 @@ def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:
 
 def engines(url: str) -> list[int]:
     gateway = gateway_pid(url)
-    children = open(f"/proc/{gateway}/task/{gateway}/children").read().split()
+    children = Path(f"/proc/{gateway}/task/{gateway}/children").read_text().split()
     return sorted(int(c) for c in children if "engine.ipc.worker" in cmdline(int(c)))
 
 

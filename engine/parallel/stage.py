@@ -42,9 +42,9 @@ from engine.parallel.frames import (
     recv_frame,
     send_frame,
 )
+from engine.parallel.world import LinkLost, join, stage_place
 from engine.runner.device import num_kv_blocks
 from engine.runner.local_executor import attach_hidden, build_model
-from engine.parallel.world import LinkLost, join, stage_place
 from engine.runner.model_runner import ModelRunner
 
 DRIVER = 0
