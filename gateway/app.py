@@ -111,7 +111,8 @@ def build_app(config: GatewayConfig) -> Starlette:
         gc.freeze()
         # uvicorn's own logger: the block sits with its "Uvicorn running on ..." lines.
         logging.getLogger("uvicorn.error").info(
-            "%s", startup_block(state.client.ready, state.model_name, config.url, keyed))
+            "%s", startup_block(state.client.ready, state.model_name, config.url, keyed, config.data_parallel_size,
+                                config.routing))
         try:
             yield
         finally:

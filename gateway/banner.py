@@ -5,12 +5,16 @@ from __future__ import annotations
 from engine.ipc.messages import EngineReady
 
 
-def startup_block(ready: EngineReady, model_name: str, url: str | None, api_key: bool) -> str:
-    """Plain lines, no colours: it lands in log files as often as on a terminal."""
+def startup_block(ready: EngineReady, model_name: str, url: str | None, api_key: bool, replicas: int = 1,
+                  routing: str = "") -> str:
+    """Plain lines, no colours: it lands in log files as often as on a terminal. With several replicas, the KV cache
+    and batch lines are each replica's."""
     s, limits = ready.summary, ready.limits
     grid = [f"{n} {what}" for n, what in [(s.pipeline_stages, "pipeline stages"),
                                           (s.tensor_parallel_size, "tensor-parallel ranks")] if n > 1]
     stages = ", " + " x ".join(grid) if grid else ""
+    if replicas > 1:
+        stages += f"; {replicas} data-parallel replicas, {routing} routing (each as below)"
     lines = [
         "Orcinus is ready",
         f"  model           {model_name} ({s.num_params / 1e6:,.1f}M parameters, max {limits.max_model_len} tokens)",

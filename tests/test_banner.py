@@ -43,3 +43,11 @@ def test_the_kernels_the_executor_built_are_said_when_known():
     assert "  kernels         C++ paged decode; BlockLinear; fused CpuRMSNorm" in text
     unknown = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 2)
     assert "kernels" not in startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), unknown), "x", None, False)
+
+
+def test_data_parallel_replicas_are_said():
+    summary = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 1, 2)
+    text = startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), summary), "x", None, api_key=False,
+                         replicas=2, routing="cache-aware")
+    assert ("  engine          cpu, float32, 2 tensor-parallel ranks; 2 data-parallel replicas, cache-aware routing "
+            "(each as below)") in text
