@@ -149,7 +149,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_hosts=default_allowed_hosts(args.host) if args.allowed_hosts is None else tuple(args.allowed_hosts),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
     )
-    run_server(build_app(config), host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout,
+    try:
+        app = build_app(config)
+    except ValueError as e:
+        sys.exit(f"orcinus serve: {e}")
+    run_server(app, host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout,
                header_timeout=args.header_timeout, send_timeout=args.send_timeout, max_connections=args.max_connections)
     return 0
 

@@ -45,6 +45,9 @@ class Replicas:
                  routing: RoutingPolicy = "cache-aware"):
         if size < 1:
             raise ValueError(f"--data-parallel-size must be 1 or more, got {size}")
+        if size > 1 and config.external_stages:
+            raise ValueError("--external-stages has one rendezvous (MASTER_ADDR:MASTER_PORT) for one engine's ranks: "
+                             "run one server per replica's grid instead of --data-parallel-size")
         self.router = make_router(routing if size > 1 else "round-robin", size, config.block_size)
         cache_aware = size > 1 and routing == "cache-aware" and config.prefix_caching
         on_cache = self.router.cache_events if cache_aware else None

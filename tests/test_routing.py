@@ -107,3 +107,17 @@ def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_r
     assert router.choose(replicas(0, 5), list(range(900, 940)) + [1], b"").index == 0
     router.cache_events(0, None)  # the replica restarted: an empty cache
     assert router.cached[0] == set()
+
+
+def test_replicas_refuse_one_rendezvous_for_several_engines():
+    import pytest
+
+    from gateway.metrics import Metrics
+    from gateway.replicas import Replicas, replica_devices
+
+    with pytest.raises(ValueError, match="external-stages"):
+        Replicas(EngineConfig(pipeline_stages=2, external_stages=True), Metrics(), size=2)
+    # Each replica's own GPUs: its tensor x pipeline grid, in order.
+    grid = EngineConfig(pipeline_stages=2, tensor_parallel_size=2)
+    assert [replica_devices(grid, i, 2) for i in (0, 1)] == ["0,1,2,3", "4,5,6,7"]
+    assert replica_devices(grid, 0, 1) is None
