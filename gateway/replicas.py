@@ -48,9 +48,10 @@ class Replicas:
         if size > 1 and config.external_stages:
             raise ValueError("--external-stages has one rendezvous (MASTER_ADDR:MASTER_PORT) for one engine's ranks: "
                              "run one server per replica's grid instead of --data-parallel-size")
+        if routing == "cache-aware" and not config.prefix_caching:
+            routing = "least-loaded"  # no cache to be aware of
         self.router = make_router(routing if size > 1 else "round-robin", size, config.block_size)
-        cache_aware = size > 1 and routing == "cache-aware" and config.prefix_caching
-        on_cache = self.router.cache_events if cache_aware else None
+        on_cache = self.router.cache_events if size > 1 and routing == "cache-aware" else None
         each = replica_config(config, size)
         self.clients = [EngineClient(each, metrics, hang_timeout, i, on_cache, replica_devices(config, i, size))
                         for i in range(size)]

@@ -121,3 +121,13 @@ def test_replicas_refuse_one_rendezvous_for_several_engines():
     grid = EngineConfig(pipeline_stages=2, tensor_parallel_size=2)
     assert [replica_devices(grid, i, 2) for i in (0, 1)] == ["0,1,2,3", "4,5,6,7"]
     assert replica_devices(grid, 0, 1) is None
+
+
+def test_without_prefix_caching_cache_aware_routing_is_least_loaded():
+    from gateway.metrics import Metrics
+    from gateway.replicas import Replicas
+
+    replicas = Replicas(EngineConfig(prefix_caching=False), Metrics(), size=2, routing="cache-aware")
+    assert type(replicas.router) is LeastLoaded and all(c.on_cache is None for c in replicas.clients)
+    replicas = Replicas(EngineConfig(), Metrics(), size=2)
+    assert type(replicas.router) is CacheAware and all(c.on_cache is not None for c in replicas.clients)
