@@ -112,7 +112,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         # uvicorn's own logger: the block sits with its "Uvicorn running on ..." lines.
         logging.getLogger("uvicorn.error").info(
             "%s", startup_block(state.client.ready, state.model_name, config.url, keyed, config.data_parallel_size,
-                                config.routing))
+                                state.client.routing))
         try:
             yield
         finally:

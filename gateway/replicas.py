@@ -50,6 +50,7 @@ class Replicas:
                              "run one server per replica's grid instead of --data-parallel-size")
         if routing == "cache-aware" and not config.prefix_caching:
             routing = "least-loaded"  # no cache to be aware of
+        self.routing = routing  # what routes, in effect
         self.router = make_router(routing if size > 1 else "round-robin", size, config.block_size)
         on_cache = self.router.cache_events if size > 1 and routing == "cache-aware" else None
         each = replica_config(config, size)
