@@ -52,6 +52,9 @@ class Metrics:
         self.admitted = Gauge("orcinus_sequences_admitted", "Sequences sent to the engine and not finished",
                               registry=r)
         self.rejected = Counter("orcinus_requests_rejected", "Requests refused with 429 at capacity", registry=r)
+        self.routed = Counter("orcinus_routed_requests", "Sequences sent to each replica, by why: the prompt's prefix "
+                              "cached there (cache), the fewest tokens in flight (load), the loads out of balance "
+                              "(balance), or its turn", ["replica", "reason"], registry=r)
         self.engine_restarts = Counter("orcinus_engine_restarts", "Engine processes restarted after dying",
                                        REPLICA, registry=r)
         self.prompt_tokens = Counter("orcinus_prompt_tokens", "Prompt tokens received", registry=r)

@@ -56,6 +56,7 @@ class Replicas:
         each = replica_config(config, size)
         self.clients = [EngineClient(each, metrics, hang_timeout, i, on_cache, replica_devices(config, i, size))
                         for i in range(size)]
+        self.metrics = metrics
         for i in range(size):
             metrics.add_replica(i)
         self.where: dict[str, EngineClient] = {}  # request id -> the replica serving it
@@ -89,7 +90,7 @@ class Replicas:
         healthy = [c for c in self.clients if c.healthy]
         if not healthy:
             raise EngineUnavailableError("the engine is not available")
-        client = self.router.choose(healthy, prompt_token_ids, cache_salt)
+        client, reason = self.router.choose(healthy, prompt_token_ids, cache_salt)
         if grammar_id is not None:
             await self._send_grammar(client, grammar_id)
         self.where[request_id] = client
@@ -99,6 +100,7 @@ class Replicas:
             del self.where[request_id]
             raise
         self.router.routed(request_id, client, prompt_token_ids, cache_salt)
+        self.metrics.routed.labels(str(client.index), reason).inc()
 
     async def add_grammar(self, grammar_id: str, grammar: str) -> None:
         """Keep a grammar for the requests that name it; each replica gets it once, with the first of them it serves."""

@@ -39,8 +39,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> Replica:
-        return replicas[next(self._turn) % len(replicas)]
+    def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> tuple[Replica, str]:
+        """The replica for this prompt, and why (a `reason` label of orcinus_routed_requests)."""
+        return replicas[next(self._turn) % len(replicas)], "turn"
 
     def routed(self, request_id: str, replica: Replica, prompt: list[int], cache_salt: bytes) -> None:
         """`request_id` went to `replica`."""
@@ -55,9 +56,9 @@ class RoundRobin:
 class LeastLoaded(RoundRobin):
     """The replica with the fewest in-flight tokens; ties in turn, so an idle server alternates."""
 
-    def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> Replica:
+    def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> tuple[Replica, str]:
         start = next(self._turn) % len(replicas)
-        return min(replicas[start:] + replicas[:start], key=lambda r: r.load)
+        return min(replicas[start:] + replicas[:start], key=lambda r: r.load), "load"
 
 
 class CacheAware(LeastLoaded):
@@ -71,16 +72,16 @@ class CacheAware(LeastLoaded):
         self.pending: list[Counter[int]] = [Counter() for _ in range(num_replicas)]
         self.in_flight: dict[str, tuple[int, list[int]]] = {}
 
-    def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> Replica:
+    def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> tuple[Replica, str]:
         loads = [r.load for r in replicas]
         if max(loads) - min(loads) > BALANCE_TOKENS and max(loads) > BALANCE_RATIO * min(loads):
-            return super().choose(replicas, prompt, cache_salt)
+            return super().choose(replicas, prompt, cache_salt)[0], "balance"
         keys = self.keys(prompt, cache_salt)
         matched = [self.matched(r.index, keys) for r in replicas]
         best = max(range(len(replicas)), key=lambda i: (matched[i], -loads[i]))
         if matched[best] * self.block_size < CACHE_THRESHOLD * len(prompt):
             return super().choose(replicas, prompt, cache_salt)
-        return replicas[best]
+        return replicas[best], "cache"
 
     def routed(self, request_id: str, replica: Replica, prompt: list[int], cache_salt: bytes) -> None:
         keys = self.keys(prompt, cache_salt)

@@ -44,11 +44,11 @@ def serve(s: Scheduler, rid: str, prompt: list[int], salt: bytes = b"") -> Cache
 def test_round_robin_takes_turns_and_least_loaded_takes_the_idlest():
     rr = RoundRobin()
     rs = replicas(0, 0, 0)
-    assert [rr.choose(rs, [1], b"").index for _ in range(6)] == [0, 1, 2, 0, 1, 2]
-    assert LeastLoaded().choose(replicas(50, 10, 30), [1], b"").index == 1
+    assert [rr.choose(rs, [1], b"")[0].index for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert LeastLoaded().choose(replicas(50, 10, 30), [1], b"")[0].index == 1
     # Ties go in turn, so an idle server alternates rather than piling onto the first replica.
     ll = LeastLoaded()
-    assert [ll.choose(replicas(0, 0), [1], b"").index for _ in range(4)] == [0, 1, 0, 1]
+    assert [ll.choose(replicas(0, 0), [1], b"")[0].index for _ in range(4)] == [0, 1, 0, 1]
     assert [type(make_router(p, 2, BS)) for p in ("round-robin", "least-loaded", "cache-aware")] == [
         RoundRobin, LeastLoaded, CacheAware]
 
@@ -71,15 +71,19 @@ def test_cache_aware_sends_a_prompt_to_the_replica_holding_its_prefix():
     e1 = engine()
     router.cache_events(1, serve(e1, "a", shared + [1, 2, 3]))
     rs = replicas(0, 0)
-    assert router.choose(rs, shared + [9, 9], b"").index == 1
-    assert router.choose(replicas(0, 900), shared + [9, 9], b"").index == 1  # cache beats a modest load difference
-    assert router.choose(rs, shared + [9, 9], b"other tenant").index in (0, 1)  # another salt finds nothing...
-    assert router.choose(replicas(0, 10), shared + [9], b"other tenant").index == 0  # ...so the idlest gets it
+    assert router.choose(rs, shared + [9, 9], b"")[0].index == 1
+    assert router.choose(replicas(0, 900), shared + [9, 9], b"")[0].index == 1  # cache beats a modest load difference
+    assert router.choose(rs, shared + [9, 9], b"other tenant")[0].index in (0, 1)  # another salt finds nothing...
+    assert router.choose(replicas(0, 10), shared + [9], b"other tenant")[0].index == 0  # ...so the idlest gets it
     # Too little of the prompt cached (under 30%): the idlest replica.
-    assert router.choose(replicas(10, 0), shared[:8] + list(range(50)), b"").index == 1
-    assert router.choose(replicas(0, 10), shared[:8] + list(range(50)), b"").index == 0
+    assert router.choose(replicas(10, 0), shared[:8] + list(range(50)), b"")[0].index == 1
+    assert router.choose(replicas(0, 10), shared[:8] + list(range(50)), b"")[0].index == 0
     # Out of balance: the idlest, whatever is cached.
-    assert router.choose(replicas(0, BALANCE_TOKENS + 1), shared + [9], b"").index == 0
+    assert router.choose(replicas(0, BALANCE_TOKENS + 1), shared + [9], b"")[0].index == 0
+    # Why each went where it did: orcinus_routed_requests' reason.
+    assert [router.choose(replicas(*loads), prompt, b"")[1] for loads, prompt in [
+        ((0, 0), shared + [9]), ((0, BALANCE_TOKENS + 1), shared + [9]), ((0, 0), list(range(50)))]] == [
+        "cache", "balance", "load"]
 
 
 def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_restart_forget():
@@ -87,15 +91,15 @@ def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_r
     prompt = list(range(300, 340))
     rs = replicas(0, 0)
     router.routed("x", rs[1], prompt, b"")  # routed, not yet prefilled: its twin should follow it
-    assert router.choose(replicas(5, 0), prompt + [1], b"").index == 1
-    assert router.choose(replicas(0, 5), prompt + [1], b"").index == 1
+    assert router.choose(replicas(5, 0), prompt + [1], b"")[0].index == 1
+    assert router.choose(replicas(0, 5), prompt + [1], b"")[0].index == 1
     router.done("x")
     assert router.pending == [{}, {}]
-    assert router.choose(replicas(0, 5), prompt + [1], b"").index == 0  # nothing held: the idlest
+    assert router.choose(replicas(0, 5), prompt + [1], b"")[0].index == 0  # nothing held: the idlest
 
     e0 = engine(num_blocks=12)
     router.cache_events(0, serve(e0, "a", prompt))  # 10 blocks of 12 cached
-    assert router.choose(replicas(5, 0), prompt + [1], b"").index == 0
+    assert router.choose(replicas(5, 0), prompt + [1], b"")[0].index == 0
     evicting = serve(e0, "b", list(range(900, 940)))  # another 10 blocks: most of the first prompt's are evicted
     assert evicting.removed
     router.cache_events(0, evicting)
@@ -104,7 +108,7 @@ def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_r
     e0.kv._name_blocks(req := Request("c", prompt + [1], SamplingParams(), 0), 10)
     still = next(i for i, name in enumerate(req.block_names) if name not in e0.kv.cached)
     assert 0 < still < 10 and router.matched(0, keys) == still
-    assert router.choose(replicas(0, 5), list(range(900, 940)) + [1], b"").index == 0
+    assert router.choose(replicas(0, 5), list(range(900, 940)) + [1], b"")[0].index == 0
     router.cache_events(0, None)  # the replica restarted: an empty cache
     assert router.cached[0] == set()
 
