@@ -147,11 +147,11 @@ def test_finished_requests_report_their_prediction_error_and_pool():
     assert [(ratio, pool) for ratio, pool, _ in outcomes] == [(2.0, "long"), (2.0, "short")]
     assert s.drain_length_outcomes() == []
     m = Metrics()
-    m.observe_stats(EngineStats(0, 0, 0, 0, 1, 0, length_outcomes=outcomes))
+    m.observe_stats(EngineStats(0, 0, 0, 0, 1, 0, length_outcomes=outcomes), replica=1)
     text = m.render().decode()
-    assert 'orcinus_length_prediction_ratio_bucket{le="2.0"} 2.0' in text
-    assert 'orcinus_length_prediction_ratio_bucket{le="1.25"} 0.0' in text
-    assert 'orcinus_request_queue_time_by_pool_seconds_count{pool="short"} 1.0' in text
+    assert 'orcinus_length_prediction_ratio_bucket{le="2.0",replica="1"} 2.0' in text
+    assert 'orcinus_length_prediction_ratio_bucket{le="1.25",replica="1"} 0.0' in text
+    assert 'orcinus_request_queue_time_by_pool_seconds_count{pool="short",replica="1"} 1.0' in text
 
 
 # ------------------------------------------------------------------------------------------- the engine's tokens

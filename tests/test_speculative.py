@@ -264,9 +264,10 @@ def test_metrics_report_drafted_and_accepted_tokens():
     m.observe_stats(EngineStats(1, 0, 3, 5, 9, 1, spec_draft_tokens_total=12, spec_accepted_tokens_total=7,
                                 spec_accepted_lengths=[0, 3, 4]))
     text = m.render().decode()
-    assert "orcinus_spec_decode_draft_tokens 12.0" in text and "orcinus_spec_decode_accepted_tokens 7.0" in text
-    assert 'orcinus_spec_decode_accepted_length_bucket{le="3.0"} 2.0' in text
-    assert "orcinus_spec_decode_accepted_length_count 3.0" in text
+    assert 'orcinus_spec_decode_draft_tokens{replica="0"} 12.0' in text
+    assert 'orcinus_spec_decode_accepted_tokens{replica="0"} 7.0' in text
+    assert 'orcinus_spec_decode_accepted_length_bucket{le="3.0",replica="0"} 2.0' in text
+    assert 'orcinus_spec_decode_accepted_length_count{replica="0"} 3.0' in text
 
 
 def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_choice_there(client, model):
