@@ -171,7 +171,7 @@ from engine import LLM, SamplingParams
 llm = LLM(model="dummy:tiny", dtype="float32", num_threads=1, pipeline_stages=2, external_stages=True)
 outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(max_tokens=int(sys.argv[2]), temperature=0, ignore_eos=True))
 print(json.dumps([o.text for o in outs]))
-"""  # and exits without llm.close(): the ranks see their driver's connections close
+"""  # and exits without llm.close(): the driver still stops its ranks at exit
 
 
 def test_ranks_start_under_torchrun_and_leave_quietly_when_the_driver_is_dropped(reference, tmp_path):
@@ -193,5 +193,4 @@ def test_ranks_start_under_torchrun_and_leave_quietly_when_the_driver_is_dropped
     finally:
         torchrun.kill()
     text = log.read_text(errors="replace")
-    assert "Traceback" not in text, text[-3000:]
-    assert text.count("lost the connection to rank 0") == 2, text[-3000:]
+    assert "Traceback" not in text and "Connection closed" not in text, text[-3000:]

@@ -9,6 +9,7 @@ The driver is rank 0 and holds no layers. By default it launches the N x T ranks
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import socket
@@ -68,6 +69,9 @@ class PipelineExecutor:
             config = config.with_(num_threads=config.num_threads or self._threads_per_stage(config))
             self.procs = [self._launch(rank, world, place.port) for rank in range(1, world)]
         join(place)
+        # An LLM dropped without close() still stops its ranks at exit: torn down with the interpreter instead, the
+        # process group aborted the process ("terminate called without an active exception") under a blocked receive.
+        atexit.register(self.close)
         self.ranks = range(1, world)
         self.last_rank = rank_of(self.num_stages - 1, 0, self.tp_size)  # it samples
         self.pending = PendingSends()
@@ -86,7 +90,8 @@ class PipelineExecutor:
         self.known: set[str] = set()  # requests the last stage keeps sampling state for
         self.released: list[str] = []
         self.next_batch_id = 0
-        threading.Thread(target=self._receive_results, daemon=True).start()
+        self.receiver = threading.Thread(target=self._receive_results, daemon=True)
+        self.receiver.start()
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
 
@@ -173,6 +178,7 @@ class PipelineExecutor:
         if self.closing:
             return
         self.closing = True
+        atexit.unregister(self.close)
         if self.failed:
             for proc in self.procs:
                 proc.kill()  # the survivors may be blocked on the dead one; no point asking them
@@ -188,4 +194,7 @@ class PipelineExecutor:
                 proc.kill()
         if not self.procs:
             self.pending.wait_all()
+        # Its receive ends when the last rank, shut down, closes its connection; a process group destroyed under a
+        # blocked receive aborts the process at exit.
+        self.receiver.join(timeout=10)
         dist.destroy_process_group()

@@ -11,7 +11,7 @@ or under torchrun (engine/parallel/world.py):
     RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m engine.parallel.stage
     torchrun --nnodes 1 --nproc-per-node 2 -m engine.parallel.stage --driver 10.0.0.1:29500
 
-A rank whose driver goes away (the server stopped, an offline LLM dropped) exits with one line and status 0.
+A rank whose driver goes away (its process killed, its host lost) exits with one line and status 0.
 """
 
 from __future__ import annotations
