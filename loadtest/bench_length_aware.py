@@ -135,6 +135,8 @@ def main() -> int:
     ap.add_argument("--mean-output-tokens", type=float, required=True,
                     help="the workload's mean output length (loadtest/eval_length_predictor.py's held-out requests)")
     ap.add_argument("--flags", default="", help="more `orcinus serve` flags for every policy")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more server to compare, with these flags (PREDICTOR in them: the trained predictor)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="length_aware_"))
@@ -143,6 +145,9 @@ def main() -> int:
     variants = {"fcfs": ["--scheduling-policy", "fcfs"],
                 "predicted": ["--scheduling-policy", "predicted", "--length-predictor", str(predictor)],
                 "oracle": ["--scheduling-policy", "oracle"]}
+    for spec in args.variant:
+        name, _, flags = spec.partition("=")
+        variants[name] = flags.replace("PREDICTOR", str(predictor)).split()
     servers, urls = {}, {}
     try:
         for name, flags in variants.items():
