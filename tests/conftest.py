@@ -2,7 +2,6 @@
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -15,6 +14,9 @@ import torch
 
 from engine.model.loader import load_checkpoint
 from engine.model.model_files import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "loadtest"))
+from local_server import parse_metrics  # noqa: F401 - the tests' too: one reading of /metrics
 
 # Reference and engine share the 2 cores; fewer threads than cores avoids oversubscription stalls.
 torch.set_num_threads(2)
@@ -74,20 +76,6 @@ def run_staggered(engine, prompt_ids: list[list[int]], params) -> list:
         engine.step()
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     return requests
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {series: value}; an engine replica's series also summed over replicas, under
-    its name without the `replica` label (`orcinus_kv_blocks_used` beside `orcinus_kv_blocks_used{replica="0"}`)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-            if 'replica="' in name:
-                total = re.sub(r',?replica="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
-                out[total] = out.get(total, 0.0) + float(value)
-    return out
 
 
 def wait_for_metrics(fetch, pred, timeout: float, what: str) -> dict[str, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import parse_metrics
-from test_hardening import cmdline, gateway_pid, sse_lines_to_events
+from test_hardening import cmdline, gateway_pid, metrics, sse_lines_to_events
 
 SHARED = ("You are a careful assistant for a shipping company. You answer questions about parcels, routes, "
           "delivery times, customs forms and lost items, briefly and politely, and you never invent tracking numbers. ")
@@ -32,10 +32,6 @@ async def complete_all(url: str, prompts: list[str], **body) -> list[dict]:
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]
         return await asyncio.gather(*(one(p) for p in prompts))
-
-
-def metrics(url: str) -> dict[str, float]:
-    return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import _free_port
 
 from engine import LLM, SamplingParams
 
@@ -157,12 +157,6 @@ def test_ranks_on_other_hosts_give_one_process_s_tokens_and_the_server_survives_
         server.wait(timeout=60)
     # The server stopped: its ranks shut down with it, cleanly.
     assert [r.wait(timeout=60) for r in ranks] == [0, 0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 DRIVER = """
