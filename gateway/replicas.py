@@ -90,16 +90,16 @@ class Replicas:
         healthy = [c for c in self.clients if c.healthy]
         if not healthy:
             raise EngineUnavailableError("the engine is not available")
-        client, reason = self.router.choose(healthy, prompt_token_ids, cache_salt)
-        if grammar_id is not None:
-            await self._send_grammar(client, grammar_id)
+        client, reason = self.router.route(request_id, healthy, prompt_token_ids, cache_salt)
         self.where[request_id] = client
         try:
+            if grammar_id is not None:
+                await self._send_grammar(client, grammar_id)
             await client.add(request_id, prompt_token_ids, params, queue, cache_salt, grammar_id, priority)
         except BaseException:
             del self.where[request_id]
+            self.router.done(request_id)
             raise
-        self.router.routed(request_id, client, prompt_token_ids, cache_salt)
         self.metrics.routed.labels(str(client.index), reason).inc()
 
     async def add_grammar(self, grammar_id: str, grammar: str) -> None:

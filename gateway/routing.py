@@ -43,8 +43,10 @@ class RoundRobin:
         """The replica for this prompt, and why (a `reason` label of orcinus_routed_requests)."""
         return replicas[next(self._turn) % len(replicas)], "turn"
 
-    def routed(self, request_id: str, replica: Replica, prompt: list[int], cache_salt: bytes) -> None:
-        """`request_id` went to `replica`."""
+    def route(self, request_id: str, replicas: Sequence[Replica], prompt: list[int],
+              cache_salt: bytes) -> tuple[Replica, str]:
+        """Choose `request_id`'s replica and remember it there until `done(request_id)`."""
+        return self.choose(replicas, prompt, cache_salt)
 
     def done(self, request_id: str) -> None:
         """`request_id` finished, failed or was aborted."""
@@ -73,20 +75,25 @@ class CacheAware(LeastLoaded):
         self.in_flight: dict[str, tuple[int, list[int]]] = {}
 
     def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> tuple[Replica, str]:
-        loads = [r.load for r in replicas]
-        if max(loads) - min(loads) > BALANCE_TOKENS and max(loads) > BALANCE_RATIO * min(loads):
-            return super().choose(replicas, prompt, cache_salt)[0], "balance"
-        keys = self.keys(prompt, cache_salt)
-        matched = [self.matched(r.index, keys) for r in replicas]
-        best = max(range(len(replicas)), key=lambda i: (matched[i], -loads[i]))
-        if matched[best] * self.block_size < CACHE_THRESHOLD * len(prompt):
-            return super().choose(replicas, prompt, cache_salt)
-        return replicas[best], "cache"
+        return self._choose(replicas, len(prompt), self.keys(prompt, cache_salt))
 
-    def routed(self, request_id: str, replica: Replica, prompt: list[int], cache_salt: bytes) -> None:
-        keys = self.keys(prompt, cache_salt)
+    def route(self, request_id: str, replicas: Sequence[Replica], prompt: list[int],
+              cache_salt: bytes) -> tuple[Replica, str]:
+        keys = self.keys(prompt, cache_salt)  # hashed once, for the choice and for the blocks it will hold
+        replica, reason = self._choose(replicas, len(prompt), keys)
         self.pending[replica.index].update(keys)
         self.in_flight[request_id] = (replica.index, keys)
+        return replica, reason
+
+    def _choose(self, replicas: Sequence[Replica], num_tokens: int, keys: list[int]) -> tuple[Replica, str]:
+        loads = [r.load for r in replicas]
+        if max(loads) - min(loads) > BALANCE_TOKENS and max(loads) > BALANCE_RATIO * min(loads):
+            return super().choose(replicas, [], b"")[0], "balance"
+        matched = [self.matched(r.index, keys) for r in replicas]
+        best = max(range(len(replicas)), key=lambda i: (matched[i], -loads[i]))
+        if matched[best] * self.block_size < CACHE_THRESHOLD * num_tokens:
+            return super().choose(replicas, [], b"")
+        return replicas[best], "cache"
 
     def done(self, request_id: str) -> None:
         entry = self.in_flight.pop(request_id, None)

@@ -89,8 +89,7 @@ def test_cache_aware_sends_a_prompt_to_the_replica_holding_its_prefix():
 def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_restart_forget():
     router = CacheAware(2, BS)
     prompt = list(range(300, 340))
-    rs = replicas(0, 0)
-    router.routed("x", rs[1], prompt, b"")  # routed, not yet prefilled: its twin should follow it
+    assert router.route("x", replicas(5, 0), prompt, b"")[0].index == 1  # routed, not yet prefilled: its twin...
     assert router.choose(replicas(5, 0), prompt + [1], b"")[0].index == 1
     assert router.choose(replicas(0, 5), prompt + [1], b"")[0].index == 1
     router.done("x")

@@ -155,7 +155,7 @@ def receive_from_driver():
         raise LinkLost(DRIVER, e) from e
 
 
-def _exit_when_orphaned(parent_pid: int, rank: str) -> None:
+def _exit_when_orphaned(parent_pid: int, rank: int) -> None:
     """A locally launched stage must not outlive its driver, even one killed with SIGKILL."""
     while os.getppid() == parent_pid:
         time.sleep(0.2)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         pending.wait_all()
         stage.run()
     except LinkLost as e:
-        # The driver gone is the end of the job (its server stopped, its LLM was dropped): no error of this rank's.
+        # The driver gone (its engine killed, its host lost) is the end of the job, not an error of this rank's.
         _leave(f"orcinus stage rank {place.rank}: {e}; exiting", 0 if e.rank == DRIVER else 1)
     except Exception:
         # A failed stage must not leave its peers waiting: exiting closes its connections, which they see.
