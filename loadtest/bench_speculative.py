@@ -91,40 +91,55 @@ def chat(rng: random.Random) -> str:
 WORKLOADS = {"grounded": (grounded, 0.0), "chat": (chat, 0.7)}
 
 
-async def closed_loop(url: str, model: str, workload: str, concurrency: int, seconds: float, seed: int,
-                      max_tokens: int) -> dict:
-    """`concurrency` clients, each sending its next request when the last one ends, until `seconds` have passed;
-    requests under way then run to their end, and count."""
+async def closed_loop(url: str, model: str, workload: str, concurrency: int, warmup: float, seconds: float,
+                      seed: int, max_tokens: int) -> dict:
+    """`concurrency` clients, each sending its next request when the last one ends; output tokens counted over the
+    window after `warmup` seconds, at full concurrency throughout (requests still under way at its end are cut off).
+
+    A streamed chunk may carry several tokens (a step's accepted drafts), so a chunk counts as the run's mean tokens
+    per chunk, taken from the usage of the requests that ended."""
     make, temperature = WORKLOADS[workload]
     rng = random.Random(seed)
     prompts = iter(lambda: make(rng), None)
-    tokens, latencies, done = [], [], 0
     start = time.perf_counter()
+    window = (start + warmup, start + warmup + seconds)
+    chunks_in_window = 0
+    usage_tokens, usage_chunks, latencies = 0, 0, []
+
+    async def request(http: httpx.AsyncClient) -> None:
+        nonlocal chunks_in_window, usage_tokens, usage_chunks
+        body = {"model": model, "messages": [{"role": "user", "content": next(prompts)}], "stream": True,
+                "max_tokens": max_tokens, "temperature": temperature, "stream_options": {"include_usage": True}}
+        t, chunks, usage = time.perf_counter(), 0, None
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                if any(c["delta"].get("content") for c in chunk.get("choices", ())):
+                    chunks += 1
+                    if window[0] <= time.perf_counter() < window[1]:
+                        chunks_in_window += 1
+        usage_tokens += usage["completion_tokens"]
+        usage_chunks += chunks
+        latencies.append(time.perf_counter() - t)
 
     async def client(http: httpx.AsyncClient) -> None:
-        nonlocal done
-        while time.perf_counter() - start < seconds:
-            body = {"model": model, "messages": [{"role": "user", "content": next(prompts)}], "stream": True,
-                    "max_tokens": max_tokens, "temperature": temperature, "stream_options": {"include_usage": True}}
-            t = time.perf_counter()
-            usage = None
-            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        chunk = json.loads(line[6:])
-                        usage = chunk.get("usage") or usage
-            tokens.append(usage["completion_tokens"])
-            latencies.append(time.perf_counter() - t)
-            done += 1
+        while time.perf_counter() < window[1]:
+            try:
+                await asyncio.wait_for(request(http), timeout=max(0.0, window[1] - time.perf_counter()))
+            except asyncio.TimeoutError:  # cut off at the window's end: its chunks so far have counted
+                return
 
     # A new connection per request: llama-server may close a kept-alive one just as the next request reuses it.
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
-    elapsed = time.perf_counter() - start
-    return {"output_tok_s": sum(tokens) / elapsed, "completed": done, "output_tokens": sum(tokens),
-            "mean_output_tokens": sum(tokens) / max(1, done), "latency_p50_s": statistics.median(latencies),
-            "elapsed_s": elapsed, "seed": seed}
+    tokens_per_chunk = usage_tokens / max(1, usage_chunks)
+    return {"output_tok_s": chunks_in_window * tokens_per_chunk / seconds, "completed": len(latencies),
+            "tokens_per_chunk": tokens_per_chunk, "mean_output_tokens": usage_tokens / max(1, len(latencies)),
+            "latency_p50_s": statistics.median(latencies) if latencies else None, "seed": seed}
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -140,7 +155,8 @@ def main() -> int:
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL", help="a running server (repeatable)")
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--warmup", type=float, default=10, help="seconds at full concurrency before the window")
+    ap.add_argument("--seconds", type=float, default=60, help="the measured window")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed-base", type=int, default=0)
@@ -163,7 +179,8 @@ def main() -> int:
                     for s in order:
                         model = httpx.get(f"{urls[s]}/v1/models", timeout=10).json()["data"][0]["id"]
                         before = metrics(urls[s]) if s in servers else {}
-                        res = asyncio.run(closed_loop(urls[s], model, w, c, args.seconds, seed, args.max_tokens))
+                        res = asyncio.run(closed_loop(urls[s], model, w, c, args.warmup, args.seconds, seed,
+                                                          args.max_tokens))
                         if s in servers:
                             after = metrics(urls[s])
                             res["spec"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
