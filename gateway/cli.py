@@ -49,7 +49,8 @@ _ENGINE_FLAGS = {
                              "(default auto: ngram on the CPU, off on a GPU)"),
     "num_speculative_tokens": dict(type=int, help="most draft tokens per request per step (default 8)"),
     "speculative_row_cost": dict(type=float, help="one more row's cost as a share of a step's fixed cost: drafts are "
-                                 "scheduled only where likely to pay for their rows (default 0.25; 0 drafts always)"),
+                                 "scheduled only where likely to pay for their rows (default: measured from the engine's "
+                                 "own steps, starting at 0.25; 0 drafts always)"),
     "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),
     "pipeline_stages": dict(type=int, help="split the layers over N stage processes, N batches in flight"),
     "tensor_parallel_size": dict(type=int, help="split every layer over N processes (per pipeline stage)"),

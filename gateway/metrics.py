@@ -90,6 +90,9 @@ class Metrics:
                                               "Draft tokens accepted per request per step that drafted", REPLICA,
                                               registry=r,
                                               buckets=_DRAFT_BUCKETS)
+        self.spec_row_cost = Gauge("orcinus_spec_decode_row_cost",
+                                   "One more row's cost as a share of a step's fixed cost, as speculation measures it",
+                                   REPLICA, registry=r)
         self.length_prediction = Histogram("orcinus_length_prediction_ratio",
                                            "A finished request's output length predicted from its prompt over its "
                                            "real length (--scheduling-policy predicted)", REPLICA, registry=r,
@@ -125,6 +128,8 @@ class Metrics:
             self.batch_size.labels(label).observe(s.last_batch_size)
         self.spec_drafted.labels(label).set(s.spec_draft_tokens_total)
         self.spec_accepted.labels(label).set(s.spec_accepted_tokens_total)
+        if s.spec_row_cost:
+            self.spec_row_cost.labels(label).set(s.spec_row_cost)
         for n in s.spec_accepted_lengths:
             self.spec_accepted_length.labels(label).observe(n)
         for ratio, pool, queue_seconds in s.length_outcomes:

@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.request import Request, SampledTokens
 from engine.core.scheduler import Scheduler
-from engine.core.speculation import Speculation
+from engine.core.speculation import RowCost, Speculation
 from engine.ipc.messages import EngineStats
 from engine.model.sampling import sampler as sampler_module
 from engine.model.sampling.sampler import Sampler
@@ -259,15 +259,61 @@ def test_drafts_grow_with_acceptance_and_shrink_as_the_batch_grows():
     assert len(spec.draft(req, 16, 1)) == 1  # and probes again once its estimate has recovered
 
 
+def test_a_new_request_starts_from_what_recent_drafts_earned():
+    spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=8, row_cost=0.25)
+    first = Request("a", [1, 2], SamplingParams())
+    first.output_token_ids = [3]
+    assert len(spec.draft(first, 16, 4)) == 3  # 0.8 ** 3 >= 1 / 2 > 0.8 ** 4
+    for _ in range(100):  # open chat: one draft token in three accepted
+        spec.verified(first, 2, 1)
+        spec.verified(first, 1, 0)
+    assert spec.prior == pytest.approx(1 / 3, abs=0.05)
+    later = Request("b", [1, 2], SamplingParams())
+    later.output_token_ids = [3]
+    assert spec.draft(later, 16, 4) == []  # beside 3 others a draft token must be accepted one time in two
+
+
+def test_the_row_cost_is_measured_from_decode_steps_of_varied_rows():
+    cost = RowCost()
+    for rows in range(1, 10):  # too few steps yet: the prior
+        cost.observe(rows, 0.005 + 0.001 * rows)
+    assert cost.value == RowCost.PRIOR
+    for _ in range(10):
+        for rows in range(1, 10):  # 5 ms a step and 1 ms a row: r = 0.2
+            cost.observe(rows, 0.005 + 0.001 * rows)
+    assert cost.value == pytest.approx(0.2)
+    for _ in range(500):  # the device got slower per row (or rows got longer contexts): the fit follows
+        for rows in range(1, 10):
+            cost.observe(rows, 0.005 + 0.004 * rows)
+    assert cost.value == pytest.approx(0.8)
+    steady = RowCost()
+    for _ in range(100):
+        steady.observe(32, 0.05)  # one batch size only: a slope cannot be told
+    assert steady.value == RowCost.PRIOR
+    assert RowCost(0.01).value == 0.01  # set by the user: kept whatever the steps say
+
+
+def test_a_measured_cost_of_rows_near_free_lets_a_full_batch_draft():
+    spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=8)
+    req = Request("a", [1, 2], SamplingParams())
+    req.output_token_ids = [3]
+    assert spec.draft(req, 16, 32) == []  # the prior: beside 31 others, 0.8 is not enough
+    for _ in range(10):
+        for rows in range(32, 64, 4):  # a GPU decode step: 10 ms fixed, 20 us a row
+            spec.row_cost.observe(rows, 0.010 + 0.00002 * rows)
+    assert len(spec.draft(req, 16, 32)) >= 4
+
+
 def test_metrics_report_drafted_and_accepted_tokens():
     m = Metrics()
     m.observe_stats(EngineStats(1, 0, 3, 5, 9, 1, spec_draft_tokens_total=12, spec_accepted_tokens_total=7,
-                                spec_accepted_lengths=[0, 3, 4]))
+                                spec_accepted_lengths=[0, 3, 4], spec_row_cost=0.3))
     text = m.render().decode()
     assert 'orcinus_spec_decode_draft_tokens{replica="0"} 12.0' in text
     assert 'orcinus_spec_decode_accepted_tokens{replica="0"} 7.0' in text
     assert 'orcinus_spec_decode_accepted_length_bucket{le="3.0",replica="0"} 2.0' in text
     assert 'orcinus_spec_decode_accepted_length_count{replica="0"} 3.0' in text
+    assert 'orcinus_spec_decode_row_cost{replica="0"} 0.3' in text
 
 
 def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_choice_there(client, model):

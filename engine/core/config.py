@@ -146,9 +146,9 @@ class EngineConfig:
     # benchmarks/speculative.json measured best there), off on a GPU (not measured there yet)
     speculative: Literal["auto", "off", "ngram", "suffix"] = "auto"
     num_speculative_tokens: int = 8  # most draft tokens per request per step (each request drafts as it earns)
-    # one more row's cost as a share of a step's fixed cost (the CPU here: 1.2-1.4 ms a row on a 5-6 ms step); draft
-    # tokens are scheduled only where they are likely enough to pay for their rows (engine/core/speculation.py)
-    speculative_row_cost: float = 0.25
+    # one more row's cost as a share of a step's fixed cost; draft tokens are scheduled only where they are likely
+    # enough to pay for their rows (engine/core/speculation.py); None: measured from the engine's own steps
+    speculative_row_cost: float | None = None
     pipeline_stages: int = 1  # processes the decoder layers are split over; up to this many batches in flight
     tensor_parallel_size: int = 1  # processes each stage's layers are split over (heads, MLP width, vocabulary)
     external_stages: bool = False  # stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
@@ -47,6 +48,8 @@ class EngineCore:
         self.last_batch_size = 0
         self.last_batch_tokens = 0
         self.max_batches_in_flight = 0
+        self._submitted_at: deque[float] = deque()  # of the batches in flight, oldest first
+        self._last_collected = 0.0
 
     @property
     def runner(self):
@@ -88,15 +91,21 @@ class EngineCore:
             batch = self.scheduler.schedule(num_batches=free)
             if not batch.requests:
                 break
+            started = time.monotonic()  # a local executor runs the batch in submit, others in the background
             self.executor.submit(batch, [self.scheduler.requests[r.request_id] for r in batch.requests if r.sample])
+            self._submitted_at.append(started)
             self.last_batch_size, self.last_batch_tokens = len(batch), batch.num_tokens
             self.max_batches_in_flight = max(self.max_batches_in_flight, self.executor.num_in_flight)
         if not self.executor.num_in_flight:
             self.last_batch_size = self.last_batch_tokens = 0
             return []
         batch, sampled, prompt_logprobs = self.executor.collect()
+        # The batch's time: from its submission, or from the one before it ending if it waited in line behind it.
+        now = time.monotonic()
+        seconds = now - max(self._submitted_at.popleft(), self._last_collected)
+        self._last_collected = now
         self.num_iterations += 1
-        updated = self.scheduler.update(batch, sampled, prompt_logprobs)
+        updated = self.scheduler.update(batch, sampled, prompt_logprobs, seconds)
         self.executor.release([r.request_id for r in updated if r.status.finished])
         return updated
 

@@ -345,10 +345,14 @@ class Scheduler:
 
     def update(
         self, batch: Batch, sampled: dict[str, SampledTokens | Failure],
-        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None, seconds: float | None = None,
     ) -> list[Request]:
         """Account computed tokens, append sampled ones (and the prompt logprobs of chunks that asked for them),
-        retire finished requests; returns those that got a token."""
+        retire finished requests; returns those that got a token. `seconds`: how long the batch took, if known."""
+        # A step of decoding requests only (prompt chunks would swamp it) shows what its rows cost.
+        if self.speculation is not None and seconds is not None and all(
+                sr.sample and len(sr.token_ids) == sr.num_draft + 1 for sr in batch.requests):
+            self.speculation.row_cost.observe(batch.num_tokens, seconds)
         updated = []
         for sr in batch.requests:
             self.in_flight[sr.request_id] -= 1

@@ -118,6 +118,7 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     # per request finished since the last report whose length was predicted: (prediction / real length, its pool
     # "short" or "long", seconds it waited for admission)
     length_outcomes: list[tuple[float, str, float]] = []
+    spec_row_cost: float = 0.0  # a row's cost as speculation measures it; 0 without speculation
 
 
 class CacheEvents(msgspec.Struct, tag=True, array_like=True):
