@@ -32,22 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "loadtest"))
 
 from length_workload import request  # noqa: E402
-from local_server import launch_server, stop_server  # noqa: E402
+from local_server import chat_chunks, launch_server, stop_server  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int]:
     """(seconds to the first token, completion tokens) of one streamed chat request."""
     t, first, usage = time.perf_counter(), None, None
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - t
-            usage = chunk.get("usage") or usage
+    async for chunk in chat_chunks(http, url, body):
+        if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            first = time.perf_counter() - t
+        usage = chunk.get("usage") or usage
     return first, usage["completion_tokens"]
 
 

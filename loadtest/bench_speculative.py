@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "loadtest"))
 
 from compare_llama_server import peer_settings  # noqa: E402
-from local_server import launch_server, scrape_metrics, stop_server  # noqa: E402
+from local_server import chat_chunks, launch_server, scrape_metrics, stop_server  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 NAMES = ["Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
@@ -111,17 +111,12 @@ async def closed_loop(url: str, model: str, workload: str, concurrency: int, war
         body = {"model": model, "messages": [{"role": "user", "content": next(prompts)}], "stream": True,
                 "max_tokens": max_tokens, "temperature": temperature, "stream_options": {"include_usage": True}}
         t, chunks, usage = time.perf_counter(), 0, None
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or usage
-                if any(c["delta"].get("content") for c in chunk.get("choices", ())):
-                    chunks += 1
-                    if window[0] <= time.perf_counter() < window[1]:
-                        chunks_in_window += 1
+        async for chunk in chat_chunks(http, url, body):
+            usage = chunk.get("usage") or usage
+            if any(c["delta"].get("content") for c in chunk.get("choices", ())):
+                chunks += 1
+                if window[0] <= time.perf_counter() < window[1]:
+                    chunks_in_window += 1
         usage_tokens += usage["completion_tokens"]
         usage_chunks += chunks
         latencies.append(time.perf_counter() - t)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -52,6 +53,15 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
         proc.kill()
         proc.wait()
     return sorted(p.name for p in Path("/dev/shm").glob(f"orcinus_{proc.pid}_*"))
+
+
+async def chat_chunks(http: httpx.AsyncClient, url: str, body: dict):
+    """The parsed SSE chunks of one streamed chat completion; an error status raises."""
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
 
 
 def parse_metrics(text: str) -> dict[str, float]:
