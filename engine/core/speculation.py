@@ -8,9 +8,9 @@ What a row costs: a step of R rows takes about T0 * (1 + row_cost * R), so with 
 B / (T0 * (1 + row_cost * B)) tokens per unit of time, and one more row (row_cost * T0) pays while it yields at
 least row_cost * B / (1 + row_cost * B) tokens: a draft grows while acceptance ** d stays above that. The row cost is
 measured (RowCost: fitted to the engine's own decode steps), so a device whose rows are nearly free (a GPU's decode)
-drafts beside many requests. Alone on the CPU (row_cost 0.2-0.25 measured: 1.2-1.4 ms a row on a 5-6 ms step) a draft
-token must be accepted one time in five; beside 31 others, nine times in ten, so a busy engine drafts only what is
-near certain. A request whose drafts keep failing stops drafting, and probes again with one token once its estimate
+drafts beside many requests. Alone on the CPU (row_cost 0.12-0.25 measured: about a millisecond a row on a 5-6 ms
+step) a draft token must be accepted one time in five to eight; beside 31 others (0.25), nine times in ten, so a busy
+engine drafts only what is near certain. A request whose drafts keep failing stops drafting, and probes again with one token once its estimate
 has recovered.
 """
 
