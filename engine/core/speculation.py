@@ -9,9 +9,9 @@ B / (T0 * (1 + row_cost * B)) tokens per unit of time, and one more row (row_cos
 least row_cost * B / (1 + row_cost * B) tokens: a draft grows while acceptance ** d stays above that. The row cost is
 measured (RowCost: fitted to the engine's own decode steps), so a device whose rows are nearly free (a GPU's decode)
 drafts beside many requests. Alone on the CPU (row_cost 0.12-0.25 measured: about a millisecond a row on a 5-6 ms
-step) a draft token must be accepted one time in five to eight; beside 31 others (0.25), nine times in ten, so a busy
-engine drafts only what is near certain. A request whose drafts keep failing stops drafting, and probes again with one token once its estimate
-has recovered.
+step) a draft token must be accepted one time in five to nine; beside 31 others (0.25), nine times in ten, so a busy
+engine drafts only what is near certain. A request whose drafts keep failing stops drafting, and probes again with
+one token once its estimate has recovered.
 """
 
 from __future__ import annotations
