@@ -111,8 +111,49 @@ def test_newcomers_take_slots_from_predicted_long_running_requests():
     s.update(batch, {r.request_id: SampledTokens([7], hidden=[500.0]) for r in batch.requests})
     s.add(Request("short", [9, 9], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=1.0))
     batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["short"]  # its prompt alone: its first token waits for no decode
+    s.update(batch, {"short": SampledTokens([7], hidden=[3.0])})
+    batch = s.schedule()
     assert sorted(r.request_id for r in batch.requests) == ["long1", "short"]  # 2 slots: the newcomer takes one
     assert len(s.running) == 3  # all three hold blocks
+
+
+def decode_ready(s: Scheduler, lengths: dict[str, int]) -> None:
+    """Admit and prefill one request per entry, each predicted at its length."""
+    for rid, n in lengths.items():
+        s.add(Request(rid, [1, 2, len(rid), n], SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=0.0))
+    while s.waiting:  # (prompts too: half of those ready at a time)
+        batch = s.schedule()
+        s.update(batch, {r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])] if r.probe else None)
+                         for r in batch.requests})
+
+
+def test_an_iteration_takes_the_shorter_half_of_those_ready():
+    s = make(max_num_seqs=64)
+    lengths = {f"r{n}": n for n in range(100, 120)}  # 20 ready
+    decode_ready(s, lengths)
+    batch = s.schedule()
+    assert sorted(r.request_id for r in batch.requests) == [f"r{n}" for n in range(100, 110)]
+    s = make(max_num_seqs=64)
+    decode_ready(s, {f"r{n}": n for n in range(100, 106)})  # fewer than MIN_BATCH: all of them
+    assert len(s.schedule()) == 6
+    assert Predicted.batch_size(30, 64) == 15 and Predicted.batch_size(300, 64) == 64  # never past max_num_seqs
+
+
+def test_new_prompts_run_alone_but_never_twice_in_a_row():
+    s = make(max_num_seqs=64)
+    decode_ready(s, {"a": 500, "b": 500})
+    for step in range(6):
+        s.add(Request(f"new{step}", [9, step + 10], SamplingParams(max_tokens=500, ignore_eos=True),
+                      arrival_time=float(step)))
+        batch = s.schedule()
+        ids = sorted(r.request_id for r in batch.requests)
+        if step % 2 == 0:
+            assert ids == [f"new{step}"]  # its prompt alone
+        else:  # the next iteration decodes everyone, this newcomer's prompt with them
+            assert {"a", "b", f"new{step}", f"new{step - 1}"} <= set(ids)
+        s.update(batch, {r.request_id: SampledTokens([7], hidden=[500.0] if r.probe else None)
+                         for r in batch.requests if r.sample})
 
 
 def test_a_newcomer_short_of_blocks_takes_them_from_a_predicted_long_request_only():

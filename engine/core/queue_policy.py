@@ -20,6 +20,12 @@ class Fcfs:
     """Orca's order: arrival."""
 
     RUNNING_PER_SEQ = 1  # requests that may hold KV blocks, per request an iteration takes (max_num_seqs)
+    NEWCOMERS_ALONE = False  # new prompts join the running requests' decodes (Orca's selective batching)
+
+    @staticmethod
+    def batch_size(num_ready: int, max_seqs: int) -> int:
+        """Most requests this iteration takes, of `num_ready` that could run."""
+        return max_seqs
 
     @staticmethod
     def key(req: Request) -> tuple:
@@ -31,10 +37,8 @@ class Fcfs:
         return 0
 
 
-class Priority:
+class Priority(Fcfs):
     """vLLM's `priority` field: lower first, arrival order among equals; preemption takes the highest first."""
-
-    RUNNING_PER_SEQ = 1
 
     @staticmethod
     def key(req: Request) -> tuple:
@@ -69,6 +73,14 @@ class Predicted:
 
     AGING = 50.0  # predicted tokens that one second of waiting makes up for
     RUNNING_PER_SEQ = 2  # requests that may hold KV blocks, per request an iteration takes (max_num_seqs)
+    NEWCOMERS_ALONE = True  # a new prompt's iteration leaves the decodes out: its first token waits for none
+    MIN_BATCH = 8  # an iteration takes at least this many (of those ready): this CPU's tok/s barely grows beyond
+
+    @classmethod
+    def batch_size(cls, num_ready: int, max_seqs: int) -> int:
+        """The shorter half of those ready (at least MIN_BATCH): in a step whose time grows with its rows, the
+        longer half waiting lets the shorter finish sooner, while the step stays large enough to keep up."""
+        return min(max_seqs, max(cls.MIN_BATCH, -(-num_ready // 2)))
 
     @staticmethod
     def remaining(req: Request) -> float:

@@ -114,6 +114,7 @@ class Scheduler:
         self.speculation = speculation  # None: no drafts, one token per request per step
         self.drafting: set[str] = set()  # requests whose batch in flight verifies drafts: none runs ahead of it
         self.num_preemptions = 0
+        self.newcomers_ran_alone = False  # the last batch took new prompts only (`_newcomers_alone`)
         # Tokens of admitted requests (prompt, plus outputs after a preemption) looked up in the prefix cache.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0  # of those, found there (not computed again)
@@ -159,17 +160,34 @@ class Scheduler:
         num_running_at_start = len(self.running)
         scheduled: list[tuple[Request, int, list[int]]] = []
         num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
-        # Running ahead, consecutive batches share their requests rather than split them.
-        max_seqs = self.config.max_num_seqs
-        if not self.run_ahead:
+        max_seqs = self.policy.batch_size(num_ready, self.config.max_num_seqs)
+        if not self.run_ahead:  # running ahead, consecutive batches share their requests rather than split them
             max_seqs = min(max_seqs, -(-num_ready // num_batches))
         if self.reorders:
             self.running.sort(key=self.policy.key)
             self._make_room(budget)
         max_running_seqs = self._running_slots(max_seqs)
+        alone = self._newcomers_alone()
+        budget = self._schedule_running(scheduled, 0 if alone else max_running_seqs, budget)
+        budget = self._admit_waiting(scheduled, max_seqs, budget, num_running_at_start)
+        if alone and not scheduled:  # the newcomer could not be admitted after all: the running go on
+            self._schedule_running(scheduled, max_running_seqs, budget)
+        self.newcomers_ran_alone = alone and bool(scheduled)
 
+        batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
+        for (req, _, draft), sr in zip(scheduled, batch.requests):
+            self.in_flight[req.request_id] += 1
+            req.num_in_flight_tokens += len(sr.token_ids)
+            req.num_pending_outputs += sr.sample
+            if draft:
+                self.drafting.add(req.request_id)
+        return batch
+
+    def _schedule_running(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int) -> int:
+        """Running requests in order, until `scheduled` holds `max_seqs`; preempts where blocks run out. Returns
+        the budget left."""
         i = 0
-        while i < len(self.running) and len(scheduled) < max_running_seqs:
+        while i < len(self.running) and len(scheduled) < max_seqs:
             req = self.running[i]
             num_new = min(self._num_schedulable(req), budget)
             if num_new == 0:
@@ -189,7 +207,11 @@ class Scheduler:
                 scheduled.append((req, num_new, draft))
                 budget -= num_new + len(draft)
                 i += 1
+        return budget
 
+    def _admit_waiting(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int,
+                       num_running_at_start: int) -> int:
+        """Waiting requests in the policy's order, while they fit. Returns the budget left."""
         pending = self._blocks_being_computed() if self.waiting and self.kv.prefix_caching else set()
         while (
             self.waiting
@@ -220,15 +242,14 @@ class Scheduler:
             if num_new:
                 scheduled.append((req, num_new, []))
                 budget -= num_new
+        return budget
 
-        batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
-        for (req, _, draft), sr in zip(scheduled, batch.requests):
-            self.in_flight[req.request_id] += 1
-            req.num_in_flight_tokens += len(sr.token_ids)
-            req.num_pending_outputs += sr.sample
-            if draft:
-                self.drafting.add(req.request_id)
-        return batch
+    def _newcomers_alone(self) -> bool:
+        """Whether this iteration computes new prompts only (the policy's NEWCOMERS_ALONE), so their first tokens
+        wait for no decode; never twice in a row, so the running requests take at least every other iteration."""
+        if not self.policy.NEWCOMERS_ALONE or self.newcomers_ran_alone or not self.waiting or not self.running:
+            return False
+        return self.waiting.first.num_output_tokens == 0 and len(self.running) < self.max_running
 
     def _running_slots(self, max_seqs: int) -> int:
         """Of an iteration's `max_seqs` requests, how many running ones take: all, unless more hold blocks than run
