@@ -122,22 +122,10 @@ def decode_ready(s: Scheduler, lengths: dict[str, int]) -> None:
     """Admit and prefill one request per entry, each predicted at its length."""
     for rid, n in lengths.items():
         s.add(Request(rid, [1, 2, len(rid), n], SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=0.0))
-    while s.waiting:  # (prompts too: half of those ready at a time)
+    while s.waiting:
         batch = s.schedule()
         s.update(batch, {r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])] if r.probe else None)
                          for r in batch.requests})
-
-
-def test_an_iteration_takes_the_shorter_half_of_those_ready():
-    s = make(max_num_seqs=64)
-    lengths = {f"r{n}": n for n in range(100, 120)}  # 20 ready
-    decode_ready(s, lengths)
-    batch = s.schedule()
-    assert sorted(r.request_id for r in batch.requests) == [f"r{n}" for n in range(100, 110)]
-    s = make(max_num_seqs=64)
-    decode_ready(s, {f"r{n}": n for n in range(100, 106)})  # fewer than MIN_BATCH: all of them
-    assert len(s.schedule()) == 6
-    assert Predicted.batch_size(30, 64) == 15 and Predicted.batch_size(300, 64) == 64  # never past max_num_seqs
 
 
 def test_new_prompts_run_alone_but_never_twice_in_a_row():

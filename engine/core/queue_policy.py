@@ -23,11 +23,6 @@ class Fcfs:
     NEWCOMERS_ALONE = False  # new prompts join the running requests' decodes (Orca's selective batching)
 
     @staticmethod
-    def batch_size(num_ready: int, max_seqs: int) -> int:
-        """Most requests this iteration takes, of `num_ready` that could run."""
-        return max_seqs
-
-    @staticmethod
     def key(req: Request) -> tuple:
         return (req.arrival_order,)
 
@@ -66,21 +61,15 @@ class Predicted:
     """Shortest predicted remaining work first, aged: a request's key is its arrival time plus its predicted
     remaining tokens over AGING, so one predicted L tokens longer than another counts as arriving L / AGING
     seconds later. Nobody arriving more than (its prediction / AGING) seconds after a request overtakes it: its
-    wait is bounded. A request not yet predicted (no prefill yet) keys at its arrival, so new prompts are taken
-    promptly and get their first token (and their prediction) first. Requests hold KV blocks beyond the ones an
-    iteration takes (`max_running`), so a short newcomer decodes beside, or instead of, long ones; when blocks run
-    out the highest key is preempted first."""
+    wait is bounded. A request not yet predicted (no prefill yet) keys at its arrival, and new prompts run in an
+    iteration of their own (never two in a row), so a first token (and its prediction) waits for no decode, only
+    for the iteration under way. Requests hold KV blocks beyond the ones an iteration takes (`max_running`), so a
+    short newcomer decodes beside, or instead of, long ones; when blocks run out the highest key is preempted
+    first."""
 
     AGING = 50.0  # predicted tokens that one second of waiting makes up for
     RUNNING_PER_SEQ = 2  # requests that may hold KV blocks, per request an iteration takes (max_num_seqs)
     NEWCOMERS_ALONE = True  # a new prompt's iteration leaves the decodes out: its first token waits for none
-    MIN_BATCH = 8  # an iteration takes at least this many (of those ready): this CPU's tok/s barely grows beyond
-
-    @classmethod
-    def batch_size(cls, num_ready: int, max_seqs: int) -> int:
-        """The shorter half of those ready (at least MIN_BATCH): in a step whose time grows with its rows, the
-        longer half waiting lets the shorter finish sooner, while the step stays large enough to keep up."""
-        return min(max_seqs, max(cls.MIN_BATCH, -(-num_ready // 2)))
 
     @staticmethod
     def remaining(req: Request) -> float:

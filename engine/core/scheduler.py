@@ -160,7 +160,7 @@ class Scheduler:
         num_running_at_start = len(self.running)
         scheduled: list[tuple[Request, int, list[int]]] = []
         num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
-        max_seqs = self.policy.batch_size(num_ready, self.config.max_num_seqs)
+        max_seqs = self.config.max_num_seqs
         if not self.run_ahead:  # running ahead, consecutive batches share their requests rather than split them
             max_seqs = min(max_seqs, -(-num_ready // num_batches))
         if self.reorders:
