@@ -5,8 +5,9 @@ The saturation rate is FCFS's: the output tokens per second enough closed-loop c
 (the engine's own counter, after a warm-up), over the workload's mean output length (`--mean-output-tokens`, as
 loadtest/eval_length_predictor.py measured it on its held-out requests).
 Each run sends the same arrival schedule (prompts, times, max_tokens) to each policy, streamed, greedy; the oracle
-gets each request's real output length (from the FCFS run just before it) in its `priority` field. Per run: mean
-and p99 end-to-end latency, median TTFT, output tokens per second, and latency by kind of answer.
+gets each request's real output length (from the run just before it; who goes first rotates from round to round,
+since this machine's speed drifts) in its `priority` field. Per run: mean and p99 end-to-end latency, median TTFT,
+output tokens per second, latency by kind of answer, and preemptions.
 
     python loadtest/eval_length_predictor.py --train 2000 --predictor /tmp/length.safetensors
     python loadtest/bench_length_aware.py --length-predictor /tmp/length.safetensors \\
@@ -82,10 +83,14 @@ async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, 
     }
 
 
-def generated_tokens(url: str) -> float:
+def metric(url: str, name: str) -> float:
+    """The first sample of a metric on the server's /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return next(float(line.split()[1]) for line in text.splitlines()
-                if line.startswith("orcinus_generation_tokens_total "))
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
+
+
+def generated_tokens(url: str) -> float:
+    return metric(url, "orcinus_generation_tokens_total")
 
 
 async def saturation_tokens(url: str, model: str, clients: int, warmup: float, seconds: float, seed: int) -> float:
@@ -157,15 +162,22 @@ def main() -> int:
         for r in range(args.rounds):
             for load in args.loads:
                 schedule = poisson(random.Random(1000 * r + int(100 * load)), load * rate, args.seconds)
+                # Who goes first rotates (the machine's speed drifts within a round); the oracle goes second, taking
+                # its lengths from the first (greedy: every policy gives the same tokens).
+                others = [n for n in variants if n != "oracle"]
+                order = others[r % len(others):] + others[:r % len(others)]
+                order[1:1] = ["oracle"]
                 lengths = None
-                for name in variants:  # fcfs first: the oracle takes its lengths
+                for name in order:
+                    preempted = metric(urls[name], "orcinus_preemptions")
                     res = asyncio.run(open_loop(urls[name], model, schedule, lengths if name == "oracle" else None))
-                    if name == "fcfs":
+                    res["preemptions"] = metric(urls[name], "orcinus_preemptions") - preempted
+                    if lengths is None:
                         lengths = [row["output_tokens"] for row in res["rows"]]
                     runs[str(load)][name].append(res)
                     print(f"round {r} load {load} {name}: mean e2e {res['e2e_mean_s']:.2f}s p99 {res['e2e_p99_s']:.2f}s "
                           f"median TTFT {res['ttft_median_s']:.3f}s {res['output_tok_s']:.1f} tok/s "
-                          f"({res['requests']} requests)", flush=True)
+                          f"({res['requests']} requests, {res['preemptions']:.0f} preemptions)", flush=True)
         summary = {load: {name: {k: statistics.median(x[k] for x in xs)
                                  for k in ("e2e_mean_s", "e2e_p99_s", "ttft_median_s", "output_tok_s")}
                           for name, xs in by.items()} for load, by in runs.items()}
