@@ -129,6 +129,7 @@ def main() -> int:
     ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95], help="shares of the saturation rate")
     ap.add_argument("--seconds", type=float, default=90, help="arrivals per run")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seed-base", type=int, default=0, help="arrival schedules and prompts from seeds after this")
     ap.add_argument("--saturation-clients", type=int, default=64)
     ap.add_argument("--saturation-seconds", type=float, default=60)
     ap.add_argument("--saturation-warmup", type=float, default=60)
@@ -161,7 +162,7 @@ def main() -> int:
         runs: dict = {str(load): {name: [] for name in variants} for load in args.loads}
         for r in range(args.rounds):
             for load in args.loads:
-                schedule = poisson(random.Random(1000 * r + int(100 * load)), load * rate, args.seconds)
+                schedule = poisson(random.Random(args.seed_base + 1000 * r + int(100 * load)), load * rate, args.seconds)
                 # Who goes first rotates (the machine's speed drifts within a round); the oracle goes second, taking
                 # its lengths from the first (greedy: every policy gives the same tokens).
                 others = [n for n in variants if n != "oracle"]
