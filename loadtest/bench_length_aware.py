@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "loadtest"))
 
 from length_workload import request  # noqa: E402
-from local_server import chat_chunks, launch_server, stop_server  # noqa: E402
+from local_server import chat_chunks, launch_server, scrape_metrics, stop_server  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 
@@ -83,14 +83,8 @@ async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, 
     }
 
 
-def metric(url: str, name: str) -> float:
-    """The first sample of a metric on the server's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
-
-
 def generated_tokens(url: str) -> float:
-    return metric(url, "orcinus_generation_tokens_total")
+    return scrape_metrics(url)["orcinus_generation_tokens_total"]
 
 
 async def saturation_tokens(url: str, model: str, clients: int, warmup: float, seconds: float, seed: int) -> float:
@@ -170,9 +164,9 @@ def main() -> int:
                 order[1:1] = ["oracle"]
                 lengths = None
                 for name in order:
-                    preempted = metric(urls[name], "orcinus_preemptions")
+                    preempted = scrape_metrics(urls[name])["orcinus_preemptions"]
                     res = asyncio.run(open_loop(urls[name], model, schedule, lengths if name == "oracle" else None))
-                    res["preemptions"] = metric(urls[name], "orcinus_preemptions") - preempted
+                    res["preemptions"] = scrape_metrics(urls[name])["orcinus_preemptions"] - preempted
                     if lengths is None:
                         lengths = [row["output_tokens"] for row in res["rows"]]
                     runs[str(load)][name].append(res)
