@@ -102,7 +102,7 @@ QUEUE_POLICIES = {"fcfs": Fcfs, "priority": Priority, "predicted": Predicted, "o
 class WaitingQueue:
     """Waiting requests, kept sorted by the policy's key, computed when each is added."""
 
-    def __init__(self, policy: type[Fcfs] | type[Priority] | type[Predicted] | type[Oracle]):
+    def __init__(self, policy: type[Fcfs | Predicted]):  # Priority and Oracle are their subclasses
         self.policy = policy
         self._keys: list[tuple] = []  # sorted; each ends with the request's arrival order, so no two are equal
         self._requests: list[Request] = []  # in the same order
