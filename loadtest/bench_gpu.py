@@ -274,20 +274,22 @@ def throughput(args, result: dict, save) -> None:
     """Fill `result` with (c) and (d), calling save() after every run."""
     shape_name = args.throughput_shape
     # No prefix caching: repeats re-send the same prompts, which would then cost Orcinus (not transformers) nothing.
-    orca = make_engine(shape_name, args, prefix_caching=False)
-    capped = {"max_num_seqs": args.capped_seqs, "prefix_caching": False}
-    iteration_level = make_engine(shape_name, args, **capped)
-    request_level = make_engine(shape_name, args, scheduling="request", **capped)
-    hf = hf_model_from(orca)
-    work = workload(args.requests, tuple(args.input_len), tuple(args.output_len), orca.shape.vocab_size, seed=0)
+    engines = {"orcinus": make_engine(shape_name, args, prefix_caching=False)} if "c" in args.parts else {}
+    if "d" in args.parts:
+        capped = {"max_num_seqs": args.capped_seqs, "prefix_caching": False}
+        engines["orcinus_capped"] = make_engine(shape_name, args, **capped)
+        engines["orcinus_request_level"] = make_engine(shape_name, args, scheduling="request", **capped)
+    first = next(iter(engines.values()))
+    work = workload(args.requests, tuple(args.input_len), tuple(args.output_len), first.shape.vocab_size, seed=0)
     out_tokens = sum(n for _, n in work)
-    engines = {"orcinus": orca, "orcinus_capped": iteration_level, "orcinus_request_level": request_level}
     systems = {name: (lambda e=e: run_to_completion(e, work)[1]) for name, e in engines.items()}
-    systems["transformers"] = lambda: run_transformers(hf, work, args.hf_batch, orca.runner.device)
+    if "c" in args.parts:
+        hf = hf_model_from(first)
+        systems["transformers"] = lambda: run_transformers(hf, work, args.hf_batch, first.runner.device)
     result.update({
         "shape": shape_name, "requests": len(work), "output_tokens": out_tokens, "hf_batch": args.hf_batch,
-        "max_num_seqs": orca.config.max_num_seqs, "capped_seqs": args.capped_seqs,
-        "token_budget": orca.config.max_num_batched_tokens, "warm_runs": args.repeats,
+        "max_num_seqs": first.config.max_num_seqs, "capped_seqs": args.capped_seqs,
+        "token_budget": first.config.max_num_batched_tokens, "warm_runs": args.repeats,
         "first_run_tok_s": {}, "samples_tok_s": {name: [] for name in systems}, "median_tok_s": {},
     })
     # The first full run of each system is its warm-up (kernel choices, allocator growth, lazy compiles):
@@ -301,8 +303,9 @@ def throughput(args, result: dict, save) -> None:
         for name, run in systems.items():  # interleaved, so drift hits all alike
             samples[name].append(out_tokens / run())
             med = result["median_tok_s"] = {n: statistics.median(v) for n, v in samples.items() if v}
-            if len(med) == len(systems):
+            if len(med) == len(systems) and "c" in args.parts:
                 result["orcinus_over_transformers"] = med["orcinus"] / med["transformers"]
+            if len(med) == len(systems) and "d" in args.parts:
                 result["iteration_over_request_level"] = med["orcinus_capped"] / med["orcinus_request_level"]
             save()
             print(f"(c/d) {name}: {samples[name][-1]:.0f} output tok/s", flush=True)
@@ -319,26 +322,29 @@ def device_info(device: torch.device) -> dict:
 
 
 def print_table(report: dict) -> None:
-    a = report["graphs_vs_eager"]
     print(f"\n== {report['device']['name']} ==")
-    for mode in MODES[1:]:
-        print(f"(a) {mode} graphs vs eager, {a['shape']} {a['dtype']}: {a[mode]['identical']}/{a['requests']} "
-              f"requests token-identical over {a['steps']} steps")
-    print(f"(a) capture: {a['capture']}")
-    print(f"(b) copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s")
-    print(f"{'shape':<14}{'batch':>6}{'eager ms':>10}{'piecew. ms':>11}{'graphs ms':>11}{'floor ms':>10}"
-          f"{'speedup':>9}{'/floor':>8}")
-    for r in report["decode_steps"]:
+    if a := report.get("graphs_vs_eager"):
+        for mode in MODES[1:]:
+            print(f"(a) {mode} graphs vs eager, {a['shape']} {a['dtype']}: {a[mode]['identical']}/{a['requests']} "
+                  f"requests token-identical over {a['steps']} steps")
+        print(f"(a) capture: {a['capture']}")
+    if "decode_steps" in report:
+        print(f"(b) copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s")
+        print(f"{'shape':<14}{'batch':>6}{'eager ms':>10}{'piecew. ms':>11}{'graphs ms':>11}{'floor ms':>10}"
+              f"{'speedup':>9}{'/floor':>8}")
+    for r in report.get("decode_steps", []):
         print(f"{r['shape']:<14}{r['batch']:>6}{r['eager_ms']:>10.2f}{r['piecewise_ms']:>11.2f}{r['graphs_ms']:>11.2f}"
               f"{r['floor_ms']:>10.2f}{r['graph_speedup']:>8.2f}x{r['graphs_over_floor']:>7.2f}x")
-    t = report["throughput"]
-    m = t["median_tok_s"]
-    print(f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}, "
-          f"median of {t['warm_runs']} warm runs: orcinus {m['orcinus']:.0f} tok/s, transformers "
-          f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}; "
-          f"first run {t['first_run_tok_s']['transformers']:.0f}) = {t['orcinus_over_transformers']:.2f}x")
-    print(f"(d) max {t['capped_seqs']} seqs: iteration-level {m['orcinus_capped']:.0f} vs request-level "
-          f"{m['orcinus_request_level']:.0f} tok/s = {t['iteration_over_request_level']:.2f}x")
+    t = report.get("throughput", {})
+    m = t.get("median_tok_s", {})
+    if "orcinus_over_transformers" in t:
+        print(f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}, "
+              f"median of {t['warm_runs']} warm runs: orcinus {m['orcinus']:.0f} tok/s, transformers "
+              f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}; "
+              f"first run {t['first_run_tok_s']['transformers']:.0f}) = {t['orcinus_over_transformers']:.2f}x")
+    if "iteration_over_request_level" in t:
+        print(f"(d) max {t['capped_seqs']} seqs: iteration-level {m['orcinus_capped']:.0f} vs request-level "
+              f"{m['orcinus_request_level']:.0f} tok/s = {t['iteration_over_request_level']:.2f}x")
 
 
 def main() -> int:
@@ -361,6 +367,7 @@ def main() -> int:
     ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens; default: the engine's")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache per engine (engines are co-resident)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds of (b), and warm runs of (c)/(d) per system")
+    ap.add_argument("--parts", nargs="+", choices="abcd", default=list("abcd"), help="which of (a)-(d) to run")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script itself")
     ap.add_argument("--out", default="benchmarks/gpu/bench_gpu.json")
     args = ap.parse_args()
@@ -379,16 +386,19 @@ def main() -> int:
         write_json(args.out, report)
 
     save()
-    report["graphs_vs_eager"] = check_graphs_match_eager(args)
-    save()
-    print(f"(a) {report['graphs_vs_eager']}", flush=True)
-    bandwidth = copy_bandwidth(device)
-    report["copy_bandwidth_gb_s"] = bandwidth / 1e9
-    report["bandwidth_timer"] = "cuda events" if device.type == "cuda" else "perf_counter"
-    report["decode_steps"] = []
-    decode_step_times(args, bandwidth, report["decode_steps"], save)
-    report["throughput"] = {}
-    throughput(args, report["throughput"], save)
+    if "a" in args.parts:
+        report["graphs_vs_eager"] = check_graphs_match_eager(args)
+        save()
+        print(f"(a) {report['graphs_vs_eager']}", flush=True)
+    if "b" in args.parts:
+        bandwidth = copy_bandwidth(device)
+        report["copy_bandwidth_gb_s"] = bandwidth / 1e9
+        report["bandwidth_timer"] = "cuda events" if device.type == "cuda" else "perf_counter"
+        report["decode_steps"] = []
+        decode_step_times(args, bandwidth, report["decode_steps"], save)
+    if "c" in args.parts or "d" in args.parts:
+        report["throughput"] = {}
+        throughput(args, report["throughput"], save)
     report["complete"] = True
     save()
     print_table(report)
