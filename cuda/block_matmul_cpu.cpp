@@ -12,7 +12,10 @@
 // for many) or on the thread count (threads split the N outputs, never a sum): a row's result is the same alone or
 // in any batch.
 
-#include <torch/extension.h>
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -557,7 +560,7 @@ void run_parts(const float* x, int64_t m, int64_t k, const std::vector<Part>& pa
 }
 
 template <typename B>
-void check_blocks(const torch::Tensor& blocks, int64_t k) {
+void check_blocks(const at::Tensor& blocks, int64_t k) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte,
               "blocks must be a contiguous uint8 [N, row bytes] tensor");
   TORCH_CHECK(k % B::kSize == 0, "the input width ", k, " is not a whole number of ", B::kSize, "-weight blocks");
@@ -568,8 +571,8 @@ void check_blocks(const torch::Tensor& blocks, int64_t k) {
 }  // namespace
 
 // out = x @ W^T for W the parts' rows stacked (blocks[i] of ggml type types[i]), summed in float32.
-void block_matmul_out(torch::Tensor x, std::vector<torch::Tensor> blocks, std::vector<int64_t> types,
-                      torch::Tensor out) {
+void block_matmul_out(at::Tensor x, std::vector<at::Tensor> blocks, std::vector<int64_t> types,
+                      at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 [rows, K] tensor");
   TORCH_CHECK(blocks.size() == types.size() && !blocks.empty(), "one type per part, and at least one part");
@@ -585,7 +588,7 @@ void block_matmul_out(torch::Tensor x, std::vector<torch::Tensor> blocks, std::v
               out.scalar_type() == x.scalar_type(), "out must be [rows, N] of x's dtype with unit column stride");
   if (m == 0 || n == 0) return;
   // bfloat16 inputs widen exactly; float32 ones are read in place.
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
   if (out.scalar_type() == at::kFloat)
     run_parts(xf.data_ptr<float>(), m, k, parts, out.data_ptr<float>(), out.stride(0));
   else
@@ -593,8 +596,8 @@ void block_matmul_out(torch::Tensor x, std::vector<torch::Tensor> blocks, std::v
 }
 
 // The weights the blocks hold, [N, K] float32: gguf's dequantization, bit for bit.
-torch::Tensor block_dequantize(torch::Tensor blocks, int64_t type, int64_t k) {
-  auto out = torch::empty({blocks.size(0), k}, torch::kFloat);
+at::Tensor block_dequantize(at::Tensor blocks, int64_t type, int64_t k) {
+  auto out = at::empty({blocks.size(0), k}, at::kFloat);
   dispatch(type, [&](auto block) {
     using B = decltype(block);
     check_blocks<B>(blocks, k);

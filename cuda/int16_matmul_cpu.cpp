@@ -14,7 +14,10 @@
 //
 // Lane i sums row i's blocks in order: an output's sum does not depend on M, on the tile or on the thread count.
 
-#include <torch/extension.h>
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -211,7 +214,7 @@ void run_tile(const XBlock* xb, int64_t m, int64_t nb, const uint8_t* w, T* out,
 constexpr int64_t kParallelMacs = 1 << 16;
 
 template <typename T>
-void run_parts(const T* x, int64_t m, int64_t k, const std::vector<torch::Tensor>& parts,
+void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
                const std::vector<int64_t>& types, T* out, int64_t ldo) {
   const int64_t nb = k / kBlock;
   std::vector<XBlock> xb(m * nb);
@@ -240,7 +243,7 @@ void run_parts(const T* x, int64_t m, int64_t k, const std::vector<torch::Tensor
 
 #endif  // ORCINUS_VNNI
 
-void check_part(const torch::Tensor& part, int64_t type, int64_t k) {
+void check_part(const at::Tensor& part, int64_t type, int64_t k) {
   const Format f = format_of(type);
   TORCH_CHECK(part.dim() == 2 && part.is_contiguous() && part.scalar_type() == at::kByte,
               "blocks must be a contiguous uint8 [N, row bytes] tensor");
@@ -262,11 +265,11 @@ bool available() {
 }
 
 // The file's blocks [N, row bytes] of ggml type `type` (N a multiple of 16) in the order int16_matmul_out reads.
-torch::Tensor pack(torch::Tensor blocks, int64_t type, int64_t k) {
+at::Tensor pack(at::Tensor blocks, int64_t type, int64_t k) {
   check_part(blocks, type, k);
   const Format f = format_of(type);
   const int64_t row_bytes = blocks.size(1);
-  auto out = torch::zeros_like(blocks);
+  auto out = at::zeros_like(blocks);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, blocks.size(0) / kRows, 1, [&](int64_t begin, int64_t end) {
@@ -277,7 +280,7 @@ torch::Tensor pack(torch::Tensor blocks, int64_t type, int64_t k) {
 }
 
 // out = x @ W^T for W the packed parts' rows stacked (parts[i] of ggml type types[i]), x rounded to int16 per 32 inputs.
-void int16_matmul_out(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types, torch::Tensor out) {
+void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<int64_t> types, at::Tensor out) {
   TORCH_CHECK(available(), "the int16-activation matmul needs AVX-512 VNNI where it was built");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a contiguous float32 or bfloat16 [rows, K] tensor");

@@ -9,7 +9,11 @@
 // last `window` keys (the blocks before them may already hold another request's tokens); a soft cap turns each
 // score s into cap * tanh(s / cap) (Gemma 2).
 
-#include <torch/extension.h>
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -119,8 +123,8 @@ void attend(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* cache, 
 // q [B, Hq, D] (rows may be strided, the last dim contiguous); kv_cache as above; block_tables [B, >= blocks
 // needed] int32 (rows may be strided); context_lens [B] int32; window 0 and softcap 0 turn those off.
 // Returns [B, Hq, D] in q's dtype.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale, int64_t window, double softcap) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                                     at::Tensor context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dimension");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 5-d tensor");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
@@ -129,7 +133,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int64_t num_requests = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
-  auto out = torch::empty({num_requests, num_heads, head_dim}, q.options());
+  auto out = at::empty({num_requests, num_heads, head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), kv_cache.data_ptr<scalar_t>(),

@@ -7,7 +7,11 @@
 // so bfloat16 outputs differ from them only now and then in the last place (float32 sums added in another
 // order, an exp that rounds differently).
 
-#include <torch/extension.h>
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -121,15 +125,15 @@ void rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, cons
 
 // Runs fn with a null pointer of the element type: float, or uint16_t for bfloat16 (the dtypes check_rows lets in).
 template <typename Fn>
-void dispatch(const torch::Tensor& x, Fn fn) {
+void dispatch(const at::Tensor& x, Fn fn) {
   if (x.scalar_type() == at::kBFloat16) fn(static_cast<uint16_t*>(nullptr));
   else fn(static_cast<float*>(nullptr));
 }
 
 template <typename T>
-T* data(const torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [rows, width] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16");
@@ -138,11 +142,11 @@ void check_rows(const torch::Tensor& x, const char* name) {
 }  // namespace
 
 // x [rows, hidden], weight [hidden] -> x * rsqrt(mean(x^2) + eps) * weight
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [hidden] tensor of x's dtype");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   dispatch(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     rms_norm_rows<T>(data<T>(x), nullptr, data<T>(weight), nullptr, data<T>(out), x.size(0),
@@ -152,7 +156,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // (x + residual, rms_norm(x + residual)): the residual add before a norm, in the same pass.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
                                                       double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
@@ -160,8 +164,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
               "x and residual must match");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [hidden] tensor of x's dtype");
-  auto sum = torch::empty_like(x);
-  auto out = torch::empty_like(x);
+  auto sum = at::empty_like(x);
+  auto out = at::empty_like(x);
   dispatch(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     rms_norm_rows<T>(data<T>(x), data<T>(residual), data<T>(weight), data<T>(sum),
@@ -171,11 +175,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 }
 
 // gate_up [rows, 2 * width] (gate, then up) -> silu(gate) * up [rows, width]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up side by side");
   const int64_t width = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
   dispatch(gate_up, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     silu_mul_rows<T>(data<T>(gate_up), data<T>(out), gate_up.size(0), width);
@@ -186,8 +190,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // qkv [T, (hq + 2 hkv) * D] (rows may be strided), positions and slot_mapping [T] int64, table [positions, 2, D] (cos,
 // then signed sin), kv_cache [2, hkv, blocks, block_size, D] -> rotated queries [T, hq, D]; rotated keys and the
 // values go into the cache at their slots.
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor table, torch::Tensor kv_cache,
-                            torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor table, at::Tensor kv_cache,
+                            at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && (qkv.scalar_type() == at::kFloat ||
               qkv.scalar_type() == at::kBFloat16), "qkv must be a float32 or bfloat16 [T, width] tensor, rows dense");
   const int64_t rows = qkv.size(0), d = kv_cache.size(-1);
@@ -208,7 +212,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0) && slots[r] >= 0 && slots[r] < num_slots,
                 "a position or slot out of range");
-  auto q = torch::empty({rows, num_heads, d}, qkv.options());
+  auto q = at::empty({rows, num_heads, d}, qkv.options());
   dispatch(qkv, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     rope_write_kv_rows<T>(data<T>(qkv), qkv.stride(0), pos, data<T>(table), data<T>(q), data<T>(kv_cache),

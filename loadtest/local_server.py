@@ -24,11 +24,12 @@ def free_port() -> int:
 
 
 def launch_server(flags: list[str], log=subprocess.DEVNULL, timeout: float = 300,
-                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`orcinus serve --port P *flags` (with `env` added to this process's); returns it and its URL once healthy."""
+                  env: dict[str, str] | None = None, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`orcinus serve --port P *flags` from the checkout `root` (with `env` added to this process's); returns it and
+    its URL once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

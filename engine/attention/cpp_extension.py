@@ -1,7 +1,8 @@
 """Builds and loads the C++ ops under cuda/*.cpp (engine/kernels/ once installed) with torch's extension builder.
 
-Each is compiled on first use (~20 s, then cached under ~/.cache/torch_extensions, keyed by the source) on the
-machine that runs it, so it may use that machine's vector instructions.
+They are compiled on the first use of any (together, ~40 s on two cores, then cached under
+~/.cache/torch_extensions, keyed by the source) on the machine that runs them, so they may use its vector
+instructions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 # In the package (a plain `pip install .` copies them there); in the repository a link to the top-level cuda/, which
@@ -24,12 +26,35 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 STRICT_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
 
+# Every C++ op on the CPU: module name -> (its source, strict: whether its sums must keep the order written).
+CPU_EXTENSIONS = {
+    "orcinus_cpu_block_matmul": ("block_matmul_cpu.cpp", True),
+    "orcinus_cpu_int16_matmul": ("int16_matmul_cpu.cpp", True),
+    "orcinus_cpu_token_ops": ("token_ops_cpu.cpp", False),
+    "orcinus_cpu_attention": ("paged_decode_attention_cpu.cpp", False),
+}
+
+
 @functools.cache
-def load_cpu_extension(name: str, source: str, strict: bool = False):
-    """The extension module `name` built from cuda/`source` (once per process); raises if it cannot build."""
+def load_cpu_extension(name: str):
+    """The extension module `name` of CPU_EXTENSIONS (once per process); raises if it cannot build."""
+    return _builds()[name].result()
+
+
+@functools.cache
+def _builds() -> dict[str, Future]:
+    """Every CPU extension's build, started together on the first use of any: each is one file that ninja compiles
+    alone, so side by side they take about the longest one's time instead of the sum (a CPU engine uses them all)."""
+    _put_ninja_on_path()
+    pool = ThreadPoolExecutor(len(CPU_EXTENSIONS), thread_name_prefix="orcinus-cpp-build")
+    builds = {name: pool.submit(_build, name, source, strict) for name, (source, strict) in CPU_EXTENSIONS.items()}
+    pool.shutdown(wait=False)
+    return builds
+
+
+def _build(name: str, source: str, strict: bool):
     from torch.utils.cpp_extension import load
 
-    _put_ninja_on_path()
     return load(name=name, sources=[str(SOURCES / source)], extra_cflags=STRICT_CFLAGS if strict else CFLAGS,
                 extra_ldflags=["-fopenmp"], verbose=False)
 

@@ -14,7 +14,7 @@ from engine.attention.torch_backend import TorchAttention
 
 
 def _kernels():
-    return load_cpu_extension("orcinus_cpu_attention", "paged_decode_attention_cpu.cpp")
+    return load_cpu_extension("orcinus_cpu_attention")
 
 
 def cpu_kernel_available() -> bool:

@@ -62,11 +62,11 @@ class Blocks:
 
 
 def _ops():
-    return load_cpu_extension("orcinus_cpu_block_matmul", "block_matmul_cpu.cpp", strict=True)
+    return load_cpu_extension("orcinus_cpu_block_matmul")
 
 
 def _int16_ops():
-    return load_cpu_extension("orcinus_cpu_int16_matmul", "int16_matmul_cpu.cpp", strict=True)
+    return load_cpu_extension("orcinus_cpu_int16_matmul")
 
 
 def can_use_int16(device: torch.device) -> bool:

@@ -104,7 +104,7 @@ def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:
 
 
 def _ops():
-    return load_cpu_extension("orcinus_cpu_token_ops", "token_ops_cpu.cpp")
+    return load_cpu_extension("orcinus_cpu_token_ops")
 
 
 class CpuRMSNorm(RMSNorm):
