@@ -55,6 +55,7 @@ class EngineProcess:
         self.from_engine: Channel | None = None
         self._reader: asyncio.Task | None = None
         self._closed = False
+        self._names_unlinked = False  # see _unlink_names
 
     async def start(self) -> None:
         self.to_engine = Channel.create(ToEngine)
@@ -105,6 +106,13 @@ class EngineProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
 
+    def _unlink_names(self) -> None:
+        """The engine attaches both channels before it sends anything, so after its first frame their names can go:
+        the mappings and FIFOs stay open in both processes, and a gateway killed by SIGKILL leaves nothing behind."""
+        self._names_unlinked = True
+        for ch in (self.to_engine, self.from_engine):
+            ch.unlink()
+
     async def close(self) -> None:
         """Stop reading, then close and unlink both channels (idempotent)."""
         if self._closed:
@@ -123,7 +131,10 @@ class EngineProcess:
     async def _read_loop(self) -> None:
         try:
             while True:
-                for msg in await self.from_engine.recv_async():
+                frames = await self.from_engine.recv_async()
+                if frames and not self._names_unlinked:
+                    self._unlink_names()
+                for msg in frames:
                     self.on_frame(msg)
         except Exception:
             # A frame we cannot read means the stream is lost; a fresh engine is the only way back.

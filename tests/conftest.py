@@ -114,7 +114,7 @@ SHM_DIR = Path("/dev/shm")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -122,6 +122,16 @@ def _free_port() -> int:
 
 def _shm_segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob("orcinus_*")}
+
+
+def unlinked_rings(pid: int) -> set[str]:
+    """The orcinus rings process `pid` maps whose names are gone from /dev/shm (the kernel says "(deleted)")."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    return {line.split("/dev/shm/")[1].split()[0] for line in maps
+            if "/dev/shm/orcinus_" in line and line.endswith("(deleted)")}
 
 
 def _children(pid: int) -> list[int]:
@@ -146,7 +156,7 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
     SIGTERMs it and checks that none of the shared-memory segments it created remain."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     before = _shm_segments()
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "wb") as log:
@@ -173,11 +183,13 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
             if time.monotonic() > deadline:
                 pytest.fail(f"the server was not healthy within {startup_timeout:.0f}s:\n{log_tail()}")
             time.sleep(0.25)
-        # The gateway (this pid) creates the rings, named orcinus_<its pid>_<random>.
-        ours = {n for n in _shm_segments() - before if n.startswith(f"orcinus_{proc.pid}_")}
-        assert ours, f"the server created no /dev/shm/orcinus_{proc.pid}_* ring: {sorted(_shm_segments())}"
+        # The gateway (this pid) creates the rings, named orcinus_<its pid>_<random>, and unlinks their names once
+        # the engine has attached: the engine maps them still, and a kill -9 of either process leaves nothing.
+        named = {n for n in _shm_segments() - before if n.startswith(f"orcinus_{proc.pid}_")}
+        assert not named, f"the rings of a ready server still have names: {sorted(named)}"
         children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
         assert children, "the server has no engine process"
+        assert any(unlinked_rings(c) for c in children), f"no engine of the server maps an orcinus_{proc.pid}_* ring"
         assert f"  chat page       {url}/" in log_path.read_text(errors="replace"), "no startup block:\n" + log_tail()
         yield url
     finally:

@@ -10,13 +10,15 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
-from conftest import parse_metrics
+from conftest import free_port, parse_metrics, unlinked_rings
 from conftest import wait_for_metrics as wait_for_server_metrics
 
 PROMPT = "The capital of France is"
@@ -87,6 +89,13 @@ def running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
+        return False
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
         return False
 
 
@@ -245,7 +254,9 @@ def test_kill_9_of_the_engine_fails_in_flight_requests_at_once_and_a_new_engine_
     spec = json.loads(cmdline(old_engine)[-1])
     old_rings = {spec["to_engine"]["shm_name"], spec["from_engine"]["shm_name"]}
     old_bells = [Path(spec[side]["doorbell_path"]) for side in ("to_engine", "from_engine")]
-    assert rings_of(gateway) == old_rings and all(b.exists() for b in old_bells)
+    # Mapped by the engine, their names already unlinked: a dead process cannot leave them behind.
+    assert unlinked_rings(old_engine) == old_rings and not rings_of(gateway)
+    assert not any(b.exists() or b.parent.exists() for b in old_bells)
     restarts = metrics(url)["orcinus_engine_restarts_total"]
     long = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
@@ -296,12 +307,38 @@ def test_kill_9_of_the_engine_fails_in_flight_requests_at_once_and_a_new_engine_
         time.sleep(0.25)
     new_engine = engine_pid(gateway)
     assert new_engine != old_engine
-    # The dead engine's rings and doorbells are gone; the new engine has fresh ones, and only those.
-    new_rings = rings_of(gateway)
-    assert len(new_rings) == 2 and not new_rings & old_rings, (new_rings, old_rings)
-    assert not any(b.exists() or b.parent.exists() for b in old_bells)
+    # The new engine has fresh rings, unlinked once it attached; nothing of the dead one's is left.
+    new_rings = unlinked_rings(new_engine)
+    assert len(new_rings) == 2 and not new_rings & old_rings and not rings_of(gateway), (new_rings, old_rings)
     assert complete(url, prompt=PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == reference
     wait_for_metrics(url, idle, 30, "the new engine did not go idle")
+
+
+def test_kill_9_of_the_gateway_leaves_no_ring_or_doorbell_and_its_engine_exits(tmp_path):
+    """The OOM killer or `docker kill` gives no chance to clean up: nothing in /dev/shm or /tmp may depend on it."""
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *ONE_THREAD],
+                                   cwd=Path(__file__).resolve().parent.parent, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not healthy(url):
+            assert gateway.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.25)
+        engine = engine_pid(gateway.pid)
+        spec = json.loads(cmdline(engine)[-1])
+        bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
+        assert complete(url, prompt=PROMPT, max_tokens=4, temperature=0)["usage"]["completion_tokens"] == 4
+    finally:
+        gateway.kill()
+        gateway.wait()
+    assert gateway.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while running(engine):  # it notices it was orphaned
+        assert time.monotonic() < deadline, "the engine outlived its gateway"
+        time.sleep(0.1)
+    assert not rings_of(gateway.pid) and not any(b.exists() for b in bells)
 
 
 # ---------------------------------------------------------------- graceful shutdown

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import _free_port
+from conftest import free_port
 
 from engine import LLM, SamplingParams
 
@@ -169,7 +169,7 @@ print(json.dumps([o.text for o in outs]))
 
 
 def test_ranks_start_under_torchrun_and_leave_quietly_when_the_driver_is_dropped(reference, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "torchrun.log"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     with open(log, "wb") as out:

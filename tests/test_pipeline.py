@@ -3,7 +3,6 @@ batches in flight, stages on separate "hosts" via env rendezvous, and a dead sta
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import time
 import pytest
 import torch
 from conftest import PROMPTS as ALL_PROMPTS
+from conftest import free_port
 from conftest import run_staggered as run_arrivals
 
 from engine import LLM, SamplingParams
@@ -96,14 +96,8 @@ def test_stages_give_the_same_tokens(num_stages, reference, tokenizer):
         assert not llm.engine.executor.known  # the last stage's sampler was told to release every finished request
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_stages_started_as_separate_hosts_rendezvous_through_the_environment(reference, tokenizer, monkeypatch):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3"}
     stages = [
         subprocess.Popen([sys.executable, "-m", "engine.parallel.stage"], env={**env, "RANK": str(rank)}, cwd=REPO_ROOT)
