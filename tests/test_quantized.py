@@ -109,6 +109,22 @@ def test_the_bundled_models_blocks_are_its_float32_weights(checkpoint):
         assert torch.equal(dequantize(blocks).view(torch.int32), checkpoint.weights[name].view(torch.int32)), name
 
 
+def test_the_served_default_never_dequantizes_a_tensor_it_keeps_as_blocks(checkpoint):
+    """A checkpoint's float32 tensors are read one at a time, when a parameter needs them: the layers that keep the
+    file's blocks never have theirs made (a 4-bit 8B model would otherwise pass through 32 GB of float32)."""
+    from engine.model.loader import Checkpoint, LazyWeights
+    from engine.runner.local_executor import build_model
+
+    read = []
+    lazy = LazyWeights({name: (lambda name=name: read.append(name) or checkpoint.weights[name])
+                        for name in checkpoint.weights})
+    counted = Checkpoint(checkpoint.name, checkpoint.shape, lazy, None, checkpoint.blocks)
+    model = build_model(counted, 256, EngineConfig(device="cpu", dtype="float32"))
+    assert sorted(read) == sorted(set(checkpoint.weights) - set(checkpoint.blocks) | {"model.embed_tokens.weight"})
+    assert isinstance(model.lm_head, BlockLinear) and model.embed_tokens.weight.dtype == torch.float32
+    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 30 * 4 + 1  # qkv, o, gate_up, down; the head
+
+
 @pytest.mark.parametrize("device, dtype, weights, has_blocks, want", [
     ("cpu", "float32", "auto", True, True),
     ("cpu", "bfloat16", "auto", True, True),  # the same weights, bfloat16 activations

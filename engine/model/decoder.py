@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -169,12 +170,16 @@ class Decoder(nn.Module):
         return Source((name,))
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Each parameter from its checkpoint tensors (Hugging Face names; `model.` prefixes dropped)."""
-        w = {k.removeprefix("model."): v for k, v in weights.items()}
+    def load_weights(self, weights: Mapping[str, torch.Tensor], skip: set[str] = frozenset()) -> None:
+        """Each parameter but those in `skip` from its checkpoint tensors (Hugging Face names; `model.` prefixes
+        dropped), each read from `weights` only when needed."""
+        prefixed = {k.removeprefix("model."): k for k in weights}
         params = dict(self.named_parameters(remove_duplicate=False))  # a tied LM head is filled twice, harmlessly
         for name, source in self.sources().items():
-            full = torch.cat([w[n] for n in source.names]) if len(source.names) > 1 else w[source.names[0]]
+            if name in skip:
+                continue
+            tensors = [weights[prefixed[n]] for n in source.names]
+            full = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
             if source.transform is not None:
                 full = source.transform(full)
             params[name].copy_(self.shard.take(name, full, self.full_shape))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,13 +19,31 @@ from engine.model.model_files import GGUFReader, ModelNotFoundError, default_mod
 from engine.model.quantized import QUANTIZED_TYPES, Blocks
 
 
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors in float32, each read from the file (and dequantized) when asked for and not kept: a
+    model loads one tensor at a time, never the whole float32 checkpoint beside its parameters, and not at all the
+    layers that keep the file's blocks or that another pipeline stage holds."""
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]):
+        self._readers = readers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
 @dataclass
 class Checkpoint:
     """A model's shape, its weights under Hugging Face Llama names, and its tokenizer (None for dummies)."""
 
     name: str
     shape: ModelShape
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: object | None
     # A GGUF's quantized tensors as the file stores them (the types engine/model/quantized.py decodes), under the
     # same names as their float32 dequantizations in `weights`
@@ -155,39 +175,47 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader, shape: ModelShape) -> tuple[dict[str, torch.Tensor], dict[str, Blocks]]:
-    """Every tensor dequantized to float32 under its Hugging Face name, and the quantized ones' blocks as stored."""
-    from gguf.quants import dequantize
-
-    out, blocks = {}, {}
+def gguf_weights(reader, shape: ModelShape) -> tuple[LazyWeights, dict[str, Blocks]]:
+    """Every tensor under its Hugging Face name, dequantized to float32 when read, and the quantized ones' blocks as
+    stored."""
+    readers, blocks = {}, {}
     # llama.cpp interleaves the RoPE halves of Llama's Q/K rows (not Qwen2's, which it rotates NeoX-style).
     arch = reader.fields["general.architecture"].contents()
     permuted = arch == "llama"
     names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(arch, {})
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False):
+    for t in tqdm(reader.tensors, desc="reading", unit="tensor", leave=False):
         if t.name in _GGUF_SHAPE_TENSORS:
             continue  # part of the shape (rope_freq_factors and the like)
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        raw = t.data if int(t.tensor_type) in QUANTIZED_TYPES and len(t.shape) == 2 else None
+        heads, minus_one = None, False
         parts = t.name.split(".")
         if parts[0] == "blk":
             kind, suffix = parts[2], parts[3]
             heads = {"attn_q": shape.num_heads, "attn_k": shape.num_kv_heads}.get(kind) if permuted else None
-            if heads is not None:  # the same permutation of whole rows, for the blocks too
-                w = _unpermute(w, heads)
-                raw = _unpermute(raw, heads) if raw is not None else None
             name = f"model.layers.{parts[1]}.{names[kind]}.{suffix}"
-            if arch in _GGUF_WINDOW_PATTERN and kind.endswith("norm"):
-                w = w - 1  # llama.cpp stores Gemma's norms as 1 + w; the HF names hold w
+            # llama.cpp stores Gemma's norms as 1 + w; the HF names hold w
+            minus_one = arch in _GGUF_WINDOW_PATTERN and kind.endswith("norm")
         elif arch in _GGUF_WINDOW_PATTERN and parts[0] == "output_norm":
-            w, name = w - 1, "model.norm.weight"
+            name, minus_one = "model.norm.weight", True
         else:
             name = _GGUF_TOP_NAMES[parts[0]] + ".weight"
-        out[name] = torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
-        if raw is not None:
+        readers[name] = functools.partial(_gguf_tensor, t, heads, minus_one)
+        if int(t.tensor_type) in QUANTIZED_TYPES and len(t.shape) == 2:
+            raw = t.data if heads is None else _unpermute(t.data, heads)  # the same permutation of whole rows
             blocks[name] = Blocks(int(t.tensor_type), torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")),
                                   int(t.shape[0]))
-    return out, blocks
+    return LazyWeights(readers), blocks
+
+
+def _gguf_tensor(t, heads: int | None, minus_one: bool) -> torch.Tensor:
+    """One GGUF tensor in float32 under Hugging Face's conventions (rotate-half Q/K rows, Gemma's norms as w)."""
+    from gguf.quants import dequantize
+
+    w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+    if heads is not None:
+        w = _unpermute(w, heads)
+    if minus_one:
+        w = w - 1
+    return torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
 
 # ---------------------------------------------------------------- Hugging Face checkpoint directory
@@ -272,7 +300,7 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
 
 
 def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from engine.model.tokenizer import load_tokenizer
 
@@ -281,11 +309,16 @@ def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in tqdm(files if weights else [], desc="loading", unit="file", leave=False):
-        tensors.update({k: v.float() for k, v in load_file(f).items()})
+    readers = {}
+    for f in files if weights else []:
+        handle = safe_open(f, framework="pt")  # the file mapped, each tensor read on request
+        readers |= {k: functools.partial(_float32, handle, k) for k in handle.keys()}
     tokenizer = load_tokenizer(path)
-    return Checkpoint(path.name, shape, tensors, tokenizer)
+    return Checkpoint(path.name, shape, LazyWeights(readers), tokenizer)
+
+
+def _float32(handle, name: str) -> torch.Tensor:
+    return handle.get_tensor(name).float()
 
 
 # ---------------------------------------------------------------- dummy weights

@@ -128,12 +128,13 @@ class Int16BlockLinear(BlockLinear):
 
 
 def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bool = False,
-                      int16: bool = False) -> None:
+                      int16: bool = False) -> set[str]:
     """Swap every linear layer whose checkpoint tensors (its Decoder.sources(), untransformed) are all in `blocks`
     (keyed by Hugging Face name) for a BlockLinear over them, in place: a fused Q/K/V joins its three; with `int16`
     an Int16BlockLinear where every part's format allows. With `dense_too` the other linear layers as well, over their
-    float weights (call after the final dtype cast then)."""
+    float weights (call after the final dtype cast then). Returns the names of the weights swapped for blocks."""
     by_name = {k.removeprefix("model."): v for k, v in blocks.items()}
+    swapped = set()
     for name, source in model.sources().items():
         path, _, leaf = name.rpartition(".")
         owner_path, _, attr = path.rpartition(".")
@@ -146,5 +147,7 @@ def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bo
             fits = all(p.type in INT16_TYPES and p.rows % INT16_TILE == 0 for p in parts)
             kind = Int16BlockLinear if int16 and fits else BlockLinear
             setattr(owner, attr, kind(parts, layer.bias))
+            swapped.add(name)
         elif dense_too:
             setattr(owner, attr, BlockLinear([Blocks.of_dense(layer.weight)], layer.bias))
+    return swapped

@@ -31,16 +31,16 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     with torch.device("meta"), SkippedInit():
         model = model_class(ckpt.shape)(ckpt.shape, max_position, span, shard)
-    # Allocate without torch's random init: every parameter is overwritten next.
+    # Allocate without torch's random init: every parameter is overwritten next. Untouched, the allocation holds no
+    # memory: the layers swapped for the file's blocks below are never written, so never take their float32 size.
     model = model.to_empty(device=device)
     model.materialize_buffers()
+    blocks = block_weights(config, bool(ckpt.blocks)) and shard.size == 1 and can_use_blocks(device)
+    swapped = use_block_weights(model, ckpt.blocks, int16=int16_activations(config)) if blocks else set()
     if ckpt.weights:
-        model.load_weights(ckpt.weights)
+        model.load_weights(ckpt.weights, skip=swapped)  # the swapped layers' tensors are never even dequantized
     else:
         model.init_random(config.seed)
-    blocks = block_weights(config, bool(ckpt.blocks)) and shard.size == 1 and can_use_blocks(device)
-    if blocks:
-        use_block_weights(model, ckpt.blocks, int16=int16_activations(config))  # the dense ones they replace are freed
     for p in model.parameters():
         p.data = p.data.to(dtype)
     for table in {m for m in model.modules() if isinstance(m, Rotary)}:
