@@ -91,7 +91,7 @@ _GGUF_SHAPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_fa
 def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
     from engine.model.tokenizer import tokenizer_from_gguf
 
-    reader = GGUFReader(path)
+    reader = GGUFReader(path, mode="c")  # copy-on-write: writable arrays (what torch takes) that stay the file's pages
     shape = shape_from_gguf(reader)
     ckpt = Checkpoint(path.name, shape, {}, tokenizer_from_gguf(reader))
     if weights:
@@ -201,8 +201,9 @@ def gguf_weights(reader, shape: ModelShape) -> tuple[LazyWeights, dict[str, Bloc
         readers[name] = functools.partial(_gguf_tensor, t, heads, minus_one)
         if int(t.tensor_type) in QUANTIZED_TYPES and len(t.shape) == 2:
             raw = t.data if heads is None else _unpermute(t.data, heads)  # the same permutation of whole rows
-            blocks[name] = Blocks(int(t.tensor_type), torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")),
-                                  int(t.shape[0]))
+            # Not copied where contiguous: the blocks are the mapped file's pages (evictable, shared between engines)
+            data = torch.from_numpy(np.ascontiguousarray(raw, np.uint8))
+            blocks[name] = Blocks(int(t.tensor_type), data, int(t.shape[0]))
     return LazyWeights(readers), blocks
 
 
@@ -312,7 +313,7 @@ def load_hf_dir(path: Path, weights: bool = True) -> Checkpoint:
     readers = {}
     for f in files if weights else []:
         handle = safe_open(f, framework="pt")  # the file mapped, each tensor read on request
-        readers |= {k: functools.partial(_float32, handle, k) for k in handle.keys()}
+        readers |= {k: functools.partial(_float32, handle, k) for k in handle.keys()}  # noqa: SIM118
     tokenizer = load_tokenizer(path)
     return Checkpoint(path.name, shape, LazyWeights(readers), tokenizer)
 
