@@ -55,7 +55,6 @@ class EngineProcess:
         self.from_engine: Channel | None = None
         self._reader: asyncio.Task | None = None
         self._closed = False
-        self._names_unlinked = False  # see _unlink_names
 
     async def start(self) -> None:
         self.to_engine = Channel.create(ToEngine)
@@ -109,7 +108,6 @@ class EngineProcess:
     def _unlink_names(self) -> None:
         """The engine attaches both channels before it sends anything, so after its first frame their names can go:
         the mappings and FIFOs stay open in both processes, and a gateway killed by SIGKILL leaves nothing behind."""
-        self._names_unlinked = True
         for ch in (self.to_engine, self.from_engine):
             ch.unlink()
 
@@ -130,12 +128,14 @@ class EngineProcess:
 
     async def _read_loop(self) -> None:
         try:
-            while True:
+            frames = []
+            while not frames:
                 frames = await self.from_engine.recv_async()
-                if frames and not self._names_unlinked:
-                    self._unlink_names()
+            self._unlink_names()
+            while True:
                 for msg in frames:
                     self.on_frame(msg)
+                frames = await self.from_engine.recv_async()
         except Exception:
             # A frame we cannot read means the stream is lost; a fresh engine is the only way back.
             log.exception("reading from the engine failed; killing it")

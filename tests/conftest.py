@@ -150,39 +150,45 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def start_server(log_dir: Path, *args: str, startup_timeout: float = 120.0) -> tuple[subprocess.Popen, str, Path]:
+    """`orcinus serve *args` on a free loopback port, its output in a log under `log_dir`: returns the process, its
+    base URL and the log once /health is 200 (the test fails with the log's tail, the server killed, if it is not)."""
+    import httpx
+
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *args],
+                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with code {proc.returncode} while starting:\n{_tail(log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url, log_path
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"the server was not healthy within {startup_timeout:.0f}s:\n{_tail(log_path)}")
+        time.sleep(0.25)
+
+
+def _tail(log_path: Path) -> str:
+    return log_path.read_text(errors="replace")[-4000:]
+
+
 @contextlib.contextmanager
 def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
     """`orcinus serve` on a free loopback port: yields its base URL once /health is 200; on exit
     SIGTERMs it and checks that none of the shared-memory segments it created remain."""
-    import httpx
-
-    port = free_port()
     before = _shm_segments()
-    log_path = log_dir / f"server-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            # The served defaults (float32 on the GGUF's own blocks, on the CPU): what a user runs.
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--max-num-seqs", "64", *args],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-
-    def log_tail() -> str:
-        return log_path.read_text(errors="replace")[-4000:]
-
+    # The served defaults (float32 on the GGUF's own blocks, on the CPU): what a user runs.
+    proc, url, log_path = start_server(log_dir, "--max-num-seqs", "64", *args, startup_timeout=startup_timeout)
     try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with code {proc.returncode} while starting:\n{log_tail()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server was not healthy within {startup_timeout:.0f}s:\n{log_tail()}")
-            time.sleep(0.25)
         # The gateway (this pid) creates the rings, named orcinus_<its pid>_<random>, and unlinks their names once
         # the engine has attached: the engine maps them still, and a kill -9 of either process leaves nothing.
         named = {n for n in _shm_segments() - before if n.startswith(f"orcinus_{proc.pid}_")}
@@ -190,7 +196,7 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
         children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
         assert children, "the server has no engine process"
         assert any(unlinked_rings(c) for c in children), f"no engine of the server maps an orcinus_{proc.pid}_* ring"
-        assert f"  chat page       {url}/" in log_path.read_text(errors="replace"), "no startup block:\n" + log_tail()
+        assert f"  chat page       {url}/" in log_path.read_text(errors="replace"), "no startup block:\n" + _tail(log_path)
         yield url
     finally:
         if proc.poll() is None:
@@ -200,12 +206,12 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                pytest.fail(f"the server did not exit within 60s of SIGTERM:\n{log_tail()}")
+                pytest.fail(f"the server did not exit within 60s of SIGTERM:\n{_tail(log_path)}")
     leaked = {n for n in _shm_segments() - before if n.startswith(f"orcinus_{proc.pid}_")}
     assert not leaked, f"shared-memory segments left behind by the server: {sorted(leaked)}"
     # uvicorn re-raises the SIGTERM it handled once shutdown is done, so -SIGTERM is a clean exit too.
-    assert proc.returncode in (0, -signal.SIGTERM), f"the server exited with code {proc.returncode}:\n{log_tail()}"
-    assert "Application shutdown complete" in log_path.read_text(errors="replace"), log_tail()
+    assert proc.returncode in (0, -signal.SIGTERM), f"the server exited with code {proc.returncode}:\n{_tail(log_path)}"
+    assert "Application shutdown complete" in log_path.read_text(errors="replace"), _tail(log_path)
     deadline = time.monotonic() + 10
     while (alive := [c for c in children if _alive(c)]) and time.monotonic() < deadline:
         time.sleep(0.1)
