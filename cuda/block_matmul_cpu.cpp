@@ -24,32 +24,107 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 
-constexpr int kLanes = 16;
+#ifdef __AVX512F__
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline v8 low8(v16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline v8 high8(v16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+
 constexpr int kTileN = 4;  // outputs per register tile
 constexpr int kTileM = 6;  // rows per register tile: 24 accumulators, 4 weights and a row of x: 29 of 32 registers
+constexpr int kDirectWide = 4;  // outputs per direct tile for up to 4 rows (for up to kDirectRows: 2)
 constexpr int kDirectRows = 8;  // up to this many rows a 32-weight block is decoded into registers where it is used
+#else
+// Without AVX-512 GCC keeps a 64-byte vector type in memory, every operation a store and a load; two 8-lane halves
+// are two registers each, with the same 16 lanes and so the same sums, in the same order.
+template <typename V>
+struct Halves {
+  V lo, hi;
+#define ORCINUS_HALVES_OP(op)                                                                   \
+  friend Halves operator op(Halves a, Halves b) { return {a.lo op b.lo, a.hi op b.hi}; }       \
+  friend Halves operator op(Halves a, int s) { return {a.lo op s, a.hi op s}; }
+  ORCINUS_HALVES_OP(+)
+  ORCINUS_HALVES_OP(-)
+  ORCINUS_HALVES_OP(*)
+  ORCINUS_HALVES_OP(&)
+  ORCINUS_HALVES_OP(|)
+  ORCINUS_HALVES_OP(>>)
+  ORCINUS_HALVES_OP(<<)
+#undef ORCINUS_HALVES_OP
+  Halves& operator+=(Halves b) { return *this = *this + b; }
+};
+typedef Halves<v8> v16;
+typedef Halves<i32x8> i32x16;
+
+inline v8 low8(v16 v) { return v.lo; }
+inline v8 high8(v16 v) { return v.hi; }
+
+// Sixteen registers, a v16 in two: 12 accumulators, 2 weights and a row of x; the direct tiles' decoded weights take
+// four registers an output.
+constexpr int kTileN = 2;
+constexpr int kTileM = 3;
+constexpr int kDirectWide = 2;
+constexpr int kDirectRows = 4;
+#endif
+
+constexpr int kLanes = 16;
 constexpr int64_t kPanelBytes = 128 * 1024;  // a panel of decoded weights (float32) is sized to stay in L2
 
-inline v16 load16(const float* p) {
-  v16 v;
+// A register's worth of a v16's lanes: the tiles keep their accumulators and weights as kParts registers a v16, in
+// arrays the compiler keeps in registers (it does not for arrays of a two-register struct).
+#ifdef __AVX512F__
+typedef v16 vreg;
+constexpr int kParts = 1;
+inline vreg part(v16 v, int) { return v; }
+#else
+typedef v8 vreg;
+constexpr int kParts = 2;
+inline vreg part(v16 v, int p) { return p ? v.hi : v.lo; }
+#endif
+constexpr int kRegLanes = 16 / kParts;
+
+inline vreg load_reg(const float* p) {
+  vreg v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-// The 16 partial sums in one fixed order: halves, quarters, eighths, pairs.
-inline float hsum(v16 v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+inline v16 load16(const float* p) {
+#ifdef __AVX512F__
+  return load_reg(p);
+#else
+  return {load_reg(p), load_reg(p + 8)};
+#endif
+}
+
+// One load per row, not one memory operand per output (loads would bound the loop). Where a vreg is no one register
+// (x86 without AVX, other machines) the compiler's choice stands.
+inline void keep_in_register(vreg& v) {
+#if defined(__AVX512F__) || defined(__AVX__)
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
+// An output's 16 partial sums (kParts registers) in one fixed order: halves, quarters, eighths, pairs.
+inline float hsum(const vreg (&v)[kParts]) {
+#ifdef __AVX512F__
+  v8 a = low8(v[0]) + high8(v[0]);
+#else
+  v8 a = v[0] + v[1];
+#endif
   v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   float c0 = b[0] + b[2], c1 = b[1] + b[3];
   return c0 + c1;
@@ -70,26 +145,37 @@ inline float half(const uint8_t* p) {
 // Sixteen codes of a block as floats: bytes zero- or sign-extended, the low or the high nibble.
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // GCC lowers __builtin_convertvector from bytes to a scalar loop; the widening loads are one instruction each.
 inline i32x16 bytes16(const uint8_t* p) {
 #ifdef __AVX512F__
   return reinterpret_cast<i32x16>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(b)), reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
 #else
-  u8x16 b;
-  std::memcpy(&b, p, 16);
-  return __builtin_convertvector(b, i32x16);
+  typedef uint8_t u8x8 __attribute__((vector_size(8)));
+  u8x8 lo, hi;
+  std::memcpy(&lo, p, 8);
+  std::memcpy(&hi, p + 8, 8);
+  return {__builtin_convertvector(lo, i32x8), __builtin_convertvector(hi, i32x8)};
 #endif
 }
 
 inline v16 signed16(const uint8_t* p) {
 #ifdef __AVX512F__
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))),
+          reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))))};
 #else
-  i8x16 b;
-  std::memcpy(&b, p, 16);
-  return __builtin_convertvector(__builtin_convertvector(b, i32x16), v16);
+  typedef int8_t i8x8 __attribute__((vector_size(8)));
+  i8x8 lo, hi;
+  std::memcpy(&lo, p, 8);
+  std::memcpy(&hi, p + 8, 8);
+  return {__builtin_convertvector(__builtin_convertvector(lo, i32x8), v8),
+          __builtin_convertvector(__builtin_convertvector(hi, i32x8), v8)};
 #endif
 }
 
@@ -98,14 +184,21 @@ inline v16 signed16(const uint8_t* p) {
 inline v16 splat(float f) {
 #ifdef __AVX512F__
   return _mm512_broadcastss_ps(_mm_set_ss(f));
+#elif defined(__AVX2__)
+  const v8 v = reinterpret_cast<v8>(_mm256_broadcastss_ps(_mm_set_ss(f)));
+  return {v, v};
 #else
-  v16 v;
-  for (int i = 0; i < kLanes; ++i) v[i] = f;
-  return v;
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = f;
+  return {v, v};
 #endif
 }
 
+#ifdef __AVX512F__
 inline v16 floats(i32x16 q) { return __builtin_convertvector(q, v16); }
+#else
+inline v16 floats(i32x16 q) { return {__builtin_convertvector(q.lo, v8), __builtin_convertvector(q.hi, v8)}; }
+#endif
 
 inline void put16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
@@ -113,13 +206,17 @@ inline i32x16 splat_int(int32_t v) {
 #ifdef __AVX512F__
   return reinterpret_cast<i32x16>(_mm512_set1_epi32(v));
 #else
-  return i32x16{} + v;
+  return {i32x8{} + v, i32x8{} + v};
 #endif
 }
 
 // Q5_0 and Q5_1's fifth bits, 16 of them from bit `first` of qh, at bit 4.
 inline i32x16 fifth_bits(uint32_t qh, int first) {
+#ifdef __AVX512F__
   const i32x16 shifts = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+  const i32x16 shifts = {i32x8{0, 1, 2, 3, 4, 5, 6, 7}, i32x8{8, 9, 10, 11, 12, 13, 14, 15}};
+#endif
   return ((splat_int(static_cast<int32_t>(qh >> first)) >> shifts) & 1) << 4;
 }
 
@@ -247,8 +344,14 @@ struct F16 {
     for (int h = 0; h < 2; ++h) {
 #ifdef __AVX512F__
       w[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * h)));
+#elif defined(__F16C__)
+      const uint8_t* p = b + 32 * h;
+      w[h] = {reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))),
+              reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))))};
 #else
-      for (int i = 0; i < kLanes; ++i) w[h][i] = half(b + 2 * (h * kLanes + i));
+      float f[kLanes];
+      for (int i = 0; i < kLanes; ++i) f[i] = half(b + 2 * (h * kLanes + i));
+      w[h] = load16(f);
 #endif
     }
   }
@@ -263,10 +366,12 @@ struct BF16 {
       const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * h)));
       w[h] = reinterpret_cast<v16>(_mm512_slli_epi32(bits, 16));
 #else
-      typedef uint16_t u16x16 __attribute__((vector_size(32)));
-      u16x16 bits;
-      std::memcpy(&bits, b + 32 * h, 32);
-      w[h] = reinterpret_cast<v16>(__builtin_convertvector(bits, i32x16) << 16);
+      typedef uint16_t u16x8 __attribute__((vector_size(16)));
+      u16x8 lo, hi;
+      std::memcpy(&lo, b + 32 * h, 16);
+      std::memcpy(&hi, b + 32 * h + 16, 16);
+      w[h] = {reinterpret_cast<v8>(__builtin_convertvector(lo, i32x8) << 16),
+              reinterpret_cast<v8>(__builtin_convertvector(hi, i32x8) << 16)};
 #endif
     }
   }
@@ -386,16 +491,18 @@ inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // round 
 // out[r][n] = x row r . w row n for R rows and NB outputs: lane-wise sums over k in order, then hsum.
 template <int R, int NB, typename T>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, T* out, int64_t ldo) {
-  v16 acc[R][NB] = {};
-  for (int64_t i = 0; i < k; i += kLanes) {
-    v16 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = load16(w + n * k + i);
-    for (int r = 0; r < R; ++r) {
-      v16 xv = load16(x + r * ldx + i);
-      asm("" : "+v"(xv));  // one load per row, not one memory operand per output (loads would bound the loop)
-      for (int n = 0; n < NB; ++n) acc[r][n] += xv * wv[n];
+  vreg acc[R][NB][kParts] = {};
+  for (int64_t i = 0; i < k; i += kLanes)
+    for (int p = 0; p < kParts; ++p) {
+      const int64_t j = i + p * kRegLanes;
+      vreg wv[NB];
+      for (int n = 0; n < NB; ++n) wv[n] = load_reg(w + n * k + j);
+      for (int r = 0; r < R; ++r) {
+        vreg xv = load_reg(x + r * ldx + j);
+        keep_in_register(xv);
+        for (int n = 0; n < NB; ++n) acc[r][n][p] += xv * wv[n];
+      }
     }
-  }
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NB; ++n) store(out + r * ldo + n, hsum(acc[r][n]));
 }
@@ -424,16 +531,22 @@ inline void tile_any(int64_t rows, int64_t cols, const float* x, int64_t ldx, co
 template <typename B, int R, int NB, typename T>
 inline void direct_tile(const float* x, int64_t ldx, const uint8_t* blocks, int64_t row_bytes, int64_t k, T* out,
                         int64_t ldo) {
-  v16 acc[R][NB] = {};
+  vreg acc[R][NB][kParts] = {};
   for (int64_t kb = 0; kb < k / B::kSize; ++kb) {
-    v16 w[NB][2];
-    for (int n = 0; n < NB; ++n) B::regs(blocks + n * row_bytes + kb * B::kBytes, w[n]);
+    vreg w[NB][2][kParts];
+    for (int n = 0; n < NB; ++n) {
+      v16 decoded[2];
+      B::regs(blocks + n * row_bytes + kb * B::kBytes, decoded);
+      for (int h = 0; h < 2; ++h)
+        for (int p = 0; p < kParts; ++p) w[n][h][p] = part(decoded[h], p);
+    }
     for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < R; ++r) {
-        v16 xv = load16(x + r * ldx + kb * B::kSize + h * kLanes);
-        asm("" : "+v"(xv));
-        for (int n = 0; n < NB; ++n) acc[r][n] += xv * w[n][h];
-      }
+      for (int p = 0; p < kParts; ++p)
+        for (int r = 0; r < R; ++r) {
+          vreg xv = load_reg(x + r * ldx + kb * B::kSize + h * kLanes + p * kRegLanes);
+          keep_in_register(xv);
+          for (int n = 0; n < NB; ++n) acc[r][n][p] += xv * w[n][h][p];
+        }
   }
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NB; ++n) store(out + r * ldo + n, hsum(acc[r][n]));
@@ -448,13 +561,19 @@ inline void direct_rows(int64_t rows, const float* x, int64_t ldx, const uint8_t
   direct_tile<B, R, NB>(x, ldx, blocks, row_bytes, k, out, ldo);
 }
 
-// Outputs per unit of work: a register tile's width where blocks decode into registers (4 outputs for up to 4 rows, 2
-// for up to 8), else a panel of decoded weights sized for L2.
+// Whether a unit of work decodes a panel of weights into memory (else its blocks decode into registers).
+template <typename B>
+bool decodes_a_panel(int64_t m) {
+  return !(B::kRegs && m <= kDirectRows);
+}
+
+// Outputs per unit of work: a register tile's width where blocks decode into registers (kDirectWide outputs for up to
+// half of kDirectRows rows, half as many for up to kDirectRows), else a panel of decoded weights sized for L2.
 template <typename B>
 int64_t unit_outputs(int64_t m, int64_t k) {
   if constexpr (B::kRegs) {
-    if (m <= 4) return 4;
-    if (m <= kDirectRows) return 2;
+    if (m <= kDirectRows / 2) return kDirectWide;
+    if (m <= kDirectRows) return kDirectWide / 2;
   }
   return std::max<int64_t>(kTileN, kPanelBytes / (k * 4) / kTileN * kTileN);
 }
@@ -494,8 +613,8 @@ void run_unit(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64
               int64_t ldo) {
   const int64_t width = unit_outputs<B>(m, k);
   if constexpr (B::kRegs) {
-    if (m <= 4) return direct_unit<B, 4, 4>(x, m, k, blocks, n, unit * width, out, ldo);
-    if (m <= kDirectRows) return direct_unit<B, 2, kDirectRows>(x, m, k, blocks, n, unit * width, out, ldo);
+    if (m <= kDirectRows / 2) return direct_unit<B, kDirectWide, kDirectRows / 2>(x, m, k, blocks, n, unit * width, out, ldo);
+    if (m <= kDirectRows) return direct_unit<B, kDirectWide / 2, kDirectRows>(x, m, k, blocks, n, unit * width, out, ldo);
   }
   panel_unit<B>(x, m, k, blocks, n, unit * width, width, w, out, ldo);
 }
@@ -539,7 +658,8 @@ void run_parts(const float* x, int64_t m, int64_t k, const std::vector<Part>& pa
     dispatch(parts[i].type, [&](auto block) {
       const int64_t width = unit_outputs<decltype(block)>(m, k);
       first[i + 1] = first[i] + (parts[i].rows + width - 1) / width;
-      if (width > 4) panel_floats = std::max(panel_floats, width * k);
+      // Not `width > 4`: a panel is a single tile's width where K is wide (K-quants past 8192 inputs).
+      if (decodes_a_panel<decltype(block)>(m)) panel_floats = std::max(panel_floats, width * k);
     });
     outputs += parts[i].rows;
   }

@@ -26,8 +26,14 @@
 #include <cstring>
 #include <vector>
 
+// Two builds of the same sums: AVX-512 VNNI (vpdpwssd, a 16-row tile in one register) and AVX2 (vpmaddwd then an add,
+// the tile as two 8-row halves). Integer sums are exact and the float steps are the same operations lane by lane, so
+// both give the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define ORCINUS_VNNI 1
+#endif
+#if defined(ORCINUS_VNNI) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define ORCINUS_INT16 1
 #include <immintrin.h>
 #endif
 
@@ -93,7 +99,7 @@ void pack_tile(const uint8_t* src, int64_t row_bytes, int64_t type, const Format
   }
 }
 
-#ifdef ORCINUS_VNNI
+#ifdef ORCINUS_INT16
 
 // One block of a row of x, quantized: its 32 codes, its scale d, their sum s and d * s.
 struct alignas(64) XBlock {
@@ -126,12 +132,14 @@ void quantize_row(const T* x, int64_t nb, XBlock* out) {
   }
 }
 
-// Inputs 2t and 2t+1 of a block of x in every int32 lane.
-inline __m512i pair(const XBlock& x, int t) {
+// Inputs 2t and 2t+1 of a block of x, as one int32.
+inline int32_t pair(const XBlock& x, int t) {
   int32_t v;
   std::memcpy(&v, x.q + 2 * t, 4);
-  return _mm512_set1_epi32(v);
+  return v;
 }
+
+#ifdef ORCINUS_VNNI
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
@@ -172,7 +180,7 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
       for (int s = 0; s < per_word; ++s) {
         const int t = per_word * u + s;
         for (int r = 0; r < R; ++r)
-          sum[r][t % chains] = _mm512_dpwssd_epi32(sum[r][t % chains], wv[s], pair(xb[r * nb + b], t));
+          sum[r][t % chains] = _mm512_dpwssd_epi32(sum[r][t % chains], wv[s], _mm512_set1_epi32(pair(xb[r * nb + b], t)));
       }
     }
     const uint8_t* scales = p + kRows * f.code_bytes;
@@ -192,22 +200,89 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
 
 constexpr int kTileRowsOfX = 8;  // rows of x a tile's weights serve at once
 
-template <int Type, typename T>
-void run_tile(const XBlock* xb, int64_t m, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
-  for (int64_t r0 = 0; r0 < m; r0 += kTileRowsOfX) {
-    const XBlock* x = xb + r0 * nb;
-    T* o = out + r0 * ldo;
-    switch (std::min<int64_t>(kTileRowsOfX, m - r0)) {
-      case 1: tile<1, Type>(x, nb, w, o, ldo); break;
-      case 2: tile<2, Type>(x, nb, w, o, ldo); break;
-      case 3: tile<3, Type>(x, nb, w, o, ldo); break;
-      case 4: tile<4, Type>(x, nb, w, o, ldo); break;
-      case 5: tile<5, Type>(x, nb, w, o, ldo); break;
-      case 6: tile<6, Type>(x, nb, w, o, ldo); break;
-      case 7: tile<7, Type>(x, nb, w, o, ldo); break;
-      default: tile<8, Type>(x, nb, w, o, ldo); break;
+#else  // AVX2
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+  for (int i = 0; i < 8; ++i) p[i] = at::BFloat16(f[i]);  // round to nearest even
+}
+
+// Half h of a tile (its rows 8h .. 8h+7, the upper or lower 32 bytes of each of its vectors) for R rows of x: the VNNI
+// tile's steps on 8 lanes, with vpmaddwd's pair sums added to the chain instead of accumulated in one instruction.
+template <int R, int Type, typename T>
+void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, int64_t ldo) {
+  constexpr Format f = format_for(Type);
+  constexpr int per_word = f.per_word(), chains = R < 4 ? 4 / R : 1;
+  const __m256i nibble = _mm256_set1_epi16(15);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = w + b * kRows * f.bytes();
+    __m256i sum[R][chains];
+    for (int r = 0; r < R; ++r) {
+      sum[r][0] = f.offset ? _mm256_set1_epi32(-f.offset * xb[r * nb + b].s) : _mm256_setzero_si256();
+      for (int c = 1; c < chains; ++c) sum[r][c] = _mm256_setzero_si256();
+    }
+    for (int u = 0; u < 16 / per_word; ++u) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + u * 64 + 32 * h));
+      __m256i wv[per_word];
+      if constexpr (per_word == 2) {
+        wv[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+        wv[1] = _mm256_srai_epi16(v, 8);
+      } else {
+        wv[0] = _mm256_and_si256(v, nibble);
+        wv[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        wv[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);
+        wv[3] = _mm256_srli_epi16(v, 12);
+      }
+      for (int s = 0; s < per_word; ++s) {
+        const int t = per_word * u + s;
+        for (int r = 0; r < R; ++r)
+          sum[r][t % chains] = _mm256_add_epi32(
+              sum[r][t % chains], _mm256_madd_epi16(wv[s], _mm256_set1_epi32(pair(xb[r * nb + b], t))));
+      }
+    }
+    const uint8_t* scales = p + kRows * f.code_bytes + 16 * h;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (f.mins) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * kRows)));
+    for (int r = 0; r < R; ++r) {
+      const XBlock& x = xb[r * nb + b];
+      __m256i s = sum[r][0];
+      for (int c = 1; c < chains; ++c) s = _mm256_add_epi32(s, sum[r][c]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(x.d)), acc[r]);
+      if constexpr (f.mins) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds), acc[r]);
     }
   }
+  for (int r = 0; r < R; ++r) store8(out + r * ldo, acc[r]);
+}
+
+// Sixteen registers, not 32: a half tile at a time, for fewer rows of x.
+template <int R, int Type, typename T>
+void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
+  half_tile<R, Type>(xb, nb, w, 0, out, ldo);
+  half_tile<R, Type>(xb, nb, w, 1, out + 8, ldo);
+}
+
+constexpr int kTileRowsOfX = 4;
+
+#endif  // ORCINUS_VNNI
+
+// `rows` (1 .. R) rows of x through one tile.
+template <int Type, typename T, int R = kTileRowsOfX>
+void tile_rows(int64_t rows, const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Type, T, R - 1>(rows, xb, nb, w, out, ldo);
+  }
+  tile<R, Type>(xb, nb, w, out, ldo);
+}
+
+template <int Type, typename T>
+void run_tile(const XBlock* xb, int64_t m, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
+  for (int64_t r0 = 0; r0 < m; r0 += kTileRowsOfX)
+    tile_rows<Type>(std::min<int64_t>(kTileRowsOfX, m - r0), xb + r0 * nb, nb, w, out + r0 * ldo, ldo);
 }
 
 // Below this many multiply-adds a call runs on the calling thread: a parallel region costs a thread wake-up.
@@ -241,7 +316,7 @@ void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& 
   });
 }
 
-#endif  // ORCINUS_VNNI
+#endif  // ORCINUS_INT16
 
 void check_part(const at::Tensor& part, int64_t type, int64_t k) {
   const Format f = format_of(type);
@@ -255,9 +330,9 @@ void check_part(const at::Tensor& part, int64_t type, int64_t k) {
 
 }  // namespace
 
-// Whether this build has the op (AVX-512 with VNNI where it was compiled).
+// Whether this build has the op (AVX-512 VNNI, or AVX2 with FMA and F16C, where it was compiled).
 bool available() {
-#ifdef ORCINUS_VNNI
+#ifdef ORCINUS_INT16
   return true;
 #else
   return false;
@@ -281,7 +356,7 @@ at::Tensor pack(at::Tensor blocks, int64_t type, int64_t k) {
 
 // out = x @ W^T for W the packed parts' rows stacked (parts[i] of ggml type types[i]), x rounded to int16 per 32 inputs.
 void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<int64_t> types, at::Tensor out) {
-  TORCH_CHECK(available(), "the int16-activation matmul needs AVX-512 VNNI where it was built");
+  TORCH_CHECK(available(), "the int16-activation matmul needs AVX-512 VNNI or AVX2 where it was built");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a contiguous float32 or bfloat16 [rows, K] tensor");
   TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "one type per part, and at least one part");
@@ -294,7 +369,7 @@ void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<i
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1 && out.stride(0) >= n &&
               out.scalar_type() == x.scalar_type(), "out must be [rows, N] of x's dtype with unit column stride");
   if (m == 0) return;
-#ifdef ORCINUS_VNNI
+#ifdef ORCINUS_INT16
   if (x.scalar_type() == at::kFloat)
     run_parts(x.data_ptr<float>(), m, k, parts, types, out.data_ptr<float>(), out.stride(0));
   else
@@ -303,7 +378,7 @@ void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<i
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the int16-activation matmul (AVX-512 VNNI)");
+  m.def("available", &available, "whether this build has the int16-activation matmul (AVX-512 VNNI or AVX2)");
   m.def("pack", &pack, "Q4_0 / Q4_1 / Q8_0 blocks -> the order int16_matmul_out reads");
   m.def("int16_matmul_out", &int16_matmul_out, "out = x @ W^T, x rounded to int16 per 32, W packed GGUF blocks (CPU)");
 }

@@ -19,7 +19,7 @@ _ENGINE_FLAGS = {
     "device": dict(help="cuda|cpu (default: cuda when torch sees a GPU, else cpu)"),
     "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="activations (default: bfloat16 on a GPU, float32 on the CPU)"),
     "weights": dict(choices=["auto", "dense", "gguf"], help="gguf: multiply by the GGUF file's quantized blocks as stored, CPU only (default: gguf on the CPU where the file has them)"),
-    "block_activations": dict(choices=["auto", "int16", "float32"], help="the GGUF block matmuls' inputs: int16, rounded per 32 values (AVX-512 VNNI), or float32 exactly (default: int16 where the CPU has VNNI)"),
+    "block_activations": dict(choices=["auto", "int16", "float32"], help="the GGUF block matmuls' inputs: int16, rounded per 32 values (AVX-512 VNNI or AVX2), or float32 exactly (default: int16 where the CPU has either)"),
     "batch_invariant": dict(action="store_true", help="a request's tokens do not depend on the rest of the batch (CPU only)"),
     "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
     "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),

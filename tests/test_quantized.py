@@ -75,6 +75,17 @@ def test_a_rows_bits_are_the_same_alone_in_any_batch_and_on_any_number_of_thread
         assert torch.equal(layer(x[rows : rows + 1]), full[rows : rows + 1])
 
 
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+def test_inputs_wide_enough_that_a_panel_is_one_tile(kind):
+    """Past 8192 inputs a decoded panel (sized for L2) is a single register tile wide: it still gets its buffer (a
+    7B-14B model's down projection, and any prompt of more than a few tokens)."""
+    blocks = random_blocks(kind, 12, 8448, seed=9)
+    x = torch.randn(11, 8448, generator=torch.Generator().manual_seed(10))
+    want = x.double() @ dequantize(blocks).double().t()
+    assert ((BlockLinear([blocks])(x).double() - want).abs() <= 8448 * 2**-24 * (x.double().abs() @
+                                                                              dequantize(blocks).double().abs().t())).all()
+
+
 def test_parts_of_different_types_make_one_output_and_a_bias_is_added():
     q, k = random_blocks(GGMLQuantizationType.Q4_K, 64, 512, seed=5), random_blocks(GGMLQuantizationType.Q6_K, 32, 512)
     bias = torch.randn(96)
@@ -158,13 +169,13 @@ def test_the_cpu_default_is_float32_on_the_files_blocks(checkpoint):
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert getattr(layer, name).types == [int(GGMLQuantizationType.Q4_1)] * len(getattr(layer, name).types)
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.types == [int(GGMLQuantizationType.Q8_0)]
-    if can_use_int16(torch.device("cpu")):  # a lone decoding row in integers, where the CPU has VNNI
+    if can_use_int16(torch.device("cpu")):  # a lone decoding row in integers, where the CPU has the int16 op
         assert isinstance(layer.qkv_proj, Int16BlockLinear) and isinstance(model.lm_head, Int16BlockLinear)
     assert isinstance(layer.input_layernorm, CpuRMSNorm)  # the fused token ops, in float32 here
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # no dense copy kept beside the blocks
 
 
-needs_vnni = pytest.mark.skipif(not can_use_int16(torch.device("cpu")), reason="the int16 op needs AVX-512 VNNI")
+needs_int16 = pytest.mark.skipif(not can_use_int16(torch.device("cpu")), reason="the int16 op needs AVX-512 VNNI or AVX2")
 
 
 def int16_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -176,7 +187,7 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(x.shape)
 
 
-@needs_vnni
+@needs_int16
 @pytest.mark.parametrize("kind", [GGMLQuantizationType(t) for t in sorted(INT16_TYPES)], ids=lambda t: t.name)
 @pytest.mark.parametrize("cols", [32, 544, 1536])  # one block; 17 blocks; 48
 def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weights(kind, cols):
@@ -200,11 +211,11 @@ def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weigh
     assert Int16BlockLinear([blocks])(x[:1].bfloat16()).dtype == torch.bfloat16
 
 
-@needs_vnni
+@needs_int16
 def test_a_rows_int16_result_does_not_depend_on_its_batch():
     parts = [random_blocks(GGMLQuantizationType.Q4_1, 48, 576, seed=7), random_blocks(GGMLQuantizationType.Q8_0, 16, 576)]
     layer = Int16BlockLinear(parts)
-    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(8))  # tiles of 8 rows and a ragged one of 5
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(8))  # tiles of 8 (AVX2: 4) rows and a ragged one
     batch = layer(x)
     assert batch.shape == (37, 64)
     for r in (0, 9, 36):
@@ -222,7 +233,7 @@ def test_which_configs_round_activations_to_int16(activations, invariant):
     assert int16_activations(config) is (activations == "auto" and can_use_int16(torch.device("cpu")))
 
 
-@needs_vnni
+@needs_int16
 def test_only_whole_tiles_of_rows_take_the_int16_path():
     from engine.model.decoder import Source
 

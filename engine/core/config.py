@@ -113,7 +113,7 @@ class EngineConfig:
     # model's weights); "dense": by float weights in the compute dtype; auto = gguf on the CPU where the file has them
     weights: Literal["auto", "dense", "gguf"] = "auto"
     # what those block matmuls multiply Q4_0/Q4_1/Q8_0 blocks by: the activations rounded to int16 per 32 inputs
-    # (integer sums, AVX-512 VNNI), or float32 exactly; auto = int16 where the CPU has VNNI
+    # (integer sums, AVX-512 VNNI or AVX2), or float32 exactly; auto = int16 where the CPU has either
     block_activations: Literal["auto", "int16", "float32"] = "auto"
     # a request's tokens and logprobs do not depend on what else is in the batch: one GEMM path for every row count
     # and attention one query at a time (CPU only)

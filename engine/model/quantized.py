@@ -6,7 +6,7 @@ sums in float32, in an order that does not depend on the batch. So these layers 
 (its weights bit for bit) at every row count, reading a quarter (Q4) to a half (Q8) of bfloat16's bytes.
 --batch-invariant runs the other linear layers through the same op, their float weights as F32 or BF16 "blocks".
 
-An Int16BlockLinear, the default where the CPU has AVX-512 VNNI, multiplies through cuda/int16_matmul_cpu.cpp:
+An Int16BlockLinear, the default where the CPU has AVX-512 VNNI or AVX2 (the same bits from either), multiplies through cuda/int16_matmul_cpu.cpp:
 Q4_0, Q4_1 and Q8_0 blocks (the same codes and scales, reordered once) times the activations rounded to 16-bit
 integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is 1.5-1.9x the float32 path at
 every row count measured, 1 to 128 (benchmarks/int16_matmul.json), and as batch-independent: a row's rounding and
@@ -70,7 +70,7 @@ def _int16_ops():
 
 
 def can_use_int16(device: torch.device) -> bool:
-    """The int16-activation op here: on a CPU with AVX-512 VNNI, where it builds."""
+    """The int16-activation op here: on a CPU with AVX-512 VNNI or AVX2, where it builds."""
     return (device.type == "cpu" and builds(_int16_ops, "the int16-activation block matmul is unusable here")
             and _int16_ops().available())
 

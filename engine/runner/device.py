@@ -54,13 +54,13 @@ def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
 def int16_activations(config: EngineConfig) -> bool:
     """Whether the block matmuls round their inputs to int16 (engine/model/quantized.py's Int16BlockLinear).
 
-    "auto" does where the CPU has AVX-512 VNNI; --batch-invariant too, since a row's rounding and sums are its own.
+    "auto" does where the CPU has AVX-512 VNNI or AVX2; --batch-invariant too, since a row's rounding and sums are its own.
     """
     if config.block_activations == "float32":
         return False
     usable = can_use_int16(torch.device(config.device))
     if config.block_activations == "int16" and not usable:
-        raise DeviceError("--block-activations int16 needs a CPU with AVX-512 VNNI (cuda/int16_matmul_cpu.cpp)")
+        raise DeviceError("--block-activations int16 needs a CPU with AVX-512 VNNI or AVX2 (cuda/int16_matmul_cpu.cpp)")
     return usable
 
 
