@@ -239,9 +239,13 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
       }
       for (int s = 0; s < per_word; ++s) {
         const int t = per_word * u + s;
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r) {
           sum[r][t % chains] = _mm256_add_epi32(
               sum[r][t % chains], _mm256_madd_epi16(wv[s], _mm256_set1_epi32(pair(xb[r * nb + b], t))));
+          // Integer adds reassociate: left to itself GCC keeps every product of the block live for one sum tree at
+          // its end, spilling them all. Each product goes into its chain as it is made.
+          asm("" : "+x"(sum[r][t % chains]));
+        }
       }
     }
     const uint8_t* scales = p + kRows * f.code_bytes + 16 * h;
