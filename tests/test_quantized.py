@@ -78,7 +78,7 @@ def test_a_rows_bits_are_the_same_alone_in_any_batch_and_on_any_number_of_thread
 @pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
 def test_inputs_wide_enough_that_a_panel_is_one_tile(kind):
     """Past 8192 inputs a decoded panel (sized for L2) is a single register tile wide: it still gets its buffer (a
-    7B-14B model's down projection, and any prompt of more than a few tokens)."""
+    7B-14B model's down projection; K-quants always decode a panel, the 32-weight formats past a few rows)."""
     blocks = random_blocks(kind, 12, 8448, seed=9)
     x = torch.randn(11, 8448, generator=torch.Generator().manual_seed(10))
     want = x.double() @ dequantize(blocks).double().t()
