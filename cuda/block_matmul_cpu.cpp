@@ -143,8 +143,6 @@ inline float half(const uint8_t* p) {
 // ---------------------------------------------------------------- block decoders (gguf-py's dequantize_blocks)
 
 // Sixteen codes of a block as floats: bytes zero- or sign-extended, the low or the high nibble.
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 // GCC lowers __builtin_convertvector from bytes to a scalar loop; the widening loads are one instruction each.
 inline i32x16 bytes16(const uint8_t* p) {
@@ -152,7 +150,8 @@ inline i32x16 bytes16(const uint8_t* p) {
   return reinterpret_cast<i32x16>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(__AVX2__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(b)), reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+  return {reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(b)),
+          reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
 #else
   typedef uint8_t u8x8 __attribute__((vector_size(8)));
   u8x8 lo, hi;
@@ -613,8 +612,9 @@ void run_unit(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64
               int64_t ldo) {
   const int64_t width = unit_outputs<B>(m, k);
   if constexpr (B::kRegs) {
-    if (m <= kDirectRows / 2) return direct_unit<B, kDirectWide, kDirectRows / 2>(x, m, k, blocks, n, unit * width, out, ldo);
-    if (m <= kDirectRows) return direct_unit<B, kDirectWide / 2, kDirectRows>(x, m, k, blocks, n, unit * width, out, ldo);
+    const int64_t n0 = unit * width;
+    if (m <= kDirectRows / 2) return direct_unit<B, kDirectWide, kDirectRows / 2>(x, m, k, blocks, n, n0, out, ldo);
+    if (m <= kDirectRows) return direct_unit<B, kDirectWide / 2, kDirectRows>(x, m, k, blocks, n, n0, out, ldo);
   }
   panel_unit<B>(x, m, k, blocks, n, unit * width, width, w, out, ldo);
 }

@@ -180,7 +180,8 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
       for (int s = 0; s < per_word; ++s) {
         const int t = per_word * u + s;
         for (int r = 0; r < R; ++r)
-          sum[r][t % chains] = _mm512_dpwssd_epi32(sum[r][t % chains], wv[s], _mm512_set1_epi32(pair(xb[r * nb + b], t)));
+          sum[r][t % chains] =
+              _mm512_dpwssd_epi32(sum[r][t % chains], wv[s], _mm512_set1_epi32(pair(xb[r * nb + b], t)));
       }
     }
     const uint8_t* scales = p + kRows * f.code_bytes;
