@@ -14,8 +14,10 @@ ROWS_HINT = 32  # oneDNN picks the blocking for this many rows; any row count ru
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's packed linear here: bfloat16 on a CPU with oneDNN (float32 keeps F.linear, the exact reference)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN's packed linear here: bfloat16 on a CPU where oneDNN has bfloat16 kernels (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; elsewhere its reorder raises, and F.linear runs) (float32 keeps F.linear, the exact reference)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Linear):
