@@ -319,7 +319,9 @@ def test_shared_memory_pages_count_in_rss_but_not_in_private_memory():
         shm.buf[:] = b"\1" * len(shm.buf)  # touch every page, as a stream passing once through a ring does
         after = this_process()
         assert after.shared_bytes - before.shared_bytes >= 8 << 20
-        assert abs(after.private_bytes - before.private_bytes) < 4 << 20  # the bytes object above, at most
+        # The ring's pages are not private: private memory grows by the bytes object above at most. It may shrink
+        # (another thread frees memory, or the kernel reclaims pages between the two reads: -118 MB was seen once).
+        assert after.private_bytes - before.private_bytes < 4 << 20
     finally:
         shm.close()
         shm.unlink()
