@@ -68,9 +68,6 @@ struct Halves {
 typedef Halves<v8> v16;
 typedef Halves<i32x8> i32x16;
 
-inline v8 low8(v16 v) { return v.lo; }
-inline v8 high8(v16 v) { return v.hi; }
-
 // Sixteen registers, a v16 in two: 12 accumulators, 2 weights and a row of x; the direct tiles' decoded weights take
 // four registers an output.
 constexpr int kTileN = 2;
