@@ -210,6 +210,6 @@ def test_async_on_a_gpu_gives_the_synchronous_tokens():
     prompt_ids = [[100 + 7 * i + j for j in range(5 + 3 * i)] for i in range(12)]
     params = [SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True, logprobs=2 if i % 3 else None)
               for i in range(12)]
-    sync = run(ckpt, prompt_ids, params, device="cuda", async_scheduling="off")
-    ahead = run(ckpt, prompt_ids, params, device="cuda", async_scheduling="on")
+    sync = run(ckpt, prompt_ids, params, device="cuda", async_scheduling="off", kv_cache_memory=2**30)
+    ahead = run(ckpt, prompt_ids, params, device="cuda", async_scheduling="on", kv_cache_memory=2**30)
     assert ahead[0] == sync[0] and ahead[1] == sync[1] and ahead[3] > 50

@@ -66,13 +66,27 @@ class Compiled:
 
     def __init__(self, fn: Callable[..., None], backend):
         self.signature = inspect.signature(fn)
-        self.fn = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+        self.fn = torch.compile(_same_token_count(fn, self.signature), backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, *args) -> None:
         bound = self.signature.bind(*args)
         for name in TOKEN_ARGS & bound.arguments.keys():
             bound.arguments[name] = _unbacked(bound.arguments[name])
         self.fn(*bound.args)
+
+
+def _same_token_count(fn: Callable[..., None], signature: inspect.Signature) -> Callable[..., None]:
+    """fn, first telling the compiler that its token arguments share one dim 0: each is marked unbacked on its own
+    (u0, u1...), and without this `x.copy_(embed(ids))` must guard on u0 == u1, which torch 2.11 refuses."""
+    where = [i for i, name in enumerate(signature.parameters) if name in TOKEN_ARGS]
+
+    def checked(*args):
+        n = args[where[0]].shape[0]
+        for i in where[1:]:
+            torch._check(args[i].shape[0] == n)
+        fn(*args)
+
+    return checked
 
 
 def _unbacked(t: torch.Tensor) -> torch.Tensor:
