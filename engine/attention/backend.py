@@ -127,11 +127,24 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] into their cache slots, in place (under torch.compile too: an index_put into the input)."""
+    """k, v [T, Hkv, D] into their cache slots, in place."""
+    if torch.compiler.is_compiling():
+        # An op boundary: traced as an index_put, torch 2.11's Inductor on the H100 copied the whole cache (4 GiB)
+        # around every layer's write; a custom op that mutates its argument is written in place (as vLLM's are).
+        torch.ops.orcinus.write_kv(k, v, kv_cache, slot_mapping)
+    else:
+        _write_kv(k, v, kv_cache, slot_mapping)
+
+
+@torch.library.custom_op("orcinus::write_kv", mutates_args=("kv_cache",))
+def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    # One index_put into the whole cache: torch.compile turns a write into a part of it (kv_cache[0]) into a copy of
-    # that part, the scatter, and a copy back; into the whole, Inductor writes in place.
     kv_cache.view(2, num_kv_heads, -1, head_dim)[:, :, slot_mapping] = torch.stack((k, v)).transpose(1, 2)
+
+
+@_write_kv.register_fake
+def _(k, v, kv_cache, slot_mapping) -> None:
+    return None
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
