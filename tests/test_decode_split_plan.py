@@ -84,3 +84,14 @@ def test_the_backend_constants_are_the_kernels():
     assert constant("kMaxHeads") == MAX_HEADS_PER_BLOCK
     assert constant("kSplitTile") == SPLIT_TILE
     assert tuple(int(n) for n in re.findall(r"ORCINUS_DECODE\(SUFFIX, T, (\d+)\)", source)) == LANES_PER_KEY
+
+
+@pytest.mark.parametrize("num_requests", [1, 2, 8, 17, 33, 64, 256])
+def test_a_captured_step_never_launches_more_than_one_wave_of_split_blocks(num_requests):
+    """Planned for the block tables' capacity, not the contexts a replay brings: more than one wave of blocks would
+    be mostly empty ones for short contexts."""
+    splits = plan_splits(num_requests, 8, 131072, H100_SMS, 2, one_wave=True)
+    assert splits == 1 or num_requests * 8 * splits <= H100_SMS * 2
+    # Where the plan for a known long context already fits one wave, the capacity plan is the same.
+    assert plan_splits(1, 8, 131072, H100_SMS, 2, one_wave=True) == 33
+    assert plan_splits(64, 8, 131072, H100_SMS, 2, one_wave=True) == 1  # was 64: 32768 blocks
