@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -104,7 +105,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="as `orcinus serve --model` (default: the bundled model)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0, 4.0])
-    ap.add_argument("--num-prompts", type=int, default=20, help="requests per rate")
+    ap.add_argument("--num-prompts", type=int, default=20, help="requests per rate (at least)")
+    ap.add_argument("--seconds", type=float, default=0.0,
+                    help="at least this many seconds of arrivals per rate: with few requests, a run is mostly its "
+                         "ramp and its longest request's tail (200 at 240/s on a GPU: 0.8 s of arrivals, 2 s in all)")
     # Orca's inputs are U[32, 512]; on a 2-core CPU their prefill alone caps the server near 0.3 req/s,
     # so the default sweep (sized for < 10 minutes) shortens prompts and keeps Orca's output lengths.
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 128])
@@ -138,14 +142,16 @@ def main() -> int:
                             progress=False))  # warm-up
 
         def measure(mode: str, rate: float) -> dict:
-            results, duration = asyncio.run(run(servers[mode][1], None, workload, rate, None))
+            n = max(args.num_prompts, math.ceil(rate * args.seconds))
+            load = workload if n == workload.num_prompts else replace(workload, num_prompts=n)
+            results, duration = asyncio.run(run(servers[mode][1], None, load, rate, None))
             s = summarize(results, duration)
             if s["normalized_latency_s"]["p50"] is None:  # every request failed: no curve to draw
                 log = Path(args.out).with_suffix(f".{mode}.server.log")
                 sys.exit(f"{mode} rate {rate}/s: all {s['failed']} requests failed; see {log}")
             return {"rate": rate, "throughput": s["request_throughput"], "output_tok_s": s["output_throughput"],
                     "p50_normalized_latency": s["normalized_latency_s"]["p50"], "p50_ttft": s["ttft_s"]["p50"],
-                    "failed": s["failed"], "duration_s": duration}
+                    "failed": s["failed"], "duration_s": duration, "num_prompts": n}
 
         def on_point(mode: str, point: dict) -> None:
             result["elapsed_s"] = time.perf_counter() - t_start

@@ -115,12 +115,12 @@ if [ "$MODE" = "--lease" ]; then
     step bench_attention 60 $PY loadtest/bench_attention.py --iters 10 --out "$RUN/bench_attention.json"
     step bench_gpu 180 $PY loadtest/bench_gpu.py --shapes llama-1b --batches 1 64 --parts b c \
         --out "$RUN/bench_gpu.json"
-    step scheduling 240 $PY "${SCHEDULING[@]}" --rates 40 80 160 240 --num-prompts 200
+    step scheduling 240 $PY "${SCHEDULING[@]}" --rates 40 80 160 240 --seconds 5
 elif [ "$MODE" = "--long" ]; then
     step bench_attention 150 $PY loadtest/bench_attention.py --out "$RUN/bench_attention.json"
     step serve 180 $PY loadtest/gpu_serve_check.py --out "$RUN/serve.json"
     step bench_gpu 540 $PY loadtest/bench_gpu.py --out "$RUN/bench_gpu.json"
-    step scheduling 300 $PY "${SCHEDULING[@]}" --rates 20 40 80 120 160 200 240 --num-prompts 240
+    step scheduling 300 $PY "${SCHEDULING[@]}" --rates 20 40 80 120 160 200 240 --seconds 3
 else
     resource_usage 60
     step kernels 90 $PY -m pytest -q -x --gpu $KERNEL_TESTS
