@@ -1,4 +1,5 @@
-"""Where an iteration's time goes: decode steps at several batch sizes, split by phase and by kind of op.
+"""Where an iteration's time goes: decode steps at several batch sizes, split by phase and by kind of op (on a GPU:
+by kernel device time, with the top kernels per step in the JSON).
 
     python loadtest/profile_iteration.py --batches 1 8 32 --context 128 --out benchmarks/iteration_profile.json
 """
@@ -58,21 +59,41 @@ def phases(engine: EngineCore, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in t.items()}
 
 
-def op_split(engine: EngineCore, steps: int, table: bool) -> dict[str, float]:
-    """Share of model time in GEMMs, attention ops and everything else (torch profiler, self CPU time)."""
+def op_split(engine: EngineCore, steps: int, table: bool) -> tuple[dict[str, float], list[dict]]:
+    """Share of model time in GEMMs, attention and everything else (self CPU time of ops; on a GPU, device time of
+    kernels, which is where a step's time goes once graphs replay it), and on a GPU the kernels per step."""
     gpu = engine.runner.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
         for _ in range(steps):
             engine.step()  # the whole step: a batch left in flight would keep its requests out of the next one
     if table:
         for key in ("self_cpu_time_total",) + ("self_device_time_total",) * gpu:
-            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
-    total = gemm = attn = 0.0
-    for e in prof.key_averages():
-        total += e.self_cpu_time_total
-        gemm += e.self_cpu_time_total if e.key in GEMM else 0
-        attn += e.self_cpu_time_total if e.key in ATTENTION else 0
-    return {"gemm": gemm / total, "attention": attn / total, "other": (total - gemm - attn) / total}
+            print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90), flush=True)
+    events = prof.key_averages()
+    if gpu:  # kernels only: a graph's replay is one CPU call whatever it runs
+        times = {e.key: e.self_device_time_total for e in events if e.self_device_time_total > 0}
+        kind = device_kind
+    else:
+        times = {e.key: e.self_cpu_time_total for e in events}
+        kind = lambda name: "gemm" if name in GEMM else "attention" if name in ATTENTION else "other"  # noqa: E731
+    total = sum(times.values()) or 1.0
+    split = {k: 0.0 for k in ("gemm", "attention", "other")}
+    for name, t in times.items():
+        split[kind(name)] += t / total
+    calls = {e.key: e.count for e in events}
+    kernels = [{"name": name, "us_per_step": t / steps, "calls_per_step": calls[name] / steps}
+               for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:40]] if gpu else []
+    return split, kernels
+
+
+def device_kind(kernel: str) -> str:
+    """gemm / attention / other, by a CUDA kernel's name (cuBLAS's nvjet/cutlass/gemm; our decode kernel, flash)."""
+    name = kernel.lower()
+    if any(k in name for k in ("nvjet", "gemm", "cutlass", "splitkreduce", "sm90_xmma")):
+        return "gemm"
+    if any(k in name for k in ("paged_decode", "flash", "attention")):
+        return "attention"
+    return "other"
 
 
 def main() -> None:
@@ -95,9 +116,9 @@ def main() -> None:
         engine = decode_engine(b, args.context, args)
         phases(engine, 3)  # warm-up
         ph = phases(engine, args.steps)
-        split = op_split(engine, max(3, args.steps // 3), args.table)
+        split, kernels = op_split(engine, max(3, args.steps // 3), args.table)
         rows[b] = {"phases_ms": ph, "model_op_share": split, "step_ms": sum(ph.values()),
-                   "tokens_per_s": b / sum(ph.values()) * 1000}
+                   "tokens_per_s": b / sum(ph.values()) * 1000, "kernels": kernels}
         print(f"batch {b:>3}: step {rows[b]['step_ms']:7.1f} ms ({rows[b]['tokens_per_s']:6.1f} tok/s)  "
               + "  ".join(f"{k} {v:6.1f}" for k, v in ph.items())
               + f"  | model: gemm {split['gemm']:.0%} attention {split['attention']:.0%} other {split['other']:.0%}",
