@@ -372,7 +372,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/gpu/bench_gpu.json")
     args = ap.parse_args()
     if args.quick:
-        args.shapes, args.batches, args.steps, args.repeats = args.shapes[:1], [1, 2], 2, 1
+        args.shapes, args.batches, args.steps, args.repeats = ["tiny"], [1, 2], 2, 1
         args.throughput_shape, args.requests, args.input_len, args.output_len = args.shapes[0], 6, [8, 24], [1, 6]
         args.hf_batch, args.token_budget, args.kv_gib, args.decode_context = 4, 64, 0.05, 16
         args.capped_seqs = 2
