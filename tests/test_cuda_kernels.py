@@ -185,7 +185,7 @@ SPLIT_CONTEXTS = [1, 2, 15, 16, 17, 33, 100, 257, 1000, 2048, 2049, 4100, 5000]
 
 
 def force_splits(monkeypatch, splits):
-    monkeypatch.setattr(cupy_backend, "plan_splits", lambda *args: splits)
+    monkeypatch.setattr(cupy_backend, "plan_splits", lambda *args, **kwargs: splits)
 
 
 @needs_gpu
