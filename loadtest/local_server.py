@@ -40,7 +40,7 @@ def launch_server(flags: list[str], log=subprocess.DEVNULL, timeout: float = 300
                 return proc, url
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)  # a start takes seconds: polling more coarsely would add up to this much to each
     proc.kill()
     raise RuntimeError(f"`orcinus serve {' '.join(flags)}` was not healthy within {timeout:.0f} s")
 
