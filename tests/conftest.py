@@ -174,7 +174,7 @@ def start_server(log_dir: Path, *args: str, startup_timeout: float = 120.0) -> t
             proc.kill()
             proc.wait()
             pytest.fail(f"the server was not healthy within {startup_timeout:.0f}s:\n{_tail(log_path)}")
-        time.sleep(0.25)
+        time.sleep(0.1)
 
 
 def _tail(log_path: Path) -> str:

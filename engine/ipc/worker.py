@@ -218,7 +218,11 @@ def main(argv: list[str]) -> int:
         worker.run()
     finally:
         worker.close()
-    return 0
+    # All is closed, stopped or saved above: tearing down the interpreter (torch, the model) took ~0.8 s of every
+    # server's shutdown and did nothing more.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(1)
     dist.destroy_process_group()
-    return 0
+    # Without the interpreter's teardown, which took ~0.8 s with torch loaded and closed nothing left open.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
