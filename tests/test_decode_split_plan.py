@@ -92,6 +92,8 @@ def test_a_captured_step_never_launches_more_than_one_wave_of_split_blocks(num_r
     be mostly empty ones for short contexts."""
     splits = plan_splits(num_requests, 8, 131072, H100_SMS, 2, one_wave=True)
     assert splits == 1 or num_requests * 8 * splits <= H100_SMS * 2
-    # Where the plan for a known long context already fits one wave, the capacity plan is the same.
-    assert plan_splits(1, 8, 131072, H100_SMS, 2, one_wave=True) == 33
+
+
+def test_the_capacity_plan_keeps_a_plan_that_fits_one_wave_and_cuts_one_that_does_not():
+    assert plan_splits(1, 8, 131072, H100_SMS, 2, one_wave=True) == 33  # the known-context plan: one full wave
     assert plan_splits(64, 8, 131072, H100_SMS, 2, one_wave=True) == 1  # was 64: 32768 blocks
