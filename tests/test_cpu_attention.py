@@ -49,19 +49,19 @@ def test_strided_queries_and_table_slices_are_read_in_place(cpu):
     wide = torch.randn(q.shape[0], 12, 64)
     wide[:, :9] = q
     tables = torch.cat([meta.block_tables, torch.full((len(DECODE), 5), 7, dtype=torch.int32)], dim=1)
-    got = cpu._decode(wide[:, :9], cache, tables, meta.context_lens, PLAIN)
-    want = TorchAttention._decode(q, cache, meta.block_tables, meta.context_lens, PLAIN)
+    got = cpu._decode(wide[:, :9], cache, tables, None, meta.context_lens, PLAIN)
+    want = TorchAttention._decode(q, cache, meta.block_tables, None, meta.context_lens, PLAIN)
     assert rel_error(got, want) < 1e-5
 
 
 def test_bad_inputs_are_refused(cpu):
     q, cache, meta = ragged_batch(DECODE, 9, 3, 64, dtype=torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu._decode(q.bfloat16(), cache, meta.block_tables, meta.context_lens, PLAIN)
+        cpu._decode(q.bfloat16(), cache, meta.block_tables, None, meta.context_lens, PLAIN)
     with pytest.raises(RuntimeError, match="int32"):
-        cpu._decode(q, cache, meta.block_tables.long(), meta.context_lens, PLAIN)
+        cpu._decode(q, cache, meta.block_tables.long(), None, meta.context_lens, PLAIN)
     with pytest.raises(RuntimeError, match="head shapes"):
-        cpu._decode(q[:, :8], cache, meta.block_tables, meta.context_lens, PLAIN)
+        cpu._decode(q[:, :8], cache, meta.block_tables, None, meta.context_lens, PLAIN)
 
 
 def test_auto_picks_the_op_on_the_cpu_and_the_reference_without_it(monkeypatch):
@@ -75,3 +75,24 @@ def test_auto_picks_the_op_on_the_cpu_and_the_reference_without_it(monkeypatch):
     with pytest.warns(UserWarning, match="CPU attention kernel is unusable here"):
         backend = make_backend("auto", "cpu")
     assert type(backend) is TorchAttention
+
+
+@pytest.mark.parametrize("window", [0, 20], ids=["whole", "window"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_request_s_rows_read_together_give_each_row_s_bits_alone(cpu, window, threads):
+    """A decoding request verifying 8 draft tokens sends 9 rows of one request, which share their key reads; each
+    row's output must be bit for bit what it gets decoded alone (greedy tokens with and without speculation)."""
+    q, cache, meta = ragged_batch([(9, 300), (1, 40), (5, 77)], 9, 3, 64, dtype=torch.float32, device="cpu")
+    params = AttentionParams(PLAIN.scale, sliding_window=window or None)
+    d = meta.decode_rows
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = cpu._decode(q, cache, meta.block_tables, d.requests, d.context_lens, params)
+        alone = [cpu._decode(q[r:r + 1], cache, meta.block_tables, d.requests[r:r + 1], d.context_lens[r:r + 1],
+                             params) for r in range(q.shape[0])]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, torch.cat(alone))
+    want = TorchAttention._decode(q, cache, meta.block_tables, d.requests, d.context_lens, params)
+    assert rel_error(together, want) < 1e-5

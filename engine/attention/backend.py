@@ -27,7 +27,7 @@ class DecodeRows:
     """The queries of requests with few of them, each as one decode query: its row, its request, its keys."""
 
     token_rows: torch.Tensor | None  # [R] rows of the flattened batch; None: every row, in order
-    requests: torch.Tensor  # [R] each row's request (its block table)
+    requests: torch.Tensor  # [R] int32: each row's request (its block table); a request's rows are neighbours
     context_lens: torch.Tensor  # [R] int32: keys each row sees, its own included
     max_context_len: int
 
@@ -68,7 +68,8 @@ class AttentionMetadata:
             return None
         device = self.query_start_loc.device
         every = len(rows) == start
-        return DecodeRows(None if every else torch.tensor(rows, device=device), torch.tensor(requests, device=device),
+        return DecodeRows(None if every else torch.tensor(rows, device=device),
+                          torch.tensor(requests, dtype=torch.int32, device=device),
                           torch.tensor(lens, dtype=torch.int32, device=device), max(lens))
 
     @functools.cached_property

@@ -29,16 +29,16 @@ class BatchInvariantAttention(CpuAttention):
         params = params or AttentionParams.plain(q.shape[-1])
         if self._rows is None or self._rows[0] is not meta:
             self._rows = (meta, *self._query_rows(meta))
-        _, tables, lens = self._rows
-        return self._decode(q, kv_cache, tables, lens.to(q.device), params)
+        _, requests, lens = self._rows
+        return self._decode(q, kv_cache, meta.block_tables, requests, lens, params)
 
     @staticmethod
     def _query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query row's block table (its request's) and context length (its position + 1)."""
+        """Each query row's request (its block table) and context length (its position + 1)."""
         counts = torch.tensor(meta.query_lens_cpu)
         request = torch.repeat_interleave(torch.arange(meta.num_requests), counts)  # [T]: each row's request
         # Row j of request i (n queries, ctx keys once written) sits at position ctx - n + j: it sees ctx - n + j + 1.
         starts = torch.tensor(meta.context_lens_cpu) - counts
         within = torch.arange(len(request)) - torch.repeat_interleave(torch.tensor(meta.query_starts_cpu[:-1]), counts)
         lens = (starts[request] + within + 1).to(torch.int32)
-        return meta.block_tables.index_select(0, request.to(meta.block_tables.device)), lens
+        return request.to(torch.int32), lens

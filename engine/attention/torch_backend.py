@@ -19,17 +19,16 @@ class TorchAttention:
         params = params or AttentionParams.plain(q.shape[-1])
         if meta.is_pure_decode:  # row i is request i, no gathers needed
             tables = meta.block_tables[:, : -(-meta.max_context_len // kv_cache.shape[3])]
-            return self._decode(q, kv_cache, tables, meta.context_lens, params)
+            return self._decode(q, kv_cache, tables, None, meta.context_lens, params)
         d = meta.decode_rows  # decodes, and requests verifying a few draft tokens
-        if d is not None and d.token_rows is None:
-            width = -(-d.max_context_len // kv_cache.shape[3])
-            return self._decode(q, kv_cache, meta.block_tables[d.requests, :width], d.context_lens, params)
+        if d is not None:
+            tables = meta.block_tables[:, : -(-d.max_context_len // kv_cache.shape[3])]
+            if d.token_rows is None:
+                return self._decode(q, kv_cache, tables, d.requests, d.context_lens, params)
         out = torch.empty_like(q)
         qsl = meta.query_starts_cpu
         if d is not None:
-            width = -(-d.max_context_len // kv_cache.shape[3])
-            out[d.token_rows] = self._decode(q[d.token_rows], kv_cache, meta.block_tables[d.requests, :width],
-                                             d.context_lens, params)
+            out[d.token_rows] = self._decode(q[d.token_rows], kv_cache, tables, d.requests, d.context_lens, params)
         for i, n in enumerate(meta.query_lens_cpu):
             if n > MAX_DECODE_LIKE_QUERIES:
                 attend_prefill(q, kv_cache, meta, i, qsl, out, params)
@@ -37,12 +36,14 @@ class TorchAttention:
 
     def forward_decode(self, q, kv_cache, meta, params: AttentionParams | None = None):
         params = params or AttentionParams.plain(q.shape[-1])
-        return self._decode(q, kv_cache, meta.block_tables, meta.context_lens, params)
+        return self._decode(q, kv_cache, meta.block_tables, None, meta.context_lens, params)
 
     @staticmethod
-    def _decode(q, kv_cache, tables, lens, params: AttentionParams):
-        """One query per request: q [B, Hq, D] against each request's first lens[b] keys in tables [B, nb]."""
+    def _decode(q, kv_cache, tables, requests, lens, params: AttentionParams):
+        """Query rows q [R, Hq, D], row r against the first lens[r] keys of block table requests[r] of tables [B, nb]
+        (requests None: table r)."""
         num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
+        tables = tables if requests is None else tables[requests]
         tables, lens = tables.long(), lens.long()
         first_block = torch.zeros_like(lens)
         if params.sliding_window:  # only the blocks that hold a request's window: earlier ones may be reused
