@@ -1,7 +1,7 @@
 """Median time of a pure decode step at each batch size, for one engine config, in this checkout or another.
 
 `--tree DIR` imports the engine from another checkout (an older commit, for a before/after), so both run the same
-measurement: requests of ~10-token prompts decode together, a few warm-up steps, then the median of N timed steps.
+measurement: requests of ~10-token prompts (or `--context N` tokens) decode together, a few warm-up steps, then the median of N timed steps.
 Run the two trees alternately and compare medians; on a shared machine use one thread (two threads wait on each
 other whenever another process holds a core).
 
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=0, help="prompt tokens per request (0: ~10, a short sentence)")
     ap.add_argument("--config", default="{}", help="EngineConfig fields as JSON, e.g. '{\"dtype\": \"bfloat16\"}'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -39,16 +40,25 @@ def main() -> None:
     engine = llm.engine
     result = {}
     for batch in args.batches:
-        params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)  # aborted once timed
+        requests = []
         for i in range(batch):
-            engine.add_request(llm.tokenizer.encode(f"The history of the printing press begins {i}"), params)
-        for _ in range(3):  # the prefill, then warm decode steps
+            prompt = llm.tokenizer.encode(f"The history of the printing press begins {i}")
+            if args.context:  # distinct ids, so no request's prefix is cached from another's
+                prompt = [1000 + (i * 7919 + j * 31) % 40000 for j in range(args.context)]
+            requests.append(engine.add_request(prompt, params))
+        engine.step()
+        while engine.last_batch_tokens != batch:  # the prefill (in chunks, for long prompts)
+            engine.step()
+        for _ in range(2):  # warm decode steps
             engine.step()
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
+        for r in requests:
+            engine.abort_request(r.request_id)
         while engine.has_unfinished():
             engine.step()
         result[batch] = statistics.median(times) * 1e3
