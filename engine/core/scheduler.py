@@ -373,7 +373,7 @@ class Scheduler:
         # A step of decoding requests only (prompt chunks would swamp it) shows what its rows cost.
         if self.speculation is not None and seconds is not None and all(
                 sr.sample and len(sr.token_ids) == sr.num_draft + 1 for sr in batch.requests):
-            self.speculation.row_cost.observe(batch.num_tokens, seconds)
+            self.speculation.step_cost.observe(batch.num_tokens, seconds)
         updated = []
         for sr in batch.requests:
             self.in_flight[sr.request_id] -= 1

@@ -2,21 +2,21 @@
 
 A draft token costs a row of the step whether the target accepts it or not, and the d-th counts only if all before
 it were accepted. Each request keeps an estimate `acceptance` of the chance that its next draft token is accepted
-(an average over its recent draft tokens), so its d-th draft token yields acceptance ** d tokens, expected.
+(an average over its recent draft tokens), so k draft tokens yield 1 + a + ... + a ** k tokens, expected (the 1: the
+token the step samples after them).
 
-What a row costs: a step of R rows takes about T0 * (1 + row_cost * R), so with B requests decoding a step makes
-B / (T0 * (1 + row_cost * B)) tokens per unit of time, and one more row (row_cost * T0) pays while it yields at
-least row_cost * B / (1 + row_cost * B) tokens: a draft grows while acceptance ** d stays above that. The row cost is
-measured (RowCost: fitted to the engine's own decode steps), so a device whose rows are nearly free (a GPU's decode)
-drafts beside many requests. Alone on the CPU (row_cost 0.12-0.25 measured: about a millisecond a row on a 5-6 ms
-step) a draft token must be accepted one time in five to nine; beside 31 others (0.25), nine times in ten, so a busy
-engine drafts only what is near certain. A request whose drafts keep failing stops drafting, and probes again with
-one token once its estimate has recovered.
+A request drafts the k that makes the most tokens a second: beside B - 1 others (a row and a token each), the step's
+B - 1 + 1 + a + ... + a ** k tokens over what a step of B + k rows costs. What a step costs by its rows is measured
+(StepCost, from the engine's own decode steps), so a device whose rows are nearly free (a GPU's decode) drafts beside
+many requests, while alone on the CPU (a row ~0.2-0.3 of a step) a request drafts ~4 tokens at 0.8 acceptance and
+beside 31 others only what is near certain. The measured cost keeps the shape of the CPU's kernels, which multiply 4
+rows (AVX2) or 8 (AVX-512) per pass over the weights: a row that starts a new pass costs ~2.5x one inside a pass, so
+a lone request drafts 7 tokens (8 rows) rather than 8. A request whose drafts keep failing stops drafting, and
+probes again with one token once its estimate has recovered.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,40 +47,62 @@ class RequestSpeculation:
     num_accepted: int = 0
 
 
-class RowCost:
-    """One more row's cost as a share of a step's fixed cost, fitted to the engine's decode steps: seconds = a + b rows
-    by least squares over recent steps (older ones forgotten geometrically), r = b / a. PRIOR until the steps seen
-    are enough and vary enough in rows to say; a value set in the config is used as it is."""
+class StepCost:
+    """What a decode step of R rows costs, from the engine's own steps: the average of recent steps of R rows where
+    there have been enough of them, else the line a + b R fitted by least squares over recent steps (older ones
+    forgotten geometrically); the line's r = b / a (one more row's share of a step) is what metrics show. Until the
+    steps seen are enough and vary enough in rows to say, 1 + PRIOR R; a row cost set in the config is that line."""
 
     PRIOR = 0.25  # the CPU here: 1.2-1.4 ms a row on a 5-6 ms step
-    MEMORY = 0.99  # each step's weight decays by this at every later step: about the last 100 count
-    MIN_WEIGHT = 30.0  # steps (weighted) before the fit counts
-    MIN_SPREAD = 1.0  # rows' standard deviation over those steps before the fit counts
-    BOUNDS = (0.01, 4.0)  # what a fit may say: from rows nearly free (a GPU's decode) to rows all the cost
+    MEMORY = 0.99  # each step's weight in the line decays by this at every later step: about the last 100 count
+    MIN_WEIGHT = 30.0  # steps (weighted) before the line counts
+    MIN_SPREAD = 1.0  # rows' standard deviation over those steps before the line counts
+    BOUNDS = (0.01, 4.0)  # what the line may say of r: from rows nearly free (a GPU's decode) to rows all the cost
+    AVERAGE = 0.1  # how much a step moves the average of its row count
+    MIN_SEEN = 5  # steps of a row count before their average stands for it
 
     def __init__(self, fixed: float | None = None):
         self.fixed = fixed
         self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, rows, seconds, rows^2, rows * seconds
+        self.by_rows: dict[int, tuple[int, float]] = {}  # rows -> steps seen, their average seconds
 
     def observe(self, rows: int, seconds: float) -> None:
         w, x, y, xx, xy = (v * self.MEMORY for v in self.sums)
         self.sums = (w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds)
+        seen, average = self.by_rows.get(rows, (0, seconds))
+        self.by_rows[rows] = (seen + 1, average + self.AVERAGE * (seconds - average))
 
-    @property
-    def value(self) -> float:
-        if self.fixed is not None:
-            return self.fixed
+    def _line(self) -> tuple[float, float] | None:
+        """(a, r): a step of R rows takes a (1 + r R) seconds; None while the steps cannot tell."""
         w, x, y, xx, xy = self.sums
         if w < self.MIN_WEIGHT:
-            return self.PRIOR
+            return None
         mean_x, mean_y = x / w, y / w
         spread = xx / w - mean_x * mean_x
         if spread < self.MIN_SPREAD**2:
-            return self.PRIOR
+            return None
         b = (xy / w - mean_x * mean_y) / spread
         a = mean_y - b * mean_x
         low, high = self.BOUNDS
-        return high if a <= 0 else min(high, max(low, b / a))
+        return (a, min(high, max(low, b / a))) if a > 0 else None
+
+    @property
+    def value(self) -> float:
+        """One more row's cost as a share of a step's fixed cost (r)."""
+        if self.fixed is not None:
+            return self.fixed
+        line = self._line()
+        return self.PRIOR if line is None else line[1]
+
+    def cost(self, rows: int) -> float:
+        """A step of `rows` rows, in seconds (in units of a step's fixed cost while nothing is measured)."""
+        if self.fixed is not None:
+            return 1 + self.fixed * rows
+        line = self._line()
+        if line is None:
+            return 1 + self.PRIOR * rows
+        seen, average = self.by_rows.get(rows, (0, 0.0))
+        return average if seen >= self.MIN_SEEN else line[0] * (1 + line[1] * rows)
 
 
 class Speculation:
@@ -94,7 +116,7 @@ class Speculation:
     def __init__(self, source: DraftSource, max_tokens: int, row_cost: float | None = None):
         self.source = source
         self.max_tokens = max_tokens  # most draft tokens per request per step
-        self.row_cost = RowCost(row_cost)  # one more row's cost, as a share of a step's fixed cost (None: measured)
+        self.step_cost = StepCost(row_cost)  # a step's cost by its rows (row_cost: a fixed share of a step a row)
         # A new request's acceptance estimate: recent draft tokens' outcomes, all requests' (open chat accepts fewer
         # than a rewrite of its prompt, and a request starting out optimistic pays for it in rows).
         self.prior = self.PRIOR
@@ -117,14 +139,18 @@ class Speculation:
         return state.drafter.propose(req.prompt_token_ids + req.output_token_ids, k)
 
     def _worth_drafting(self, acceptance: float, num_decoding: int) -> int:
-        """The longest draft whose last token pays for its row (see the module's docstring)."""
-        cost = self.row_cost.value * max(1, num_decoding)
-        min_gain = cost / (1 + cost)
-        if acceptance >= 1.0 or min_gain <= 0.0:
-            return self.max_tokens
-        if acceptance <= min_gain:
-            return 0
-        return int(math.log(min_gain) / math.log(acceptance) + 1e-9)
+        """The draft length that makes the most tokens a second (see the module's docstring)."""
+        others = max(1, num_decoding) - 1
+        tokens = others + 1.0
+        best, best_rate = 0, tokens / self.step_cost.cost(others + 1)
+        gain = 1.0
+        for k in range(1, self.max_tokens + 1):
+            gain *= acceptance
+            tokens += gain
+            rate = tokens / self.step_cost.cost(others + 1 + k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """The target accepted the first `num_accepted` of the request's `num_drafted` draft tokens."""
