@@ -1,7 +1,8 @@
 """Median time of a pure decode step at each batch size, for one engine config, in this checkout or another.
 
 `--tree DIR` imports the engine from another checkout (an older commit, for a before/after), so both run the same
-measurement: requests of ~10-token prompts (or `--context N` tokens) decode together, a few warm-up steps, then the median of N timed steps.
+measurement: requests of ~10-token prompts (or `--context N` tokens) decode together, a few warm-up steps, then
+the median of N timed steps.
 Run the two trees alternately and compare medians; on a shared machine use one thread (two threads wait on each
 other whenever another process holds a core).
 
@@ -47,8 +48,7 @@ def main() -> None:
             if args.context:  # distinct ids, so no request's prefix is cached from another's
                 prompt = [1000 + (i * 7919 + j * 31) % 40000 for j in range(args.context)]
             requests.append(engine.add_request(prompt, params))
-        engine.step()
-        while engine.last_batch_tokens != batch:  # the prefill (in chunks, for long prompts)
+        while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in requests):  # the prefill, maybe in chunks
             engine.step()
         for _ in range(2):  # warm decode steps
             engine.step()
