@@ -94,15 +94,20 @@ class StepCost:
         line = self._line()
         return self.PRIOR if line is None else line[1]
 
-    def cost(self, rows: int) -> float:
-        """A step of `rows` rows, in seconds (in units of a step's fixed cost while nothing is measured)."""
+    def costs(self, rows: range) -> list[float]:
+        """A step of each of `rows` rows, in seconds (in units of a step's fixed cost while nothing is measured)."""
         if self.fixed is not None:
-            return 1 + self.fixed * rows
-        line = self._line()
+            return [1 + self.fixed * n for n in rows]
+        line = self._line()  # once for all of them: it is a least-squares solve
         if line is None:
-            return 1 + self.PRIOR * rows
-        seen, average = self.by_rows.get(rows, (0, 0.0))
-        return average if seen >= self.MIN_SEEN else line[0] * (1 + line[1] * rows)
+            return [1 + self.PRIOR * n for n in rows]
+        a, r = line
+
+        def cost(n: int) -> float:
+            seen, average = self.by_rows.get(n, (0, 0.0))
+            return average if seen >= self.MIN_SEEN else a * (1 + r * n)
+
+        return [cost(n) for n in rows]
 
 
 class Speculation:
@@ -141,13 +146,14 @@ class Speculation:
     def _worth_drafting(self, acceptance: float, num_decoding: int) -> int:
         """The draft length that makes the most tokens a second (see the module's docstring)."""
         others = max(1, num_decoding) - 1
+        costs = self.step_cost.costs(range(others + 1, others + 2 + self.max_tokens))
         tokens = others + 1.0
-        best, best_rate = 0, tokens / self.step_cost.cost(others + 1)
+        best, best_rate = 0, tokens / costs[0]
         gain = 1.0
         for k in range(1, self.max_tokens + 1):
             gain *= acceptance
             tokens += gain
-            rate = tokens / self.step_cost.cost(others + 1 + k)
+            rate = tokens / costs[k]
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
