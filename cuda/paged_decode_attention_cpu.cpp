@@ -154,10 +154,11 @@ void attend(const T* q, int64_t q_stride_r, int64_t q_stride_h, const T* cache, 
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const int64_t request = row_requests ? row_requests[task.row0] : task.row0;
-      // Keys [first, end) cover every row's: row r sees [first_r, lens[r]).
+      // A row with `len` keys sees [window_start(len), len); keys [first, last) cover every row's.
+      auto window_start = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0}; };
       int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
       for (int64_t r = task.row0; r < task.row0 + task.num_rows; ++r) {
-        first = std::min<int64_t>(first, window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0);
+        first = std::min(first, window_start(lens[r]));
         last = std::max<int64_t>(last, lens[r]);
       }
       first = std::min(first, last);
@@ -165,7 +166,7 @@ void attend(const T* q, int64_t q_stride_r, int64_t q_stride_h, const T* cache, 
       // Row r's keys, [row_first, row_last), counted from `first`.
       auto row_keys = [&](int64_t r) {
         const int64_t len = lens[task.row0 + r];
-        return std::pair<int64_t, int64_t>{(window > 0 ? std::max<int64_t>(0, len - window) : 0) - first, len - first};
+        return std::pair<int64_t, int64_t>{window_start(len) - first, len - first};
       };
       const T* keys = cache + task.head * head_stride;
       rows.read(keys, keys + values_offset, tables + request * table_stride, block_size, first, last, head_dim);
@@ -211,7 +212,8 @@ void attend(const T* q, int64_t q_stride_r, int64_t q_stride_h, const T* cache, 
           v8 lanes = {};
           int64_t t = 0;
           for (; t + 8 <= n; t += 8) lanes += load8(s + t);
-          float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+          float total =
+              ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
           for (; t < n; ++t) total += s[t];
           totals[j] = total;
         }
