@@ -25,30 +25,23 @@ needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also n
 # ---------------------------------------------------------------- compile check (no GPU needed)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("source", KERNELS, ids=[p.name for p in KERNELS])
-def test_kernels_compile_without_warnings(source, tmp_path):
-    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
-           "-c", str(source), "-o", str(tmp_path / (source.stem + ".o"))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    assert "warning" not in (proc.stdout + proc.stderr).lower(), proc.stdout + proc.stderr
-
-
 def test_there_are_kernels():
-    assert KERNELS, f"no .cu files in {CUDA_DIR}"
+    # The compile check below builds the backend's source; another .cu would need its own.
+    assert [p.name for p in KERNELS] == [cupy_backend.KERNEL_SOURCE.name], f".cu files in {CUDA_DIR}: {KERNELS}"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_every_launched_kernel_builds_without_spills(arch, tmp_path):
-    """The decode kernel as the backend builds it (NVRTC's options, plus the -ftz=true CuPy adds): every
-    function the backend may launch is there, and none spills registers or keeps a stack frame."""
-    cmd = ["nvcc", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, "-ftz=true", "--resource-usage", "-cubin",
-           str(cupy_backend.KERNEL_SOURCE), "-o", str(tmp_path / "kernel.cubin")]
+    """The decode kernel as the backend builds it (NVRTC's options, plus the -ftz=true CuPy adds) compiles without
+    a warning; every function the backend may launch is there, and none spills registers or keeps a stack frame.
+    (One compile per architecture does both: ptxas is most of a build's ~10 s here.)"""
+    cmd = ["nvcc", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, "-ftz=true", "-Werror", "all-warnings",
+           "--resource-usage", "-cubin", str(cupy_backend.KERNEL_SOURCE), "-o", str(tmp_path / "kernel.cubin")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{log}"
+    assert "warning" not in log.lower(), log
     usage = dict(re.findall(r"Function properties for (\w+)\n\s*(.*)", log))
     for name in cupy_backend.kernel_names():
         assert name in usage, f"{name} is not in {cupy_backend.KERNEL_SOURCE.name}:\n{log}"
