@@ -110,19 +110,16 @@ def test_request_level_mode_gives_the_same_tokens(checkpoint, reference_tokens):
     assert [c.token_ids for c in completions] == reference_tokens
 
 
-def test_hf_checkpoint_directory_loads_the_same_model(hf_model, tokenizer, reference_tokens, tmp_path_factory):
+def test_hf_checkpoint_directory_loads_the_same_model(hf_model, hf_tokenizer, tokenizer, reference_tokens,
+                                                     tmp_path_factory):
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    from engine.model.model_files import default_model_path
 
     # transformers will not save_pretrained a GGUF-loaded model; write the same files by hand.
     out = tmp_path_factory.mktemp("hf_ckpt")
     hf_model.config.to_json_file(out / "config.json")
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, out / "model.safetensors")
-    path = default_model_path()
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+    hf_tokenizer.save_pretrained(out)
     llm = LLM(str(out), dtype="float32")
     assert llm.tokenizer.encode(PROMPTS[1]) == tokenizer.encode(PROMPTS[1])
     assert llm.tokenizer.eos_token_id == tokenizer.eos_token_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -43,11 +44,10 @@ def tok(model_path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def ref(model_path):
-    transformers = pytest.importorskip("transformers")
+def ref(model_path, hf_tokenizer):
     from tokenizers import pre_tokenizers
 
-    reference = transformers.AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+    reference = copy.deepcopy(hf_tokenizer)
     backend = reference.backend_tokenizer
     # transformers' GGUF loader keeps only the ByteLevel half of SmolLM2's pre-tokenizer; put the digit split back.
     assert isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel), backend.pre_tokenizer
