@@ -5,14 +5,20 @@ draft token is accepted exactly where it equals the next output. Replaying each 
 policy picks the draft length; the cost model of engine/core/speculation.py (a step of R rows costs 1 + r R, r the
 row cost) turns steps and rows into a modeled speedup over one token per step. Policies: the engine's running
 acceptance estimate, and an oracle that drafts exactly the tokens that will be accepted (the drafter's ceiling).
+With --pass-rows P the cost has the CPU kernels' shape instead: a row costs --row-cost of a one-row step and each
+pass over the weights after the first (a pass multiplies P rows: 4 with AVX2, 8 with AVX-512) --pass-cost more; the
+engine's rule then sees those costs as measured (its StepCost primed with them).
 
     python loadtest/spec_ceiling.py --prompts 60 --out benchmarks/spec_ceiling.json
+    python loadtest/spec_ceiling.py --prompts 60 --pass-rows 4 --row-cost 0.115 --pass-cost 0.15 --max-k 8 16 24 \
+        --out benchmarks/spec_ceiling_avx2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -21,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "loadtest"))
 
+from collections.abc import Callable  # noqa: E402
+
 from bench_speculative import chat, grounded  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -28,10 +36,15 @@ from engine.core.speculation import Speculation  # noqa: E402
 from engine.spec.ngram import NgramDrafter  # noqa: E402
 
 
-def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, row_cost: float, oracle: bool) -> dict:
-    """Modeled speedup, tokens per step and draft acceptance of one policy over every request."""
+def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step_cost: Callable[[int], float],
+           oracle: bool) -> dict:
+    """Modeled speedup, tokens per step and draft acceptance of one policy over every request; `step_cost(R)`: a
+    step of R rows in units of a one-row step."""
     cost = tokens = steps = drafted = accepted = 0
-    policy = Speculation(None, max_k, row_cost)
+    policy = Speculation(None, max_k)
+    for _ in range(10):  # the engine's measured costs, as if it had run these steps
+        for rows in range(1, max_k + 2):
+            policy.step_cost.observe(rows, step_cost(rows))
     for prompt, out in data:
         drafter = NgramDrafter(min_n, 8)
         estimate, t = Speculation.PRIOR, 0
@@ -53,21 +66,31 @@ def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, row_
                     estimate += Speculation.WEIGHT * (outcome - estimate)
             drafted, accepted = drafted + k, accepted + a
             advance = min(a + 1, len(out) - t)
-            t, tokens, steps, cost = t + advance, tokens + advance, steps + 1, cost + 1 + row_cost * (1 + k)
-    return {"modeled_speedup": tokens * (1 + row_cost) / cost, "tokens_per_step": tokens / steps,
+            t, tokens, steps, cost = t + advance, tokens + advance, steps + 1, cost + step_cost(1 + k)
+    return {"modeled_speedup": tokens / cost, "tokens_per_step": tokens / steps,
             "acceptance": accepted / max(1, drafted)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=60)
-    ap.add_argument("--row-cost", type=float, default=0.25)
+    ap.add_argument("--row-cost", type=float, default=0.25, help="a row's share of a step (see --pass-rows)")
+    ap.add_argument("--pass-rows", type=int, default=None, help="rows a pass over the weights multiplies")
+    ap.add_argument("--pass-cost", type=float, default=0.0, help="each pass after the first, as a share of a step")
+    ap.add_argument("--max-k", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    r, p, c = args.row_cost, args.pass_rows, args.pass_cost
+
+    def step_cost(rows: int) -> float:
+        if p is None:
+            return (1 + r * rows) / (1 + r)
+        return 1 + r * (rows - 1) + c * (math.ceil(rows / p) - 1)
+
     llm = LLM(speculative="off")
     tok = llm.tokenizer
-    result = {"command": " ".join(sys.argv), "row_cost": args.row_cost, "workloads": {}}
+    result = {"command": " ".join(sys.argv), "row_cost": r, "pass_rows": p, "pass_cost": c, "workloads": {}}
     for name, make in [("grounded", grounded), ("chat", chat)]:
         rng = random.Random(args.seed)
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": make(rng)}]))
@@ -76,10 +99,10 @@ def main() -> int:
         data = [(i, list(o.token_ids)) for i, o in zip(ids, outs)]
         rows = {}
         for min_n in (2, 1):
-            for max_k in (8, 16, 32):
+            for max_k in args.max_k:
                 for oracle in (False, True):
                     key = f"{'oracle' if oracle else 'engine'} n>={min_n} k<={max_k}"
-                    rows[key] = replay(data, min_n, max_k, args.row_cost, oracle)
+                    rows[key] = replay(data, min_n, max_k, step_cost, oracle)
                     print(name, key, json.dumps({k: round(v, 3) for k, v in rows[key].items()}), flush=True)
         result["workloads"][name] = rows
     if args.out:
