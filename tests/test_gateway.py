@@ -257,11 +257,12 @@ def test_a_burst_of_a_thousand_sdk_requests_queues_and_all_succeed(server):
     """Issue 29: 1,000 at once through the SDK (no retries) are queued, not refused, with the served defaults."""
 
     async def burst():
+        # Prompts of 1-3 tokens: the queueing is the point, and "Count {i}:" (6) made the burst 42.8 s against 35.2.
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
         async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="x", timeout=600, max_retries=0,
                                       http_client=httpx.AsyncClient(limits=limits, timeout=600)) as sdk:
             return await asyncio.gather(*(sdk.completions.create(
-                model=MODEL, prompt=f"Count {i}:", max_tokens=1, temperature=0) for i in range(1000)))
+                model=MODEL, prompt=str(i), max_tokens=1, temperature=0) for i in range(1000)))
 
     results = asyncio.run(burst())
     assert len(results) == 1000 and all(r.usage.completion_tokens == 1 for r in results)
