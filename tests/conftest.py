@@ -102,7 +102,7 @@ def tokenizer(checkpoint):
 
 @pytest.fixture(scope="session")
 def hf_tokenizer():
-    """transformers' tokenizer from the default GGUF (its conversion takes ~10 s: loaded once). Deep-copy to change it."""
+    """transformers' tokenizer from the default GGUF, converted once (~10 s). Deep-copy it to change it."""
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
