@@ -28,7 +28,10 @@ def auth(key: str) -> dict[str, str]:
 def url(server_factory, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"# tenants\n\n{KEY_B}\n")
-    with server_factory("--api-key", KEY_A, "--api-key-file", str(keys), "--num-threads", "1") as url:
+    # A 3 s head timeout instead of the default 10: the slow-head test below waits it out (its mechanism is the
+    # same at any value; tests/test_connections.py times it at 0.05 s).
+    with server_factory("--api-key", KEY_A, "--api-key-file", str(keys), "--num-threads", "1",
+                        "--header-timeout", "3") as url:
         yield url
 
 
