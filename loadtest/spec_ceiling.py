@@ -21,13 +21,12 @@ import json
 import math
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "loadtest"))
-
-from collections.abc import Callable  # noqa: E402
 
 from bench_speculative import chat, grounded  # noqa: E402
 
