@@ -20,20 +20,16 @@ def llm(checkpoint):
 
 @pytest.fixture(scope="module")
 def reference_tokens(hf_model, tokenizer):
-    """transformers' greedy continuation of every prompt, one at a time, with its own KV cache."""
-    out = []
+    """transformers' greedy continuation of every prompt: one left-padded batch through `generate` (the same tokens as
+    one prompt at a time with its own KV cache, checked when this was written: 6 s instead of 36)."""
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    width = max(map(len, ids))
+    padded = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
     with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            res = hf_model(ids, use_cache=True)
-            past, tokens = res.past_key_values, []
-            for _ in range(NUM_TOKENS):
-                nxt = int(res.logits[0, -1].argmax())
-                tokens.append(nxt)
-                res = hf_model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-                past = res.past_key_values
-            out.append(tokens)
-    return out
+        out = hf_model.generate(padded, attention_mask=mask, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[:, width:].tolist()
 
 
 def first_logits(engine: EngineCore, prompt_ids: list[list[int]]) -> torch.Tensor:
