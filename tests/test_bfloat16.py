@@ -21,7 +21,11 @@ NO_CACHE = dict(prefix_caching=False)
 
 @pytest.fixture(scope="module")
 def fp32(checkpoint):
-    return LLM(checkpoint=checkpoint, dtype="float32", weights="dense", **NO_CACHE)
+    """Per prompt: its ids with float32's greedy continuation, and float32's teacher-forced logits over them."""
+    llm = LLM(checkpoint=checkpoint, dtype="float32", weights="dense", **NO_CACHE)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    sequences = [out.prompt_token_ids + out.token_ids for out in llm.generate(PROMPTS, greedy)]
+    return [(ids, teacher_forced_logits(llm, ids)) for ids in sequences]
 
 
 # "gguf": the file's blocks (the float32 weights exactly), activations in bfloat16; "dense": bfloat16 weights too.
@@ -45,11 +49,9 @@ def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_bfloat16_logits_stay_close_to_float32_and_keep_every_clear_greedy_choice(checkpoint, fp32, variant):
     bf16 = LLM(checkpoint=checkpoint, **VARIANTS[variant], **NO_CACHE)
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     clear = agreed = 0
-    for out in fp32.generate(PROMPTS, greedy):
-        ids = out.prompt_token_ids + out.token_ids
-        want, got = teacher_forced_logits(fp32, ids), teacher_forced_logits(bf16, ids)
+    for ids, want in fp32:
+        got = teacher_forced_logits(bf16, ids)
         assert (got - want).abs().mean().item() < MEAN_ABS_DIFF
         top2 = want.topk(2, dim=-1)
         top1 = top2.indices[:, :1]
