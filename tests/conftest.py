@@ -103,9 +103,9 @@ def tokenizer(checkpoint):
 
 @contextlib.contextmanager
 def fast_gguf_reader():
-    """transformers' GGUF model load, 33 -> 7 s here: it opens the file with gguf's reader, which parses the tokenizer's ~100k
-    strings one by one (~5 s a time, three times a load; ours reads the same fields, test_model checks it), and builds
-    gguf's tensor-name map, a pure function of the architecture, once per module of the model (~10 s)."""
+    """transformers' GGUF model load, 33 -> 7 s here: it opens the file with gguf's reader, which parses the
+    tokenizer's ~100k strings one by one (~5 s a time, three times a load; ours reads the same fields, test_model
+    checks it), and builds gguf's tensor-name map, a pure function of the architecture, once per module (~10 s)."""
     import gguf
 
     with pytest.MonkeyPatch.context() as mp:
