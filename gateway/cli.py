@@ -23,7 +23,7 @@ _ENGINE_FLAGS = {
     "batch_invariant": dict(action="store_true", help="a request's tokens do not depend on the rest of the batch (CPU only)"),
     "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
     "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),
-    "cuda_graph_max_tokens": dict(type=int, help="largest token bucket of the piecewise CUDA graphs (default: min(token budget, 512))"),
+    "cuda_graph_max_tokens": dict(type=int, help="largest token bucket of the piecewise CUDA graphs (default: the token budget)"),
     "compile": dict(choices=["auto", "on", "off"],
                     help="torch.compile the token-wise ops inside the CUDA graphs (default auto: on where graphs run)"),
     "block_size": dict(type=int, help="tokens per KV cache block"),

@@ -38,6 +38,8 @@ def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     flags = [*extra, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
     if args.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.cuda_graph_max_tokens:
+        flags += ["--cuda-graph-max-tokens", str(args.cuda_graph_max_tokens)]
     if args.model:
         flags += ["--model", args.model]
     log = Path(args.out).with_suffix(f".{extra[-1]}.server.log")  # extra ends with the scheduling mode
@@ -117,6 +119,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", type=int, default=512 * 2**20, help="KV cache bytes, both modes")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="per-iteration token budget, both modes (default: the server's)")
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=None,
+                    help="largest piecewise-graph bucket, both modes (default: the server's)")
     ap.add_argument("--latency-target", type=float, default=None,
                     help="p50 normalized latency (s/token) at which to compare, fixed (0.008 for a GPU run); "
                          "default 2x the best seen, which shrinks as the engine gets faster")

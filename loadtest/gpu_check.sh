@@ -119,7 +119,7 @@ if [ "$MODE" = "--lease" ]; then
     # Where a decode step's GPU time goes: kernels per step, compiled segments in graphs (JSON: the top 40).
     step profile 90 $PY loadtest/profile_iteration.py --model dummy:llama-1b --device cuda --batches 1 64 \
         --table --out "$RUN/profile.json"
-    step scheduling 240 $PY "${SCHEDULING[@]}" --rates 40 80 160 240 --seconds 5
+    step scheduling 240 $PY "${SCHEDULING[@]}" --rates 80 160 240 320 480 --seconds 5
 elif [ "$MODE" = "--long" ]; then
     step bench_attention 150 $PY loadtest/bench_attention.py --out "$RUN/bench_attention.json"
     step serve 180 $PY loadtest/gpu_serve_check.py --out "$RUN/serve.json"

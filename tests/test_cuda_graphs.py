@@ -41,7 +41,9 @@ def test_buckets_are_powers_of_two_to_8_then_multiples_of_8(max_tokens, expected
 def test_buckets_for_the_default_token_budget():
     buckets = graph_buckets(2048)
     assert buckets[:4] == [1, 2, 4, 8]
-    assert buckets[4:] == list(range(16, 2049, 8))
+    assert buckets[4:67] == list(range(16, 513, 8))
+    assert buckets[67:] == list(range(576, 2049, 64))  # past 512 tokens, multiples of 64
+    assert len(buckets) == 91 and bucket_for(buckets, 513) == 576 and bucket_for(buckets, 2000) == 2048
 
 
 def test_bucket_for_pads_up_to_the_smallest_bucket_that_fits():
@@ -131,11 +133,11 @@ def test_greedy_tokens_identical_with_graphs_on_mixed_batches(engines, tokenizer
     assert {1, 2, 4, 8} <= set(used_buckets)  # decodes of 1..6 requests replayed padded buckets
 
 
-def test_default_buckets_stop_at_512_tokens():
-    """~260 buckets x (layers + 1) graphs took minutes and tens of GiB; the default stops at 512 tokens."""
-    assert graph_max_tokens(EngineConfig(max_num_batched_tokens=2048)) == 512 and len(graph_buckets(512)) == 67
+def test_default_buckets_cover_the_token_budget():
+    """Mixed iterations past the largest bucket run eagerly: on a GPU that halved served throughput."""
+    assert graph_max_tokens(EngineConfig(max_num_batched_tokens=2048)) == 2048
     assert graph_max_tokens(EngineConfig(max_num_batched_tokens=256)) == 256
-    assert graph_max_tokens(EngineConfig(cuda_graph_max_tokens=2048)) == 2048
+    assert graph_max_tokens(EngineConfig(max_num_batched_tokens=2048, cuda_graph_max_tokens=512)) == 512
 
 
 def test_every_bucket_shares_one_set_of_static_buffers(engines):

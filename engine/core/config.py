@@ -121,7 +121,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
     enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)
-    cuda_graph_max_tokens: int | None = None  # largest piecewise-graph token bucket; None = min(token budget, 512)
+    cuda_graph_max_tokens: int | None = None  # largest piecewise-graph token bucket; None = the token budget
     # torch.compile (Inductor) of the token-wise segments inside the CUDA graphs; auto = where graphs run, eager ops
     # (with a warning) if compiling fails; on = the same, but a failure, or no graphs to run in, is an error
     compile: Literal["auto", "on", "off"] = "auto"

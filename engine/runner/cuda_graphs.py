@@ -3,8 +3,8 @@
 A forward pass over L layers is L + 1 token-wise segments cut at the attentions
 (engine/runner/token_segments.py):
     embed -> pre_attn[0] | attn | post_attn[0] -> pre_attn[1] | attn | ... | post_attn[L-1] -> norm
-Each segment is captured once per token-count bucket (1, 2, 4, 8, then multiples of 8), largest
-first, all into one memory pool. Every segment of every bucket reads and writes views of ONE set of
+Each segment is captured once per token-count bucket (1, 2, 4, 8, multiples of 8 to 512, then of 64),
+largest first, all into one memory pool. Every segment of every bucket reads and writes views of ONE set of
 static buffers sized for the largest bucket (ids, positions, slot mapping, the residual stream x, q,
 the attention output): only one bucket replays at a time, so they can share them, and the pool holds
 only one segment's temporaries. (Keeping each bucket's own outputs alive cost ~34 GiB for SmolLM2 at
@@ -33,12 +33,15 @@ log = logging.getLogger(__name__)
 
 
 def graph_buckets(max_tokens: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds max_tokens."""
+    """1, 2, 4, 8, multiples of 8 to 512, then multiples of 64, up to the first bucket that holds max_tokens."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     buckets = [1]
     while buckets[-1] < max_tokens:
-        buckets.append(buckets[-1] * 2 if buckets[-1] < 8 else buckets[-1] + 8)
+        b = buckets[-1]
+        # Past 512 rows a step is GEMM time more than launch time: padding by up to 63 rows costs little, and
+        # the coarser steps keep a 2048-token budget at 91 buckets instead of 259.
+        buckets.append(b * 2 if b < 8 else b + 8 if b < 512 else b + 64)
     return buckets
 
 
