@@ -13,8 +13,10 @@ import torch
 
 from engine.attention import cupy_backend
 from engine.attention.backend import AttentionMetadata, write_kv
+from engine.attention.nvrtc import NVRTC_OPTIONS
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
+from engine.model import cuda_token_ops
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 KERNELS = sorted(CUDA_DIR.glob("*.cu"))
@@ -25,28 +27,35 @@ needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also n
 # ---------------------------------------------------------------- compile check (no GPU needed)
 
 
+# Each .cu file and every function its launcher may call.
+LAUNCHED = {cupy_backend.KERNEL_SOURCE: cupy_backend.kernel_names(),
+            cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names()}
+
+
 def test_there_are_kernels():
-    # The compile check below builds the backend's source; another .cu would need its own.
-    assert [p.name for p in KERNELS] == [cupy_backend.KERNEL_SOURCE.name], f".cu files in {CUDA_DIR}: {KERNELS}"
+    # The compile check below builds the launchers' sources; another .cu would need its launcher's names there.
+    assert [p.name for p in KERNELS] == sorted(p.name for p in LAUNCHED), f".cu files in {CUDA_DIR}: {KERNELS}"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_every_launched_kernel_builds_without_spills(tmp_path):
-    """The decode kernel as the backend builds it (NVRTC's options, plus the -ftz=true CuPy adds) compiles without
-    a warning for Hopper and Ampere; every function the backend may launch is there, and none spills registers or
-    keeps a stack frame. (One compile per architecture does both, the two side by side: ptxas is most of each ~10 s.)"""
+    """Each kernel source as its launcher builds it (NVRTC's options, plus the -ftz=true CuPy adds) compiles without
+    a warning for Hopper and Ampere; every function a launcher may call is there, and none spills registers or
+    keeps a stack frame. (All the builds run side by side: ptxas is most of each ~10 s.)"""
     builds = {}
-    for arch in ("sm_90", "sm_80"):
-        cmd = ["nvcc", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, "-ftz=true", "-Werror", "all-warnings",
-               "--resource-usage", "-cubin", str(cupy_backend.KERNEL_SOURCE), "-o", str(tmp_path / f"{arch}.cubin")]
-        builds[arch] = cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for arch, (cmd, proc) in builds.items():
+    for source in LAUNCHED:
+        for arch in ("sm_90", "sm_80"):
+            cmd = ["nvcc", f"-arch={arch}", *NVRTC_OPTIONS, "-ftz=true", "-Werror", "all-warnings",
+                   "--resource-usage", "-cubin", str(source), "-o", str(tmp_path / f"{source.stem}.{arch}.cubin")]
+            builds[source, arch] = cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                         text=True)
+    for (source, arch), (cmd, proc) in builds.items():
         log = proc.communicate(timeout=180)[0]
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{log}"
         assert "warning" not in log.lower(), log
         usage = dict(re.findall(r"Function properties for (\w+)\n\s*(.*)", log))
-        for name in cupy_backend.kernel_names():
-            assert name in usage, f"{arch}: {name} is not in {cupy_backend.KERNEL_SOURCE.name}:\n{log}"
+        for name in LAUNCHED[source]:
+            assert name in usage, f"{arch}: {name} is not in {source.name}:\n{log}"
             assert usage[name] == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", \
                 f"{arch} {name}: {usage[name]}"
 

@@ -5,7 +5,7 @@ every decoding request to its paged context (grid: request x KV head x KV split)
 splits when there is more than one. Multi-token queries (prefill chunks) go, all in one call, to PyTorch's
 variable-length flash attention (engine/attention/varlen_prefill.py), which uses tensor cores; a per-token
 kernel re-reading each token's prefix cannot.
-Everything runs on PyTorch's current stream on the tensors' own memory (raw `data_ptr()`s), so there
+Everything runs on PyTorch's current stream on the tensors' own memory (engine/attention/nvrtc.py), so there
 are no copies and no synchronisation; the split count comes from host-side lengths.
 
 CuPy is imported lazily so this module imports on machines without it; constructing the backend
@@ -14,11 +14,8 @@ there raises a RuntimeError that says why.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import math
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,11 +23,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata, AttentionParams
 from engine.attention.cpp_extension import SOURCES
+from engine.attention.nvrtc import NVRTC_OPTIONS, NvrtcKernels, ptr
 from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
 
 KERNEL_SOURCE = SOURCES / "paged_decode_attention.cu"
-NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true and the device's -arch (tests/test_cuda_kernels.py mirrors them)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 WARPS = 4  # kWarps in the kernel: threads per block = 128
 MAX_HEADS_PER_BLOCK = 4  # kMaxHeads: query heads scored per K/V read
@@ -39,14 +36,6 @@ SPLIT_TILE = 32  # kSplitTile: a split covers a multiple of this many keys
 MIN_PARTITION = 256  # fewer keys per split than this and the reduction costs more than it saves
 MAX_SPLITS = 64
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _cupy():
-    try:
-        import cupy
-    except Exception as e:  # ImportError, or a CuPy build that cannot load its CUDA libraries
-        raise RuntimeError(f"the cuda attention backend needs CuPy and an NVIDIA GPU: cannot import cupy ({e})") from e
-    return cupy
 
 
 def cuda_backend_available() -> bool:
@@ -74,44 +63,14 @@ class CudaAttention:
 
     graph_safe_decode = True  # forward_decode reads only device tensors: whole decode steps may be captured
     label = "CuPy paged decode, flash varlen prefill"
-    _module = None  # the compiled RawModule, shared by every instance (NVRTC runs once per process)
 
     def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("the cuda attention backend needs CuPy and an NVIDIA GPU: torch sees no CUDA device")
-        self._cp = _cupy()
+        self._kernels = NvrtcKernels(KERNEL_SOURCE, decode_kernel_name(torch.bfloat16, 128),
+                                     "the cuda attention backend")
         self._fallback = TorchAttention()
         self._resident: dict = {}  # (kernel, device, shared bytes) -> (SMs, resident blocks per SM)
-        self._kernels: dict = {}  # (name, device) -> function; compiled on first use, so the CPU fallback never pays
-        self._streams: dict = {}  # (device, torch stream pointer) -> CuPy's handle on that same stream
         self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here
         self._plan_meta, self._plans = None, {}  # the step whose PrefillPlans (by sliding window) are cached
-
-    @classmethod
-    def _load_module(cls, cp):
-        """Compile once per process. NVRTC finds cuda_fp16.h / cuda_bf16.h itself in recent CUDA; if it
-        does not, retry with the include directories of a CUDA toolkit or of NVIDIA's pip packages."""
-        if cls._module is not None:
-            return cls._module
-        source, errors = KERNEL_SOURCE.read_text(), []
-        for extra in [()] + [(f"-I{d}",) for d in _header_dirs(cp)]:
-            try:
-                module = cp.RawModule(code=source, options=(*NVRTC_OPTIONS, *extra))
-                module.get_function(decode_kernel_name(torch.bfloat16, 128))  # RawModule compiles lazily: force it
-            except Exception as e:  # cupy.cuda.compiler.CompileException, mostly
-                errors.append(f"{' '.join(extra) or 'no -I'}: {e}")
-                continue
-            cls._module = module
-            return module
-        raise RuntimeError(f"cannot compile {KERNEL_SOURCE} with NVRTC:\n" + "\n".join(errors))
-
-    def _kernel(self, name: str, device: torch.device):
-        # A loaded function belongs to the device that was current when CuPy loaded it.
-        key = (name, device.index)
-        if key not in self._kernels:
-            with self._cp.cuda.Device(device.index):
-                self._kernels[key] = self._load_module(self._cp).get_function(name)
-        return self._kernels[key]
 
     def self_test(self) -> None:
         """Compile, then decode one token against 3 cached ones (GQA, bf16) and compare with the reference."""
@@ -176,21 +135,6 @@ class CudaAttention:
 
     # ----------------------------------------------------------------------------- launches
 
-    def _on_torch_stream(self, t: torch.Tensor) -> contextlib.ExitStack:
-        """Make t's device and PyTorch's current stream on it CuPy's current ones, so launches order
-        correctly with the surrounding torch ops without any synchronisation."""
-        cp, stack = self._cp, contextlib.ExitStack()
-        key = (t.device.index, torch.cuda.current_stream(t.device).cuda_stream)
-        if key not in self._streams:
-            # One wrapper per stream, made once: CuPy 14 deprecates ExternalStream (its from_external wants
-            # a __cuda_stream__ object instead) and warns on every construction. It still works in 13 and 14.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                self._streams[key] = cp.cuda.ExternalStream(key[1], key[0])
-        stack.enter_context(cp.cuda.Device(t.device.index))
-        stack.enter_context(self._streams[key])
-        return stack
-
     def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int,
                params: AttentionParams | None = None, context_known: bool = True) -> torch.Tensor:
         """Attention of every request with one query token; other rows of the result are left unwritten.
@@ -225,10 +169,10 @@ class CudaAttention:
             ws_acc = ws_ml = out
         # Scores are kept in base 2 (exp2f): the scale and the cap carry log2(e).
         scale_log2, cap_log2 = math.log2(math.e) * params.scale, math.log2(math.e) * (params.logit_softcap or 0.0)
-        with self._on_torch_stream(q):
-            self._kernel(name, q.device)(
+        with self._kernels.on_torch_stream(q):
+            self._kernels(name, q.device)(
                 (num_requests, num_kv_heads * blocks_per_kv, num_splits), (WARPS * 32,),
-                (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(q), _ptr(kv_cache), _ptr(qsl), _ptr(ctx), _ptr(tables),
+                (ptr(out), ptr(ws_acc), ptr(ws_ml), ptr(q), ptr(kv_cache), ptr(qsl), ptr(ctx), ptr(tables),
                  np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
                  np.int32(heads_per_block), np.int32(head_dim), np.int32(block_size),
                  np.int64(kv_cache.shape[2] * block_size), np.float32(scale_log2),
@@ -236,9 +180,9 @@ class CudaAttention:
                 shared_mem=shared,
             )
             if num_splits > 1:
-                self._kernel(f"paged_decode_attention_reduce_{_SUFFIX[q.dtype]}", q.device)(
+                self._kernels(f"paged_decode_attention_reduce_{_SUFFIX[q.dtype]}", q.device)(
                     (num_requests, num_q_heads), (min(head_dim, 128),),
-                    (_ptr(out), _ptr(ws_acc), _ptr(ws_ml), _ptr(qsl),
+                    (ptr(out), ptr(ws_acc), ptr(ws_ml), ptr(qsl),
                      np.int32(num_q_heads), np.int32(head_dim), np.int32(num_splits)),
                 )
         return out
@@ -248,9 +192,9 @@ class CudaAttention:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (name, index, shared)
         if key not in self._resident:
-            kernel = self._kernel(name, torch.device("cuda", index))
-            with self._cp.cuda.Device(index):
-                blocks = self._cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel = self._kernels(name, torch.device("cuda", index))
+            with self._kernels.cp.cuda.Device(index):
+                blocks = self._kernels.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
                     kernel.kernel.ptr, WARPS * 32, shared)
             self._resident[key] = (torch.cuda.get_device_properties(index).multi_processor_count, blocks)
         return self._resident[key]
@@ -304,19 +248,3 @@ def plan_splits(num_requests: int, kv_head_blocks: int, max_context_len: int, sm
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
-
-
-def _header_dirs(cp) -> list[Path]:
-    """Directories holding cuda_bf16.h: the toolkit CuPy uses, then the nvidia-* pip packages."""
-    candidates = []
-    if cp.cuda.get_cuda_path():
-        candidates.append(Path(cp.cuda.get_cuda_path()) / "include")
-    spec = importlib.util.find_spec("nvidia")
-    for root in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
-        candidates += sorted(Path(root).glob("*/include"))
-    return [d for d in candidates if (d / "cuda_bf16.h").exists()]
-
-
-def _ptr(t: torch.Tensor) -> np.uint64:
-    """A device pointer as a kernel argument (8 bytes, exactly what a `T*` parameter takes)."""
-    return np.uint64(t.data_ptr())
