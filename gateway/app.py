@@ -7,9 +7,7 @@ import contextlib
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 from starlette.applications import Starlette
@@ -17,20 +15,18 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from engine.core.config import EngineConfig
 from gateway import errors
-from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS, Admission
+from gateway.admission import Admission
 from gateway.auth import APIKeyMiddleware, CacheSalts
 from gateway.banner import startup_block
 from gateway.chat import create_chat_completion
+from gateway.config import GatewayConfig
 from gateway.cors import add_cors
 from gateway.completions import create_completion
 from gateway.guards import TrustedHostMiddleware, page_headers
-from gateway.metrics import Metrics
 from gateway.openapi import openapi_document
 from gateway.protocol import ModelCard, ModelList
 from gateway.replicas import Replicas
-from gateway.routing import RoutingPolicy
 from gateway.responses import create_response, delete_response, retrieve_response
 from gateway.serving import ServerState, json_response
 from gateway.special_tokens import ContentTokens
@@ -38,26 +34,6 @@ from gateway.structured import GrammarCompiler
 from gateway.tokenize import detokenize, tokenize, tokenizer_info
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)  # what the engine process runs
-    data_parallel_size: int = 1  # engine replicas, each its own process(es), KV cache and scheduler
-    routing: RoutingPolicy = "cache-aware"  # which replica serves a request (with several)
-    api_keys: tuple[str, ...] = ()  # when any, every /v1 route needs `Authorization: Bearer <one of them>`
-    served_model_name: str | None = None  # the `model` clients send; None = derived from the model path
-    engine_start_timeout: float = 300.0  # seconds to wait for the model to load
-    max_waiting: int | None = None  # sequences queued beyond the engine's batch; None: admission's default (4096)
-    max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS  # prompt tokens admitted at once (each choice counts its own)
-    metrics_need_key: bool = True  # with API keys, /metrics needs one too (its prefix-cache counters tell of prompts)
-    prefix_cache_scope: Literal["key", "global"] = "key"  # with API keys: each key's cached prefixes its own, or shared
-    special_tokens_in_content: Literal["allow", "escape"] = "allow"  # chat content's "<|im_start|>": special, or text
-    shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
-    engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
-    allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
-    allowed_hosts: tuple[str, ...] | None = None  # Host header values answered ("*.example.com", "*"); None = any
-    url: str | None = None  # where clients reach the server, for the startup log (None: not logged)
 
 
 def served_name(config: GatewayConfig) -> str:
@@ -84,9 +60,10 @@ def load_gateway_tokenizer(model: str | None):
         return None
 
 
-def build_app(config: GatewayConfig) -> Starlette:
-    metrics = Metrics()
-    client = Replicas(config.engine, metrics, config.engine_hang_timeout, config.data_parallel_size, config.routing)
+def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlette:
+    """The app; `client`: the config's replicas made (and perhaps launched) already, else made here."""
+    client = client or Replicas.for_server(config)
+    metrics = client.metrics
     admission = Admission(config.engine.max_num_seqs * config.data_parallel_size, config.max_waiting, metrics,
                           config.max_queued_tokens)
     tokenizer = load_gateway_tokenizer(config.engine.model)

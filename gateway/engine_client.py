@@ -80,8 +80,24 @@ class EngineClient:
         self.start_timeout = 300.0
         self._ready_event = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
+        self._launched: EngineProcess | None = None  # spawned by launch(), before the event loop: start() adopts it
 
     # ---------------------------------------------------------------- lifecycle
+
+    def launch(self) -> None:
+        """Spawn the first engine now, without an event loop, so it loads while the server gets ready; start() adopts
+        it. One never adopted must be discarded."""
+        self._launched = self._new_engine()
+        self._launched.launch()
+
+    def discard(self) -> None:
+        """Kill and free an engine launched but never adopted by start()."""
+        if self._launched is not None:
+            self._launched.discard()
+            self._launched = None
+
+    def _new_engine(self) -> EngineProcess:
+        return EngineProcess(self.config, self._on_frame, self.on_cache is not None, self.devices)
 
     async def start(self, timeout: float = 300.0) -> None:
         """Start the first engine. A model that cannot load at all is an error here, not retried."""
@@ -117,7 +133,8 @@ class EngineClient:
         self._ready_event = asyncio.Event()
         if self.on_cache is not None:
             self.on_cache(self.index, None)
-        engine = self.engine = EngineProcess(self.config, self._on_frame, self.on_cache is not None, self.devices)
+        engine, self._launched = self._launched or self._new_engine(), None
+        self.engine = engine
         await engine.start()
         exited = asyncio.ensure_future(engine.wait())
         ready = asyncio.ensure_future(self._ready_event.wait())

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -42,7 +43,8 @@ def engine_env() -> dict[str, str]:
 
 
 class EngineProcess:
-    """Spawn with `start()`; frames from the engine go to `on_frame`; `close()` frees everything."""
+    """Spawn with `launch()` (no event loop needed, so a server can start its engines before it imports the app) and
+    `start()` (which launches too, if not yet); frames from the engine go to `on_frame`; `close()` frees everything."""
 
     def __init__(self, config: EngineConfig, on_frame: Callable[[object], None], cache_events: bool = False,
                  devices: str | None = None):
@@ -50,13 +52,16 @@ class EngineProcess:
         self.on_frame = on_frame
         self.cache_events = cache_events  # the engine reports the blocks it caches and evicts
         self.devices = devices  # CUDA_VISIBLE_DEVICES for it (a data-parallel replica's GPUs); None: inherited
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: subprocess.Popen | None = None
         self.to_engine: Channel | None = None
         self.from_engine: Channel | None = None
         self._reader: asyncio.Task | None = None
+        self._exited: asyncio.Future | None = None  # resolved with the exit code, through a pidfd
+        self._pidfd: int | None = None
         self._closed = False
 
-    async def start(self) -> None:
+    def launch(self) -> None:
+        """Create the channels and spawn the engine process."""
         self.to_engine = Channel.create(ToEngine)
         self.from_engine = Channel.create(FromEngine)
         spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events)
@@ -64,12 +69,45 @@ class EngineProcess:
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode(), env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode()], env=env)
         except BaseException:
-            await self.close()
+            self.discard()
             raise
+
+    async def start(self) -> None:
+        """Launch (unless launched already), then watch for the process's exit and read its frames."""
+        if self.proc is None:
+            self.launch()
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        # A pidfd turns readable when the process exits: the loop learns of it with no thread and no SIGCHLD handler.
+        self._pidfd = os.pidfd_open(self.proc.pid)
+        loop.add_reader(self._pidfd, self._on_exit)
         self._reader = asyncio.create_task(self._read_loop())
+
+    def _on_exit(self) -> None:
+        self._close_pidfd()
+        code = self.proc.wait()  # already exited: reaps it at once
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def discard(self) -> None:
+        """For an engine launched but never started: kill it, reap it, free its channels (no event loop needed)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._closed = True
+        for ch in (self.to_engine, self.from_engine):
+            if ch is not None:
+                ch.close()
+                ch.unlink()
 
     @property
     def pid(self) -> int | None:
@@ -86,18 +124,18 @@ class EngineProcess:
         return self.to_engine.try_send(msg)
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        return await asyncio.shield(self._exited)  # shielded: a waiter cancelled must not cancel the others' wait
 
     async def stop(self, timeout: float) -> None:
         """Ask the engine to exit, kill it after `timeout` seconds, then close."""
         if self.alive:
             self.to_engine.try_send(Shutdown())
             try:
-                await asyncio.wait_for(self.proc.wait(), timeout)
+                await asyncio.wait_for(self.wait(), timeout)
             except asyncio.TimeoutError:
                 log.warning("the engine did not exit within %.0fs of Shutdown; killing it", timeout)
                 self.kill()
-                await self.proc.wait()
+                await self.wait()
         await self.close()
 
     def kill(self) -> None:
@@ -116,6 +154,8 @@ class EngineProcess:
         if self._closed:
             return
         self._closed = True
+        if self._exited is not None and not self._exited.done():
+            self._close_pidfd()  # nobody waits any more; the process, if still there, is reaped by Popen's finalizer
         if self._reader is not None:
             # The reader must unregister its fd from the event loop before the fd is closed, or a
             # later fd with the same number would inherit a stale selector entry.

@@ -14,6 +14,7 @@ import os
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.ipc.messages import EngineReady
+from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.engine_process import EngineProcess
 from gateway.metrics import Metrics
@@ -61,6 +62,25 @@ class Replicas:
             metrics.add_replica(i)
         self.where: dict[str, EngineClient] = {}  # request id -> the replica serving it
         self.grammars: dict[str, tuple[str, set[EngineProcess]]] = {}  # id -> grammar, engines it was sent to
+
+    @classmethod
+    def for_server(cls, config: GatewayConfig) -> Replicas:
+        """A server's replicas, with metrics of their own (raises ValueError for a combination they cannot run)."""
+        return cls(config.engine, Metrics(), config.engine_hang_timeout, config.data_parallel_size, config.routing)
+
+    def launch(self) -> None:
+        """Spawn every replica's first engine now (no event loop needed); start() adopts them."""
+        try:
+            for c in self.clients:
+                c.launch()
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Kill the engines launched but never adopted (the server failed before it started)."""
+        for c in self.clients:
+            c.discard()
 
     async def start(self, timeout: float = 300.0) -> None:
         """Start every replica; if any cannot load the model, stop the others and raise its error."""
