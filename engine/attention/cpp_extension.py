@@ -60,10 +60,11 @@ def _build(name: str, source: str, strict: bool):
 
 
 def builds(load: Callable[[], object], unusable: str) -> bool:
-    """Whether `load()` builds and loads its op here; where not, a warning (`unusable`, then why) and False."""
+    """Whether `load()` builds and loads its op (or compiles and self-tests its kernel) here; where not, a warning
+    (`unusable`, then why) and False."""
     try:
         load()
-    except Exception as e:  # no compiler, no ninja, a failed build: any reason is a reason to fall back
+    except Exception as e:  # no compiler, no ninja, a failed build or self-test: any reason is a reason to fall back
         warnings.warn(f"{unusable}: {e}", stacklevel=3)
         return False
     return True

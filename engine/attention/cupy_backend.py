@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata, AttentionParams
-from engine.attention.cpp_extension import SOURCES
+from engine.attention.cpp_extension import SOURCES, builds
 from engine.attention.nvrtc import NVRTC_OPTIONS, NvrtcKernels, ptr
 from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
@@ -44,14 +44,8 @@ def cuda_backend_available() -> bool:
     `auto` must fall back to the PyTorch reference rather than fail at the first request, so this
     compiles the module (NVRTC, ~1-3 s, once per process) and launches it on a tiny batch.
     """
-    if not torch.cuda.is_available():
-        return False
-    try:
-        CudaAttention().self_test()
-    except Exception as e:  # ImportError, CompileException, CUDADriverError...: any reason is a reason to fall back
-        warnings.warn(f"the CUDA attention kernel is unusable here, using the PyTorch reference: {e}", stacklevel=2)
-        return False
-    return True
+    return torch.cuda.is_available() and builds(
+        lambda: CudaAttention().self_test(), "the CUDA attention kernel is unusable here, using the PyTorch reference")
 
 
 class CudaAttention:

@@ -9,13 +9,12 @@ custom op that mutates the cache, so Inductor calls it in place (as it does `wri
 from __future__ import annotations
 
 import functools
-import warnings
 
 import numpy as np
 import torch
 from torch import nn
 
-from engine.attention.cpp_extension import SOURCES
+from engine.attention.cpp_extension import SOURCES, builds
 from engine.attention.nvrtc import NvrtcKernels, ptr
 from engine.model.token_ops import Rotary
 
@@ -86,14 +85,8 @@ def _(qkv, positions, table, kv_cache, slot_mapping, num_heads, num_kv_heads) ->
 
 def cuda_rope_available() -> bool:
     """Whether the kernel compiles and matches the formula here (a warning says why not, if it does not)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        launcher().self_test()
-    except Exception as e:  # ImportError, CompileException, CUDADriverError...: any reason is a reason to fall back
-        warnings.warn(f"the CUDA RoPE kernel is unusable here, using PyTorch's ops: {e}", stacklevel=2)
-        return False
-    return True
+    return torch.cuda.is_available() and builds(
+        lambda: launcher().self_test(), "the CUDA RoPE kernel is unusable here, using PyTorch's ops")
 
 
 class CudaRotary(Rotary):
@@ -113,12 +106,10 @@ class CudaRotary(Rotary):
 
 def use_cuda_rotary(module: nn.Module) -> None:
     """Swap every Rotary under `module` for CudaRotary; layers that shared a table share its replacement."""
-    swapped: dict[int, CudaRotary] = {}
+    swapped: dict[int, Rotary] = {}
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is Rotary:
                 if id(child) not in swapped:
-                    swapped[id(child)] = fused = CudaRotary.__new__(CudaRotary)
-                    nn.Module.__init__(fused)
-                    fused.register_buffer("table", child.table, persistent=False)
+                    swapped[id(child)] = child.on_table_of(CudaRotary)
                 setattr(parent, name, swapped[id(child)])

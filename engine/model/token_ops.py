@@ -73,6 +73,13 @@ class Rotary(nn.Module):
         table = torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)), dim=1)
         self.register_buffer("table", table, persistent=False)
 
+    def on_table_of(self, cls: type[Rotary]) -> Rotary:
+        """A `cls` (a subclass with other kernels) over this module's table: the same tensor, not a copy."""
+        other = cls.__new__(cls)
+        nn.Module.__init__(other)
+        other.register_buffer("table", self.table, persistent=False)
+        return other
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (queries and keys together) rotated by each row's position."""
         cos, sin = self.table[positions].to(x.dtype).unsqueeze(2).unbind(1)  # [T, 1, D] each
@@ -158,9 +165,7 @@ def fuse_token_ops(module: nn.Module, _tables: dict[int, CpuRotary] | None = Non
             setattr(module, name, CpuSiluAndMul())
         elif type(child) is Rotary:
             if id(child) not in tables:
-                tables[id(child)] = fused = CpuRotary.__new__(CpuRotary)
-                nn.Module.__init__(fused)
-                fused.register_buffer("table", child.table, persistent=False)
+                tables[id(child)] = child.on_table_of(CpuRotary)
             setattr(module, name, tables[id(child)])
         else:
             fuse_token_ops(child, tables)
