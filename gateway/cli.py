@@ -172,8 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    header_timeout=args.header_timeout, send_timeout=args.send_timeout,
                    max_connections=args.max_connections)
     finally:
-        if replicas is not None:
-            replicas.discard()  # engines the app never started (it failed first): none is left running
+        replicas.discard()  # engines the app never started (it failed first): none is left running
     return 0
 
 

@@ -104,6 +104,9 @@ class EngineProcess:
             self.proc.kill()
             self.proc.wait()
         self._closed = True
+        self._free_channels()
+
+    def _free_channels(self) -> None:
         for ch in (self.to_engine, self.from_engine):
             if ch is not None:
                 ch.close()
@@ -161,10 +164,7 @@ class EngineProcess:
             # later fd with the same number would inherit a stale selector entry.
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        for ch in (self.to_engine, self.from_engine):
-            if ch is not None:
-                ch.close()
-                ch.unlink()
+        self._free_channels()
 
     async def _read_loop(self) -> None:
         try:

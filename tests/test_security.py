@@ -300,7 +300,7 @@ def test_keys_from_flags_files_and_the_environment(monkeypatch, tmp_path, argv, 
         monkeypatch.setenv("ORCINUS_API_KEY", env)
     seen = {}
     monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
-    monkeypatch.setattr("gateway.cli.launch_engines", lambda config: None)  # no engine process
+    monkeypatch.setattr("gateway.replicas.Replicas.launch", lambda self: None)  # no engine process
     monkeypatch.setattr("gateway.app.build_app", lambda config, client: seen.setdefault("config", config))
     assert cli_main(["serve", *[str(keys) if a == "FILE" else a for a in argv]]) == 0
     assert seen["config"].api_keys == want and seen["config"].prefix_cache_scope == "key"
@@ -337,7 +337,7 @@ def test_the_csp_hashes_are_those_of_the_page_inline_script_and_style():
 def test_allowed_hosts_default_to_loopback_names_on_a_loopback_bind(monkeypatch, argv, want):
     seen = {}
     monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
-    monkeypatch.setattr("gateway.cli.launch_engines", lambda config: None)  # no engine process
+    monkeypatch.setattr("gateway.replicas.Replicas.launch", lambda self: None)  # no engine process
     monkeypatch.setattr("gateway.app.build_app", lambda config, client: seen.setdefault("config", config))
     assert cli_main(["serve", *argv]) == 0
     assert seen["config"].allowed_hosts == want
@@ -448,7 +448,7 @@ def test_long_text_is_tokenized_off_the_event_loop(monkeypatch, tokenizer):
 def test_the_special_tokens_flag(monkeypatch, argv, want):
     seen = {}
     monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
-    monkeypatch.setattr("gateway.cli.launch_engines", lambda config: None)  # no engine process
+    monkeypatch.setattr("gateway.replicas.Replicas.launch", lambda self: None)  # no engine process
     monkeypatch.setattr("gateway.app.build_app", lambda config, client: seen.setdefault("config", config))
     assert cli_main(["serve", *argv]) == 0
     assert seen["config"].special_tokens_in_content == want

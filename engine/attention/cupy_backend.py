@@ -23,12 +23,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata, AttentionParams
 from engine.attention.cpp_extension import SOURCES, builds
-from engine.attention.nvrtc import NVRTC_OPTIONS, NvrtcKernels, ptr
+from engine.attention.nvrtc import DTYPE_SUFFIX, NVRTC_OPTIONS, NvrtcKernels, ptr
 from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
 
 KERNEL_SOURCE = SOURCES / "paged_decode_attention.cu"
-_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 WARPS = 4  # kWarps in the kernel: threads per block = 128
 MAX_HEADS_PER_BLOCK = 4  # kMaxHeads: query heads scored per K/V read
 LANES_PER_KEY = (8, 16, 32)  # the decode kernel's instantiations (LPK): lanes that read one key row
@@ -82,7 +81,7 @@ class CudaAttention:
 
     def _fits(self, q: torch.Tensor) -> bool:
         """Whether the kernel takes q: on a GPU, a dtype it is built for, rows of whole 16-byte loads."""
-        if not q.is_cuda or q.dtype not in _SUFFIX:
+        if not q.is_cuda or q.dtype not in DTYPE_SUFFIX:
             return False
         per_load = 16 // q.element_size()
         return q.shape[2] % per_load == 0 and q.shape[2] // per_load <= 32
@@ -174,7 +173,7 @@ class CudaAttention:
                 shared_mem=shared,
             )
             if num_splits > 1:
-                self._kernels(f"paged_decode_attention_reduce_{_SUFFIX[q.dtype]}", q.device)(
+                self._kernels(f"paged_decode_attention_reduce_{DTYPE_SUFFIX[q.dtype]}", q.device)(
                     (num_requests, num_q_heads), (min(head_dim, 128),),
                     (ptr(out), ptr(ws_acc), ptr(ws_ml), ptr(qsl),
                      np.int32(num_q_heads), np.int32(head_dim), np.int32(num_splits)),
@@ -201,13 +200,13 @@ def lanes_per_key(head_dim: int, element_size: int) -> int:
 
 
 def decode_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
-    return f"paged_decode_attention_{_SUFFIX[dtype]}_lpk{lanes_per_key(head_dim, dtype.itemsize)}"
+    return f"paged_decode_attention_{DTYPE_SUFFIX[dtype]}_lpk{lanes_per_key(head_dim, dtype.itemsize)}"
 
 
 def kernel_names() -> list[str]:
     """Every function of cuda/paged_decode_attention.cu the backend may launch."""
-    return [f"paged_decode_attention_{s}_lpk{n}" for s in _SUFFIX.values() for n in LANES_PER_KEY] + [
-        f"paged_decode_attention_reduce_{s}" for s in _SUFFIX.values()]
+    return [f"paged_decode_attention_{s}_lpk{n}" for s in DTYPE_SUFFIX.values() for n in LANES_PER_KEY] + [
+        f"paged_decode_attention_reduce_{s}" for s in DTYPE_SUFFIX.values()]
 
 
 def split_partition(context_len: int, num_splits: int) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true and the device's -arch (tests/test_cuda_kernels.py mirrors them)
+DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # entry points' names end so
 
 
 def import_cupy(user: str):

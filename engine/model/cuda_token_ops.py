@@ -15,17 +15,16 @@ import torch
 from torch import nn
 
 from engine.attention.cpp_extension import SOURCES, builds
-from engine.attention.nvrtc import NvrtcKernels, ptr
+from engine.attention.nvrtc import DTYPE_SUFFIX, NvrtcKernels, ptr
 from engine.model.token_ops import Rotary
 
 KERNEL_SOURCE = SOURCES / "rope_write_kv.cu"
-_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 THREADS = 128  # kThreads in the kernel: each thread rotates (or copies) one pair of a head's elements
 
 
 def kernel_names() -> list[str]:
     """Every function of cuda/rope_write_kv.cu this module may launch."""
-    return [f"rope_write_kv_{s}" for s in _SUFFIX.values()]
+    return [f"rope_write_kv_{s}" for s in DTYPE_SUFFIX.values()]
 
 
 class RopeWriteKV:
@@ -42,7 +41,7 @@ class RopeWriteKV:
             return q
         pairs = (num_heads + 2 * num_kv_heads) * (d // 2)
         with self.kernels.on_torch_stream(qkv):
-            self.kernels(f"rope_write_kv_{_SUFFIX[qkv.dtype]}", qkv.device)(
+            self.kernels(f"rope_write_kv_{DTYPE_SUFFIX[qkv.dtype]}", qkv.device)(
                 (rows, -(-pairs // THREADS)), (THREADS,),
                 (ptr(q), ptr(kv_cache), ptr(qkv), ptr(table), ptr(positions), ptr(slot_mapping),
                  np.int64(qkv.stride(0)), np.int64(kv_cache.shape[2] * kv_cache.shape[3]),
@@ -93,7 +92,7 @@ class CudaRotary(Rotary):
     """RoPE and the cache write in one kernel (the same table buffer as the module it replaced)."""
 
     def rope_write_kv(self, qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
-        if (not qkv.is_cuda or qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.dtype not in _SUFFIX
+        if (not qkv.is_cuda or qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.dtype not in DTYPE_SUFFIX
                 or kv_cache.dtype != qkv.dtype or self.table.dtype != qkv.dtype or not kv_cache.is_contiguous()
                 or not self.table.is_contiguous()
                 or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64):
