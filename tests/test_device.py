@@ -92,7 +92,7 @@ def test_step_inputs_stage_values_and_shapes():
     config = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, block_size=16)
     inputs = StepInputs(config, max_model_len=128, device=torch.device("cpu"))
     ids = inputs.put("input_ids", [5, 6, 7])
-    tables = inputs.put("block_tables", [[1, 2], [3, 0]], (2, 2))
+    tables = inputs.put("block_tables", [1, 2, 3, 0], (2, 2))  # flat, shaped on the way
     assert ids.tolist() == [5, 6, 7] and ids.dtype == torch.int64
     assert tables.tolist() == [[1, 2], [3, 0]] and tables.dtype == torch.int32
     inputs.put("input_ids", [9])  # refilling the staging buffer must not change what was returned before

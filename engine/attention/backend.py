@@ -76,6 +76,11 @@ class AttentionMetadata:
     def max_context_len(self) -> int:
         return max(self.context_lens_cpu, default=0)
 
+    @functools.cached_property
+    def max_decode_context_len(self) -> int:
+        """The longest context of a request with one query (0 if none): a decode kernel's split plan reads it."""
+        return max((c for n, c in zip(self.query_lens_cpu, self.context_lens_cpu) if n == 1), default=0)
+
     @property
     def query_starts_cpu(self) -> list[int]:
         """query_start_loc on the host (B + 1 offsets), from the host lengths: reading the tensor would sync."""

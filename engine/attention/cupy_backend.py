@@ -14,6 +14,7 @@ there raises a RuntimeError that says why.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -90,9 +91,9 @@ class CudaAttention:
         params = params or AttentionParams.plain(q.shape[-1])
         if not self._fits(q):
             return self._fallback.forward(q, kv_cache, meta, params)
-        decode_lens = [c for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n == 1]
-        out = self.attend(q, kv_cache, meta, max(decode_lens), params) if decode_lens else torch.empty_like(q)
-        if len(decode_lens) < meta.num_requests:  # after the kernel: it leaves prefill rows alone
+        longest = meta.max_decode_context_len  # once per step, not per layer (a piecewise step asks 16+ times)
+        out = self.attend(q, kv_cache, meta, longest, params) if longest else torch.empty_like(q)
+        if not meta.is_pure_decode:  # after the kernel: it leaves prefill rows alone
             self._attend_prefills(q, kv_cache, meta, out, params)
         return out
 
@@ -193,12 +194,14 @@ class CudaAttention:
         return self._resident[key]
 
 
+@functools.cache
 def lanes_per_key(head_dim: int, element_size: int) -> int:
     """The decode kernel's LPK for a head dim: one 16-byte load per lane, a power of two, at least 8."""
     packs = head_dim * element_size // 16
     return max(LANES_PER_KEY[0], 1 << (packs - 1).bit_length())
 
 
+@functools.cache  # asked by every layer of every step
 def decode_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
     return f"paged_decode_attention_{DTYPE_SUFFIX[dtype]}_lpk{lanes_per_key(head_dim, dtype.itemsize)}"
 
@@ -215,6 +218,7 @@ def split_partition(context_len: int, num_splits: int) -> int:
     return max(SPLIT_TILE, -(-per_split // SPLIT_TILE) * SPLIT_TILE)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function, asked by every layer of a step: its loop is tens of us
 def plan_splits(num_requests: int, kv_head_blocks: int, max_context_len: int, sm_count: int,
                 blocks_per_sm: int, one_wave: bool = False) -> int:
     """How many KV ranges the decode kernel cuts every context into (its grid: requests x kv_head_blocks x splits).

@@ -108,8 +108,8 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow `req.block_table` so the `num_new_tokens` after those scheduled have slots; False if blocks run out."""
-        target = self.slots_needed(req, req.num_scheduled_tokens + num_new_tokens)
-        missing = self.blocks_for(target) - len(req.block_table)
+        target = self.slots_needed(req, req.num_computed_tokens + req.num_in_flight_tokens + num_new_tokens)
+        missing = -(-target // self.block_size) - len(req.block_table)
         if missing <= 0:
             return True
         if missing > len(self.free_queue):
@@ -127,9 +127,9 @@ class KVCacheManager:
 
     def cache_full_blocks(self, req: Request) -> None:
         """Name the blocks `req` has filled since last time, so later requests with the same prefix find them."""
-        if not self.prefix_caching:
-            return
         num_full = req.num_computed_tokens // self.block_size
+        if not self.prefix_caching or num_full <= req.num_registered_blocks:
+            return  # nothing filled since (registered blocks are named): most decode steps
         self._name_blocks(req, num_full)
         for i in range(req.num_registered_blocks, num_full):
             name, block = req.block_names[i], req.block_table[i]

@@ -96,7 +96,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
+        # Read several times per request per step: two len()s, not two more properties.
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -108,7 +109,7 @@ class Request:
         """Whether sampling its next token needs every earlier output on the host (penalties, a grammar, min_tokens
         still masking eos): such a request is never scheduled ahead of a token it has yet to see."""
         p = self.params
-        return p.has_penalties or p.grammar is not None or self.num_output_tokens < p.min_tokens
+        return p.has_penalties or p.grammar is not None or len(self.output_token_ids) < p.min_tokens
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -193,7 +193,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            draft = self._draft(req, budget) if num_new == 1 else []
+            draft = self._draft(req, budget) if num_new == 1 and self.speculation is not None else []
             if draft and not self.kv.allocate(req, num_new + len(draft)):
                 draft = []  # no blocks for them: drafts never preempt anybody
             while not self.kv.allocate(req, num_new):
@@ -275,13 +275,14 @@ class Scheduler:
     def _num_schedulable(self, req: Request) -> int:
         """Tokens a running request could compute next: what it has, or (running ahead) the one token the batch
         in flight samples for it, unless that token may end it or its sampling must see that token first."""
-        if req.request_id not in self.in_flight:
+        in_flight = self.in_flight.get(req.request_id)
+        if not in_flight:
             return req.num_tokens - req.num_computed_tokens
-        if not self.run_ahead or self.in_flight[req.request_id] > 1 or req.request_id in self.drafting:
+        if not self.run_ahead or in_flight > 1 or req.request_id in self.drafting:
             return 0
         if req.num_pending_outputs and (req.reads_own_outputs or self._may_end(req)):
             return 0
-        return req.num_tokens + req.num_pending_outputs - req.num_scheduled_tokens
+        return req.num_tokens + req.num_pending_outputs - req.num_computed_tokens - req.num_in_flight_tokens
 
     def _may_end(self, req: Request) -> bool:
         """Whether the tokens in flight can reach max_tokens or the context window (a stop id can end it anyway:
@@ -294,14 +295,19 @@ class Scheduler:
         return {name for r in self.running for name in r.block_names[r.num_registered_blocks:]}
 
     def _to_scheduled(self, req: Request, num_new: int, draft: list[int]) -> ScheduledRequest:
-        start = req.num_scheduled_tokens
+        start = req.num_computed_tokens + req.num_in_flight_tokens
         end = start + num_new
         known = req.num_tokens
-        token_ids = req.token_ids(start, min(end, known)) + [PLACEHOLDER] * (end - max(start, known))
+        token_ids = req.token_ids(start, min(end, known))
+        if end > known:
+            token_ids += [PLACEHOLDER] * (end - max(start, known))
         sample = end == known + req.num_pending_outputs
+        # The optional parts are asked for only where they can be there: this runs per request per step.
+        prompt_rows = None if req.params.prompt_logprobs is None else self._prompt_logprob_rows(req, start, end)
+        probe = sample and self.predictor is not None and self._probes(req)
         return ScheduledRequest(
-            req.request_id, token_ids + draft, start, list(req.block_table), sample,
-            self._prompt_logprob_rows(req, start, end), len(draft), sample and self._probes(req),
+            req.request_id, token_ids + draft if draft else token_ids, start, list(req.block_table), sample,
+            prompt_rows, len(draft), probe,
         )
 
     def _probes(self, req: Request) -> bool:
@@ -379,7 +385,8 @@ class Scheduler:
             self.in_flight[sr.request_id] -= 1
             if not self.in_flight[sr.request_id]:
                 del self.in_flight[sr.request_id]
-            self.drafting.discard(sr.request_id)
+            if self.drafting:
+                self.drafting.discard(sr.request_id)
             req = self.requests.get(sr.request_id)
             if req is None:  # aborted, or finished by the batch before (a row scheduled ahead): its token is dropped
                 continue
@@ -413,10 +420,11 @@ class Scheduler:
 
     def _append(self, req: Request, result: SampledTokens) -> RequestStatus | None:
         """Append a step's tokens up to the first that ends the request (those after it are dropped)."""
+        logprobs = result.logprobs
         for i, token_id in enumerate(result.token_ids):
             req.output_token_ids.append(token_id)
-            if result.logprobs is not None:
-                req.output_logprobs.append(result.logprobs[i])
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
             status = self._check_stop(req, token_id)
             if status is not None:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
@@ -438,9 +446,11 @@ class Scheduler:
                 req.first_predicted_output_tokens = req.predicted_output_tokens
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
-        if token_id in req.stop_token_ids and req.num_output_tokens >= req.params.min_tokens:
+        num_output_tokens = len(req.output_token_ids)
+        if token_id in req.stop_token_ids and num_output_tokens >= req.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+        if (num_output_tokens >= req.params.max_tokens
+                or len(req.prompt_token_ids) + num_output_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 

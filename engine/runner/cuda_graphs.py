@@ -163,10 +163,10 @@ class CudaGraphRunner:
         self.positions[:t].copy_(positions)
         self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.slot_mapping[t:bucket].fill_(self.scratch_slot)  # rows a larger batch left behind last time
-        replays = self.replays[bucket]
+        replays, q, attn_out = self.replays[bucket], self.q[:t], self.attn_out[:t]
         for replay, kv_cache, layer in zip(replays, self.kv_caches, self.model.layers):
             replay()
-            self.attn_out[:t].copy_(attention.forward(self.q[:t], kv_cache, meta, layer.attn_params))
+            attn_out.copy_(attention.forward(q, kv_cache, meta, layer.attn_params))
         replays[-1]()
         if logits_indices is None:
             return self.x[:t]  # read before the next replay overwrites it

@@ -49,11 +49,10 @@ class StepInputs:
         }
         self.arrays = {name: t.numpy() for name, t in self.bufs.items()}
 
-    def put(self, name: str, values, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Stage `values` and start their copy to the device; returns the device tensor."""
-        values = np.asarray(values)
-        n = values.size
-        self.arrays[name][:n] = values.reshape(-1)
+    def put(self, name: str, values: list[int], shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Stage a flat list of `values` and start their copy to the device; returns the device tensor."""
+        n = len(values)
+        self.arrays[name][:n] = values  # numpy converts the list in C: no array in between
         host = self.bufs[name][:n]
         if shape is not None:
             host = host.view(shape)
@@ -178,24 +177,35 @@ class ModelRunner:
         query_lens, context_lens, logits_indices = [], [], []
         query_start = [0]
         ahead_rows, ahead_sources = [], []  # placeholder rows, and where in `previous` their ids are
+        max_blocks = max(len(r.block_table) for r in batch.requests)
+        tables: list[int] = []  # [requests x max_blocks], flat, padded with 0
+        padding = [0] * max_blocks
+        end = 0  # rows so far
+        # Per request per step, so the one-token case (decode) takes the short way.
         for r in batch.requests:
-            n, start = len(r.token_ids), r.num_computed_tokens
-            input_ids += r.token_ids
-            if r.token_ids[-1] == PLACEHOLDER:
+            ids, start, table = r.token_ids, r.num_computed_tokens, r.block_table
+            n = len(ids)
+            input_ids += ids
+            end += n
+            if ids[-1] == PLACEHOLDER:
                 input_ids[-1] = 0  # any valid id until the device's own arrives (a failed batch before sends none)
                 if previous is not None and r.request_id in previous[1]:
-                    ahead_rows.append(len(input_ids) - 1)
+                    ahead_rows.append(end - 1)
                     ahead_sources.append(previous[1][r.request_id])
-            pos = range(start, start + n)
-            positions += pos
-            slots += [r.block_table[p // bs] * bs + p % bs for p in pos]
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = range(start, start + n)
+                positions += pos
+                slots += [table[p // bs] * bs + p % bs for p in pos]
+            tables += table
+            tables += padding[len(table):]
             query_lens.append(n)
             context_lens.append(start + n)
-            query_start.append(query_start[-1] + n)
+            query_start.append(end)
             if r.sample:  # its last known token's row, then each draft token's
-                logits_indices += range(query_start[-1] - r.num_logits_rows, query_start[-1])
-        max_blocks = max(len(r.block_table) for r in batch.requests)
-        tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
+                logits_indices += range(end - r.num_draft - 1, end)
 
         inputs = self.inputs[self.num_steps % 2]
         self.num_steps += 1
@@ -203,7 +213,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=put("query_start_loc", query_start),
             context_lens=put("context_lens", context_lens),
-            block_tables=put("block_tables", tables, (len(tables), max_blocks)),
+            block_tables=put("block_tables", tables, (len(batch.requests), max_blocks)),
             slot_mapping=put("slot_mapping", slots),
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
