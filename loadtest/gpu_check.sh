@@ -107,9 +107,9 @@ SCHEDULING=(loadtest/compare_scheduling.py --model dummy:llama-1b --input-len 32
     --kv-cache-memory $((4 * 2**30)) --latency-target 0.008 --out "$RUN/scheduling.json" --plot "$RUN/scheduling.png")
 
 if [ "$MODE" = "--lease" ]; then
-    # Issue 25's acceptance, most telling first, each step capped: 30+60+150+60+180+90 s (on the H100 on
+    # Issue 25's acceptance, most telling first, each step capped: 30+60+150+60+180+90+90 s (on the H100 on
     # 2026-11-27 the first five took 165 s in all); the served comparison only when named (the second call).
-    [ "$ONLY" = "  " ] && ONLY=" resource_usage kernels gpu_tests bench_attention bench_gpu profile "
+    [ "$ONLY" = "  " ] && ONLY=" resource_usage kernels gpu_tests bench_attention bench_gpu profile host "
     resource_usage 30
     step kernels 60 $PY -m pytest -q -x --gpu $KERNEL_TESTS
     step gpu_tests 150 $PY -m pytest -q --gpu $OTHER_TESTS
@@ -119,6 +119,8 @@ if [ "$MODE" = "--lease" ]; then
     # Where a decode step's GPU time goes: kernels per step, compiled segments in graphs (JSON: the top 40).
     step profile 90 $PY loadtest/profile_iteration.py --model dummy:llama-1b --device cuda --batches 1 64 \
         --table --out "$RUN/profile.json"
+    # Host time of decode and mixed steps (a 400-token prompt joining 63 decodes), whole-step graphs vs piecewise.
+    step host 90 $PY loadtest/profile_host.py --batch 64 --out "$RUN/host.json"
     step scheduling 240 $PY "${SCHEDULING[@]}" --rates 80 160 240 320 480 --seconds 5
 elif [ "$MODE" = "--long" ]; then
     step bench_attention 150 $PY loadtest/bench_attention.py --out "$RUN/bench_attention.json"

@@ -1,5 +1,5 @@
-"""Where a step's host time goes: decode steps (whole-decode graphs, piecewise) and mixed steps (a prompt joining
-a decoding batch), timed, then each under cProfile.
+"""Where a step's host time goes: decode steps and mixed steps (a prompt joining a decoding batch), each with
+whole-step graphs and with piecewise ones, timed, then under cProfile.
 
     python loadtest/profile_host.py --shape llama-1b --batch 64 --out profile_host.json
 
@@ -93,12 +93,13 @@ def main() -> int:
         "decode whole": ("whole", lambda: engine.step()),
         "decode piecewise": ("piecewise", lambda: engine.step()),
         "mixed": ("whole", lambda: mixed_step(engine, args.prompt_len, next(k))),
+        "mixed piecewise": ("piecewise", lambda: mixed_step(engine, args.prompt_len, next(k))),
     }
     for name, (mode, fn) in cases.items():
         set_graphs(engine, mode, graphs)
         timed(fn, 3)  # warm-up
         seconds = timed(fn, args.steps)
-        if name == "mixed":  # time the mixed step alone, not the abort's step after it
+        if name.startswith("mixed"):  # time the mixed step alone, not the abort's step after it
             seconds = [mixed_step(engine, args.prompt_len, next(k)) for _ in range(args.steps)]
         table = profiled(fn, args.steps, args.top)
         report["modes"][name] = {"median_ms": statistics.median(seconds) * 1e3, "min_ms": min(seconds) * 1e3,

@@ -37,7 +37,8 @@ def compiled():
     segments = pick_segments("on", True, r.model, r.kv_caches, r.scratch_block, backend=counter)
     cpu = torch.device("cpu")
     r.graphs = CudaGraphRunner(r.model, r.kv_caches, 16, r.scratch_block, cpu, torch.float32, segments=segments)
-    r.decode_graphs = DecodeGraphRunner(r.model, r.kv_caches, r.attention, 8, r.scratch_block, cpu, segments=segments)
+    r.decode_graphs = DecodeGraphRunner(r.model, r.kv_caches, r.attention, 8, r.scratch_block, cpu, segments=segments,
+                                        max_rows=16)
     return eager, graphed, counter
 
 
@@ -46,8 +47,8 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def test_compiled_graphs_give_the_eager_greedy_tokens_with_one_compile_per_segment(compiled):
-    """Staggered arrivals: decodes replay whole-step buckets 1..8, mixed steps piecewise buckets up to 16, longer
-    prefills run eagerly. Every layer and bucket reuses the three compiles made before capture."""
+    """Staggered arrivals: steps of up to 16 rows replay whole-step buckets (decodes, and short prompts joining them),
+    longer ones the piecewise buckets up to 16 or eagerly. Every layer and bucket reuses the three compiles made before capture."""
     eager, graphed, counter = compiled
     outputs = []
     for engine in (eager, graphed):

@@ -154,25 +154,28 @@ def test_every_bucket_shares_one_set_of_static_buffers(engines):
 
 @pytest.fixture(scope="module")
 def decode_engines(checkpoint):
-    """An eager engine and one whose pure-decode steps replay whole-model graphs (CPU stand-in) of up to 8 rows."""
+    """An eager engine and one whose steps replay whole-model graphs (CPU stand-in) of up to 32 rows."""
     config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 * 737_280,
                           max_model_len=256)
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     r = graphed.runner
-    r.decode_graphs = DecodeGraphRunner(r.model, r.kv_caches, r.attention, 8, r.scratch_block, torch.device("cpu"))
+    r.decode_graphs = DecodeGraphRunner(r.model, r.kv_caches, r.attention, 8, r.scratch_block, torch.device("cpu"),
+                                        max_rows=32)
     return eager, graphed
 
 
 def test_decode_graphs_give_the_eager_tokens_as_batches_grow_and_shrink(decode_engines, tokenizer):
-    """Staggered arrivals and finishes: buckets 1..8 replay, padded rows must never touch a live request's KV."""
+    """Staggered arrivals and finishes: buckets 1..32 replay, for decodes and for prompts joining them (each prompt row
+    a decode query against its own position); padded rows must never touch a live request's KV."""
     eager, graphed = decode_engines
     graphs = graphed.runner.decode_graphs
-    used = []
+    used, mixed = [], []
     forward = graphs.forward
 
-    def spy(input_ids, *args):
-        out = forward(input_ids, *args)
+    def spy(input_ids, positions, meta, *args):
+        out = forward(input_ids, positions, meta, *args)
         used.append(graphs.bucket_for(input_ids.shape[0]))
+        mixed.append(out is not None and input_ids.shape[0] > meta.num_requests)
         return out
 
     graphs.forward = spy
@@ -192,6 +195,7 @@ def test_decode_graphs_give_the_eager_tokens_as_batches_grow_and_shrink(decode_e
         del graphs.forward
     assert outputs[1] == outputs[0]
     assert {1, 2, 4, 8} <= set(used)
+    assert any(mixed), "no step with a prompt chunk replayed a whole-step graph"
     assert graphed.runner.scratch_block == graphed.scheduler.kv.num_blocks  # beyond every block it hands out
 
 
@@ -217,6 +221,40 @@ def test_decode_graph_padding_rows_write_only_the_scratch_block(decode_engines, 
     assert all(torch.equal(x, y) for x, y in zip(before, after)), "a padding row wrote into a live request's KV"
     assert graphs.slot_mapping[3].item() == graphed.runner.scratch_block * bs
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_whole_step_graphs_take_chunks_after_a_cached_prefix(decode_engines, tokenizer):
+    """Prompts sharing a 3-block prefix (the later ones start their chunk after cached blocks) and one longer than the
+    32-row buckets (chunked by the 64-token budget: piecewise, then whole-step) arrive while others decode: every
+    prompt row reads its own request's keys up to its own position, so the tokens are the eager ones."""
+    eager, graphed = decode_engines
+    graphs = graphed.runner.decode_graphs
+    starts = []
+    forward = graphs.forward
+
+    def spy(input_ids, positions, meta, *args):
+        out = forward(input_ids, positions, meta, *args)
+        if out is not None:
+            starts.extend(c - n for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n > 1)
+        return out
+
+    graphs.forward = spy
+    shared = tokenizer.encode(" ".join(PROMPTS))[:48]
+    prompts = [shared + tokenizer.encode(p)[:5 + 3 * i] for i, p in enumerate(PROMPTS[:3])]
+    prompts.append(tokenizer.encode(" ".join(PROMPTS * 2))[:90])
+    try:
+        outputs = []
+        for engine in (eager, graphed):
+            pending, requests = list(prompts), []
+            while pending or engine.has_unfinished():
+                if pending:
+                    requests.append(engine.add_request(pending.pop(0), GREEDY))
+                engine.step()
+            outputs.append([r.output_token_ids for r in requests])
+    finally:
+        del graphs.forward
+    assert outputs[1] == outputs[0]
+    assert any(s >= 48 for s in starts), starts  # a chunk after the cached prefix replayed a whole-step graph
 
 
 def test_torch_forward_decode_matches_forward_over_wider_tables():

@@ -1,21 +1,27 @@
-"""Whole-iteration CUDA graphs for pure-decode batches: every layer, attention included, in one replay.
+"""Whole-iteration CUDA graphs: every layer, attention included, in one replay, for steps of decode-like rows.
 
-Piecewise graphs still pay a Python attention call per layer between replays; a decode step of a
-small model is mostly that. When every request in a batch decodes one token, the whole forward pass
-(the token-wise segments of engine/runner/token_segments.py, the backend's graph-safe
-`forward_decode` between them, the LM head) is captured per batch-size bucket. Attention then reads
-its metadata from static device buffers filled before each replay: block tables, context lengths,
-slot mapping. Nothing inside depends on host values, so the kernel's grid is fixed at capture for
-the longest context (empty KV splits cost one early exit).
+Piecewise graphs still pay a Python attention call per layer between replays (on an H200, ~0.3 ms of host time a
+layer when a prompt joins decoding requests: a 400-token prompt made a batch-64 step 4x a decode step). Here every
+row of the flattened batch attends as one decode query against its own request's keys up to its own position: a
+decoding request's one row, and each row of a prompt chunk (causal, since row j of a chunk at position p sees keys
+0..p). The whole forward pass (the token-wise segments of engine/runner/token_segments.py, the backend's
+graph-safe `forward_decode` between them, the LM head over the rows that sample) is captured per row-count
+bucket. Attention reads its metadata from static device buffers filled before each replay, and the per-row
+context lengths and block tables are derived inside the graph from each row's position and request.
 
-Padding rows (a batch of 3 replays bucket 4) decode a dummy token against the scratch KV block the
-runner keeps outside the scheduler's pool, so they never write into a real request's cache.
+Prompt rows re-read their request's keys one row at a time (from L2: a chunk's keys are shared), so a step whose
+prompt rows would read more than PREFILL_KEY_BUDGET keys in all (long chunks, or chunks after a long cached
+context) runs the piecewise graphs and flash attention instead.
+
+Padding rows (3 rows replay bucket 4) decode a dummy token against the scratch KV block the runner keeps outside
+the scheduler's pool, so they never write into a real request's cache.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +33,24 @@ from engine.runner.token_segments import EAGER, Segments
 log = logging.getLogger(__name__)
 
 
+MIN_ROWS = 512  # rows of the largest bucket at least (a prompt of up to this many tokens joins decodes in a replay)
+# Keys the prompt rows of one step may read in all (row j of a chunk starting at s reads s + j + 1 of them): a
+# 512-token prompt with nothing cached reads 131k; past this the per-row reads cost more than flash attention.
+PREFILL_KEY_BUDGET = 1 << 18
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """What a whole-step graph needs of a step beyond the attention metadata: each row's request (its index in the
+    batch), the keys the rows of multi-token chunks read, and the rows that sample."""
+
+    row_requests: list[int]
+    prefill_key_reads: int
+    num_logit_rows: int
+
+
 class DecodeGraphRunner:
-    """Replays the whole-model graph of the bucket that holds a pure-decode batch; larger ones return None."""
+    """Replays the whole-model graph of the row bucket that holds a step; steps it does not take return None."""
 
     def __init__(
         self,
@@ -40,11 +62,13 @@ class DecodeGraphRunner:
         device: torch.device,
         capture=None,
         segments: Segments = EAGER,
+        max_rows: int | None = None,
     ):
         self.model, self.kv_caches, self.attention, self.segments = model, kv_caches, attention, segments
-        self.buckets = graph_buckets(max_seqs)
+        self.buckets = graph_buckets(max_rows or max(max_seqs, MIN_ROWS))
         self.block_size = kv_caches[0].shape[3]
         self.scratch_block = scratch_block
+        self.max_seqs = max_seqs
         n = self.buckets[-1]
         max_blocks = -(-model.max_position // self.block_size)
 
@@ -53,10 +77,15 @@ class DecodeGraphRunner:
 
         self.input_ids, self.positions = buf(n, dtype=torch.int64), buf(n, dtype=torch.int64)
         self.slot_mapping = buf(n, dtype=torch.int64)
-        self.context_lens = buf(n)
-        self.block_tables = buf(n, max_blocks)
+        self.row_requests = buf(n, dtype=torch.int64)  # each row's request: a row of request_tables
+        # The step's block tables by request; one more row, the scratch block's, for padding rows.
+        self.request_tables = buf(max_seqs + 1, max_blocks)
+        self.request_tables[max_seqs, 0] = scratch_block
+        self.context_lens = buf(n)  # derived in the graph: each row's position + 1
+        self.block_tables = buf(n, max_blocks)  # derived in the graph: its request's table
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query per row, always
-        self.logits = torch.zeros(n, model.shape.vocab_size, dtype=torch.float32, device=device)
+        self.logit_rows = buf(min(n, max_seqs), dtype=torch.int64)  # rows whose logits are returned, in order
+        self.logits = torch.zeros(min(n, max_seqs), model.shape.vocab_size, dtype=torch.float32, device=device)
         s, dtype = model.shape, kv_caches[0].dtype
         self.x = torch.zeros(n, s.hidden_size, dtype=dtype, device=device)
         self.q = torch.zeros(n, s.num_heads, s.head_dim, dtype=dtype, device=device)
@@ -69,14 +98,14 @@ class DecodeGraphRunner:
                 self.replays[bucket] = self.capture(self._whole_step(bucket))
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = memory_in_use(device) - before
-        log.info("captured %d whole-decode CUDA graphs (batch buckets up to %d) in %.1f s, %.0f MiB",
+        log.info("captured %d whole-step CUDA graphs (row buckets up to %d) in %.1f s, %.0f MiB",
                  len(self.buckets), n, self.capture_seconds, self.capture_bytes / 2**20)
 
     def _pad(self, start: int, stop: int) -> None:
-        """Rows [start, stop) decode one dummy token into slot 0 of the scratch block."""
+        """Rows [start, stop) decode one dummy token at position 0 of the scratch block."""
+        self.positions[start:stop] = 0
         self.slot_mapping[start:stop] = self.scratch_block * self.block_size
-        self.context_lens[start:stop] = 1
-        self.block_tables[start:stop, 0] = self.scratch_block
+        self.row_requests[start:stop] = self.max_seqs
 
     def _whole_step(self, n: int):
         model = self.model
@@ -89,34 +118,49 @@ class DecodeGraphRunner:
             # An upper bound only: graph-safe attention never reads host lengths.
             context_lens_cpu=[self.block_tables.shape[1] * self.block_size] * n,
         )
-        ids, pos, slots, logits = self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.logits[:n]
+        ids, pos, slots = self.input_ids[:n], self.positions[:n], self.slot_mapping[:n]
+        rows, tables, context_lens = self.row_requests[:n], self.block_tables[:n], self.context_lens[:n]
+        logit_rows, logits = self.logit_rows[: min(n, self.max_seqs)], self.logits[: min(n, self.max_seqs)]
         x, q, layers, caches, seg = self.x[:n], self.q[:n], model.layers, self.kv_caches, self.segments
 
         def step() -> None:
+            context_lens.copy_(pos + 1)
+            torch.index_select(self.request_tables, 0, rows, out=tables)
             seg.enter(model, layers[0], ids, pos, caches[0], slots, x, q)
             for i in range(1, len(layers)):
                 attn = self.attention.forward_decode(q, caches[i - 1], meta, layers[i - 1].attn_params)
                 seg.between(layers[i - 1], layers[i], x, attn, pos, caches[i], slots, q)
             seg.leave(model, layers[-1], x, self.attention.forward_decode(q, caches[-1], meta, layers[-1].attn_params))
-            logits.copy_(model.logits(x))
+            logits.copy_(model.logits(x.index_select(0, logit_rows)))
 
         return step
 
-    def bucket_for(self, num_seqs: int) -> int | None:
-        return bucket_for(self.buckets, num_seqs)
+    def bucket_for(self, num_rows: int) -> int | None:
+        return bucket_for(self.buckets, num_rows)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Logits [B, vocab] of a batch whose B requests each decode one token, or None if no bucket holds it."""
-        b = input_ids.shape[0]
-        bucket = self.bucket_for(b)
-        if bucket is None:
+    def takes(self, num_rows: int, rows: StepRows) -> bool:
+        """Whether a step of `num_rows` rows replays here: a bucket holds it, its sampled rows fit the logits
+        buffer, and its prompt rows read few enough keys."""
+        return (num_rows <= self.buckets[-1] and rows.num_logit_rows <= min(num_rows, self.max_seqs)
+                and rows.prefill_key_reads <= PREFILL_KEY_BUDGET)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                row_requests: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the `logits_indices` rows of a step (`row_requests`: each row's request in `meta`), or None
+        if no bucket holds it."""
+        t = input_ids.shape[0]
+        bucket = self.bucket_for(t)
+        k = logits_indices.shape[0]
+        if bucket is None or k > min(bucket, self.max_seqs):
             return None
-        width = meta.block_tables.shape[1]
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.context_lens[:b].copy_(meta.context_lens)
-        self.block_tables[:b, :width].copy_(meta.block_tables)
-        self._pad(b, bucket)  # rows a larger batch left behind last time
+        num_requests, width = meta.block_tables.shape
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.row_requests[:t].copy_(row_requests)
+        self.request_tables[:num_requests, :width].copy_(meta.block_tables)
+        self.logit_rows[:k].copy_(logits_indices)
+        if t < bucket:
+            self._pad(t, bucket)  # rows a larger step left behind last time
         self.replays[bucket]()
-        return self.logits[:b]
+        return self.logits[:k]
