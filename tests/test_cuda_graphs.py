@@ -201,7 +201,8 @@ def test_decode_graphs_give_the_eager_tokens_as_batches_grow_and_shrink(decode_e
 
 def test_decode_graph_padding_rows_write_only_the_scratch_block(decode_engines, tokenizer):
     """3 decoding requests replay bucket 4. The 4th row was left pointing at a live request's first slot by an
-    earlier larger batch: it must be redirected to the scratch block, and the real rows' logits equal eager ones."""
+    earlier larger batch, and a sampled row past the bucket: it must be redirected to the scratch block, the stale
+    row must not be read, and the real rows' logits equal eager ones."""
     eager, graphed = decode_engines
     graphs, bs = graphed.runner.decode_graphs, graphed.config.block_size
     logits = []
@@ -213,6 +214,7 @@ def test_decode_graph_padding_rows_write_only_the_scratch_block(decode_engines, 
         if engine is graphed:
             victim = reqs[0].block_table[0] * bs
             graphs.slot_mapping[3:].fill_(victim)
+            graphs.logit_rows.fill_(31)  # as a 32-row step would leave its last sampling row: not a row of bucket 4
             before = [c.view(2, c.shape[1], -1, c.shape[-1])[:, :, victim].clone() for c in engine.runner.kv_caches]
         logits.append(engine.runner.run(batch))
         for r in reqs:

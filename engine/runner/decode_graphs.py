@@ -159,7 +159,10 @@ class DecodeGraphRunner:
         self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.row_requests[:t].copy_(row_requests)
         self.request_tables[:num_requests, :width].copy_(meta.block_tables)
+        m = min(bucket, self.max_seqs)
         self.logit_rows[:k].copy_(logits_indices)
+        if k < m:  # a step before may have left rows past this bucket there: any row here will do
+            self.logit_rows[k:m] = 0
         if t < bucket:
             self._pad(t, bucket)  # rows a larger step left behind last time
         self.replays[bucket]()
