@@ -46,9 +46,17 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kWarps = 4;          // warps per block
 constexpr int kThreads = kWarps * kWarp;
-constexpr int kMinBlocksPerSM = 2; // __launch_bounds__: registers for 2 resident blocks (<= 255 a thread)
+// The two tuning knobs take -D overrides, so a benchmark can build variants side by side (bench_attention.py
+// --variant); the engine builds the defaults.
+#ifndef ORCINUS_DECODE_MIN_BLOCKS
+#define ORCINUS_DECODE_MIN_BLOCKS 2
+#endif
+#ifndef ORCINUS_DECODE_UNROLL
+#define ORCINUS_DECODE_UNROLL 4
+#endif
+constexpr int kMinBlocksPerSM = ORCINUS_DECODE_MIN_BLOCKS; // __launch_bounds__: registers for this many blocks an SM
 constexpr int kMaxHeads = 4;       // query heads per block; wider GQA groups are cut into head blocks
-constexpr int kUnroll = 4;         // keys per lane group per tile; two tiles' loads are in flight at once
+constexpr int kUnroll = ORCINUS_DECODE_UNROLL;  // keys per lane group per tile; two tiles' loads in flight at once
 constexpr int kSplitTile = 32;     // a split covers a multiple of this many keys (SPLIT_TILE in the backend)
 constexpr int kSlotChunk = 2048;   // keys whose cache slots are staged in shared memory at once (8 KB)
 constexpr unsigned kFullMask = 0xffffffffu;

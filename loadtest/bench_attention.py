@@ -163,6 +163,24 @@ TIMINGS = {
 }
 
 
+def variant(backend_class, spec: str, args, gen) -> dict:
+    """The decode checks and graph-timed decode rows of the kernel built with a variant's NVRTC options."""
+    options = tuple(o for o in spec.partition("=")[2].split(",") if o)
+    backend, dtype = backend_class(options), DTYPES[args.dtype]
+    d, hkv, bs = args.head_dim, args.kv_heads, args.block_size
+    ok = True
+    for g in (1, 3, 8):
+        q, cache, meta = make_batch(CHECKS["decode"], g * hkv, hkv, d, bs, dtype, gen)
+        want = reference(q, cache, meta)
+        ok &= ((backend.forward(q, cache, meta).float() - want).norm() / want.norm()).item() < 1e-2
+    times = {}
+    for name, requests in TIMINGS.items():
+        if all(n == 1 for n, _ in requests):
+            q, cache, meta = make_batch(requests, args.group * hkv, hkv, d, bs, dtype, gen)
+            times[name] = graph_time_ms(backend, q, cache, meta, args.graph_iters)
+    return {"options": list(options), "ok": bool(ok), "graph_kernel_ms": times}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -172,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=20, help="timed eager calls per row")
     p.add_argument("--graph-iters", type=int, default=50, help="graph replays per timed run (x 8 kernel calls each)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
+                   help="also check and graph-time the decode rows with the kernel built with these NVRTC options "
+                        "(comma-separated), e.g. u2b4=-DORCINUS_DECODE_UNROLL=2,-DORCINUS_DECODE_MIN_BLOCKS=4")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -222,6 +243,13 @@ def main(argv=None) -> int:
         print(f"{name}: eager {row['kernel_ms']:.3f} ms, graph {row.get('graph_kernel_ms', float('nan')):.3f} ms, "
               f"floor {row['floor_ms']:.3f} ms {row.get('graph_error', '')}", flush=True)
 
+    results["variants"] = {}
+    for spec in args.variant:
+        results["variants"][spec] = row = variant(CudaAttention, spec, args, gen)
+        save()
+        print(f"variant {spec}: checks {'ok' if row['ok'] else 'FAIL'}; graph ms " +
+              ", ".join(f"{k} {v:.3f}" for k, v in row["graph_kernel_ms"].items()), flush=True)
+
     results["complete"] = True
     save()
     print(f"\n{results['device']}, {args.dtype}, D={d}, Hkv={hkv}, G={args.group}, "
@@ -234,7 +262,8 @@ def main(argv=None) -> int:
         ratio = f"{r['graph_over_floor']:9.2f}" if "graph_over_floor" in r else f"{'':9s}"
         print(f"{r['batch']:20s} {r['kernel_ms']:9.3f} {graph} {r['sdpa_per_request_ms']:12.3f} "
               f"{r['sdpa_padded_ms']:12.3f} {r['floor_ms']:9.3f} {r['kernel_over_floor']:9.2f} {ratio}")
-    ok = all(c["ok"] for c in results["checks"]) and not any("graph_error" in r for r in results["timings"])
+    ok = (all(c["ok"] for c in results["checks"]) and not any("graph_error" in r for r in results["timings"])
+          and all(v["ok"] for v in results["variants"].values()))
     return 0 if ok else 1
 
 

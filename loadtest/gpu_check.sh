@@ -107,13 +107,16 @@ SCHEDULING=(loadtest/compare_scheduling.py --model dummy:llama-1b --input-len 32
     --kv-cache-memory $((4 * 2**30)) --latency-target 0.008 --out "$RUN/scheduling.json" --plot "$RUN/scheduling.png")
 
 if [ "$MODE" = "--lease" ]; then
-    # Issue 25's acceptance, most telling first, each step capped: 30+60+150+60+240+90+90 s (on the H100 on
+    # Issue 25's acceptance, most telling first, each step capped: 30+60+150+120+240+90+90 s (on the H100 on
     # 2026-11-27 the first five took 165 s in all); the served comparison only when named (the second call).
     [ "$ONLY" = "  " ] && ONLY=" resource_usage kernels gpu_tests bench_attention bench_gpu profile host "
     resource_usage 30
     step kernels 60 $PY -m pytest -q -x --gpu $KERNEL_TESTS
     step gpu_tests 150 $PY -m pytest -q --gpu $OTHER_TESTS
-    step bench_attention 60 $PY loadtest/bench_attention.py --iters 10 --out "$RUN/bench_attention.json"
+    # With two builds of the decode kernel that fit more blocks on an SM (batch 64 ran in two waves at 195 registers).
+    step bench_attention 120 $PY loadtest/bench_attention.py --iters 10 --out "$RUN/bench_attention.json" \
+        --variant u2b4=-DORCINUS_DECODE_UNROLL=2,-DORCINUS_DECODE_MIN_BLOCKS=4 \
+        --variant u2b3=-DORCINUS_DECODE_UNROLL=2,-DORCINUS_DECODE_MIN_BLOCKS=3
     # (a): float32 greedy tokens, eager vs piecewise vs whole-step graphs, arrivals staggered (mixed steps).
     step bench_gpu 240 $PY loadtest/bench_gpu.py --shapes llama-1b --batches 1 64 --parts a b c \
         --out "$RUN/bench_gpu.json"

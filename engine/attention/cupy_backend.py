@@ -58,9 +58,10 @@ class CudaAttention:
     graph_safe_decode = True  # forward_decode reads only device tensors: whole decode steps may be captured
     label = "CuPy paged decode, flash varlen prefill"
 
-    def __init__(self) -> None:
+    def __init__(self, options: tuple[str, ...] = ()) -> None:
+        """`options`: extra NVRTC options for the kernels (benchmarks build -D variants; the engine, none)."""
         self._kernels = NvrtcKernels(KERNEL_SOURCE, decode_kernel_name(torch.bfloat16, 128),
-                                     "the cuda attention backend")
+                                     "the cuda attention backend", options)
         self._fallback = TorchAttention()
         self._resident: dict = {}  # (kernel, device, shared bytes) -> (SMs, resident blocks per SM)
         self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here

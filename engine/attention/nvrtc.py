@@ -32,30 +32,31 @@ def import_cupy(user: str):
 class NvrtcKernels:
     """The functions of one .cu file; `probe` is one of them, compiled up front so a bad build fails at once."""
 
-    _modules: dict[Path, object] = {}  # source -> compiled RawModule: NVRTC runs once per process and file
+    _modules: dict[tuple, object] = {}  # (source, options) -> compiled RawModule: NVRTC runs once per process each
 
-    def __init__(self, source: Path, probe: str, user: str):
+    def __init__(self, source: Path, probe: str, user: str, options: tuple[str, ...] = ()):
         if not torch.cuda.is_available():
             raise RuntimeError(f"{user} needs CuPy and an NVIDIA GPU: torch sees no CUDA device")
         self.cp = import_cupy(user)
-        self.source, self.probe = source, probe
+        self.source, self.probe, self.options = source, probe, tuple(options)  # options: -D overrides, say
         self._functions: dict = {}  # (name, device) -> function; compiled on first use
         self._streams: dict = {}  # (device, torch stream pointer) -> CuPy's handle on that same stream
 
     def _module(self):
         """NVRTC finds cuda_fp16.h / cuda_bf16.h itself in recent CUDA; if it does not, retry with the include
         directories of a CUDA toolkit or of NVIDIA's pip packages."""
-        if self.source in self._modules:
-            return self._modules[self.source]
+        key = (self.source, self.options)
+        if key in self._modules:
+            return self._modules[key]
         code, errors = self.source.read_text(), []
         for extra in [()] + [(f"-I{d}",) for d in _header_dirs(self.cp)]:
             try:
-                module = self.cp.RawModule(code=code, options=(*NVRTC_OPTIONS, *extra))
+                module = self.cp.RawModule(code=code, options=(*NVRTC_OPTIONS, *self.options, *extra))
                 module.get_function(self.probe)  # RawModule compiles lazily: force it
             except Exception as e:  # cupy.cuda.compiler.CompileException, mostly
                 errors.append(f"{' '.join(extra) or 'no -I'}: {e}")
                 continue
-            self._modules[self.source] = module
+            self._modules[key] = module
             return module
         raise RuntimeError(f"cannot compile {self.source} with NVRTC:\n" + "\n".join(errors))
 
