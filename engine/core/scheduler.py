@@ -282,7 +282,7 @@ class Scheduler:
             return 0
         if req.num_pending_outputs and (req.reads_own_outputs or self._may_end(req)):
             return 0
-        return req.num_tokens + req.num_pending_outputs - req.num_computed_tokens - req.num_in_flight_tokens
+        return req.num_tokens + req.num_pending_outputs - req.num_scheduled_tokens
 
     def _may_end(self, req: Request) -> bool:
         """Whether the tokens in flight can reach max_tokens or the context window (a stop id can end it anyway:
@@ -295,7 +295,7 @@ class Scheduler:
         return {name for r in self.running for name in r.block_names[r.num_registered_blocks:]}
 
     def _to_scheduled(self, req: Request, num_new: int, draft: list[int]) -> ScheduledRequest:
-        start = req.num_computed_tokens + req.num_in_flight_tokens
+        start = req.num_scheduled_tokens
         end = start + num_new
         known = req.num_tokens
         token_ids = req.token_ids(start, min(end, known))
@@ -446,11 +446,9 @@ class Scheduler:
                 req.first_predicted_output_tokens = req.predicted_output_tokens
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
-        num_output_tokens = len(req.output_token_ids)
-        if token_id in req.stop_token_ids and num_output_tokens >= req.params.min_tokens:
+        if token_id in req.stop_token_ids and req.num_output_tokens >= req.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if (num_output_tokens >= req.params.max_tokens
-                or len(req.prompt_token_ids) + num_output_tokens >= self.max_model_len):
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

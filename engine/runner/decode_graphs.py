@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.core.config import EngineConfig
 from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import bucket_for, graph_buckets, make_capture, memory_in_use
 from engine.runner.token_segments import EAGER, Segments
@@ -39,14 +39,19 @@ MIN_ROWS = 512  # rows of the largest bucket at least (a prompt of up to this ma
 PREFILL_KEY_BUDGET = 1 << 18
 
 
-@dataclass(frozen=True)
-class StepRows:
-    """What a whole-step graph needs of a step beyond the attention metadata: each row's request (its index in the
-    batch), the keys the rows of multi-token chunks read, and the rows that sample."""
+def whole_step_rows(config: EngineConfig) -> int:
+    """Rows of the largest whole-step bucket: max(max_num_seqs, MIN_ROWS), at most the token budget."""
+    return min(config.max_num_batched_tokens, max(config.max_num_seqs, MIN_ROWS))
 
-    row_requests: list[int]
-    prefill_key_reads: int
-    num_logit_rows: int
+
+def prefill_key_reads(meta: AttentionMetadata) -> int:
+    """Keys the rows of the step's multi-token chunks read in all, each row as a decode query at its position."""
+    return sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(meta.query_lens_cpu, meta.context_lens_cpu) if n > 1)
+
+
+def row_requests(meta: AttentionMetadata) -> list[int]:
+    """Each row's request: its index in the step."""
+    return [i for i, n in enumerate(meta.query_lens_cpu) for _ in range(n)]
 
 
 class DecodeGraphRunner:
@@ -138,11 +143,11 @@ class DecodeGraphRunner:
     def bucket_for(self, num_rows: int) -> int | None:
         return bucket_for(self.buckets, num_rows)
 
-    def takes(self, num_rows: int, rows: StepRows) -> bool:
-        """Whether a step of `num_rows` rows replays here: a bucket holds it, its sampled rows fit the logits
-        buffer, and its prompt rows read few enough keys."""
-        return (num_rows <= self.buckets[-1] and rows.num_logit_rows <= min(num_rows, self.max_seqs)
-                and rows.prefill_key_reads <= PREFILL_KEY_BUDGET)
+    def takes(self, num_rows: int, num_logit_rows: int, meta: AttentionMetadata) -> bool:
+        """Whether a step replays here: a bucket holds its rows, its sampled rows fit the logits buffer, and its
+        prompt rows read few enough keys."""
+        return (num_rows <= self.buckets[-1] and num_logit_rows <= min(num_rows, self.max_seqs)
+                and (meta.is_pure_decode or prefill_key_reads(meta) <= PREFILL_KEY_BUDGET))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 row_requests: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ import torch
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.model.quantized import can_use_int16
-from engine.runner.decode_graphs import MIN_ROWS
+from engine.runner.decode_graphs import whole_step_rows
 
 CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
 GPU_TOKEN_BUDGET = 2048  # tokens per iteration on a GPU, when the config gives none
@@ -94,7 +94,7 @@ def activation_reserve(config: EngineConfig, shape: ModelShape, dtype: torch.dty
     # Both graph runners capture after the KV cache is allocated (their segments write K/V into it): the pool keeps
     # one piecewise segment's activations at the largest bucket (at most the budget, or the configured bucket),
     # and one whole step's activations, logits and per-row block tables at its largest row bucket.
-    whole_rows = min(tokens, max(config.max_num_seqs, MIN_ROWS))
+    whole_rows = whole_step_rows(config)
     graph_tokens = max(tokens, config.cuda_graph_max_tokens or 0) + whole_rows
     tables = whole_rows * -(-shape.max_position // config.block_size) * 4
     graphs = (0 if config.enforce_eager else

@@ -11,7 +11,7 @@ from engine.core.config import EngineConfig
 from engine.core.scheduler import PLACEHOLDER, Batch
 from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import CudaGraphRunner
-from engine.runner.decode_graphs import MIN_ROWS, DecodeGraphRunner, StepRows
+from engine.runner.decode_graphs import DecodeGraphRunner, row_requests, whole_step_rows
 from engine.runner.device import num_kv_blocks
 from engine.runner.prompt_logprobs import DevicePromptLogprobs, PromptRows, reduce_rows
 from engine.runner.token_segments import pick_segments
@@ -103,7 +103,6 @@ class ModelRunner:
         self.prompt_logprobs: DevicePromptLogprobs | None = None
         # The last run's final hidden states of the requests that asked for a length probe, by request id.
         self.probed_hidden: dict[str, list[float]] = {}
-        self.rows = StepRows([], 0, 0)  # the last prepared step's, for the whole-step graphs
         self.graphs: CudaGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         segments = pick_segments(config.compile, use_graphs, model, self.kv_caches, self.scratch_block)
@@ -114,7 +113,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphRunner(
                 model, self.kv_caches, self.attention, config.max_num_seqs, self.scratch_block, self.device,
                 self.graphs.capture, segments,
-                max_rows=min(config.max_num_batched_tokens, max(config.max_num_seqs, MIN_ROWS)))
+                max_rows=whole_step_rows(config))
 
     def describe(self) -> str:
         """What really runs, from the modules built (a fused op that failed to build shows as its fallback)."""
@@ -145,9 +144,9 @@ class ModelRunner:
         if prompt is not None or probes:
             return self._run_normed(input_ids, positions, meta, logits_indices, hidden, prompt, probes)
         logits = None
-        if self.decode_graphs is not None and self.decode_graphs.takes(input_ids.shape[0], self.rows):
-            row_requests = self.inputs[(self.num_steps - 1) % 2].put("row_requests", self.rows.row_requests)
-            logits = self.decode_graphs.forward(input_ids, positions, meta, row_requests, logits_indices)
+        if self.decode_graphs is not None and self.decode_graphs.takes(input_ids.shape[0], len(logits_indices), meta):
+            rows = self.inputs[(self.num_steps - 1) % 2].put("row_requests", row_requests(meta))
+            logits = self.decode_graphs.forward(input_ids, positions, meta, rows, logits_indices)
         if logits is None and self.graphs is not None:
             logits = self.graphs.forward(input_ids, positions, meta, self.attention, logits_indices)
         if logits is not None:
@@ -185,10 +184,8 @@ class ModelRunner:
         tables: list[int] = []  # [requests x max_blocks], flat, padded with 0
         padding = [0] * max_blocks
         end = 0  # rows so far
-        row_requests: list[int] = []  # each row's request, for the whole-step graphs
-        prefill_key_reads = 0
         # Per request per step, so the one-token case (decode) takes the short way.
-        for i, r in enumerate(batch.requests):
+        for r in batch.requests:
             ids, start, table = r.token_ids, r.num_computed_tokens, r.block_table
             n = len(ids)
             input_ids += ids
@@ -201,22 +198,18 @@ class ModelRunner:
             if n == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-                row_requests.append(i)
             else:
                 pos = range(start, start + n)
                 positions += pos
                 slots += [table[p // bs] * bs + p % bs for p in pos]
-                row_requests += [i] * n
-                prefill_key_reads += n * start + n * (n + 1) // 2  # row j reads start + j + 1 keys
             tables += table
             tables += padding[len(table):]
             query_lens.append(n)
             context_lens.append(start + n)
             query_start.append(end)
             if r.sample:  # its last known token's row, then each draft token's
-                logits_indices += range(end - r.num_draft - 1, end)
+                logits_indices += range(end - r.num_logits_rows, end)
 
-        self.rows = StepRows(row_requests, prefill_key_reads, len(logits_indices))
         inputs = self.inputs[self.num_steps % 2]
         self.num_steps += 1
         put = inputs.put
