@@ -28,8 +28,10 @@
 // pipelining: 2 x kUnroll 16-byte K/V pairs in flight per lane). Every lane group keeps its own online
 // softmax (running max m, sum l, unnormalised acc over its lanes' dims), rescaled once per tile; the
 // groups are merged through shared memory at the end, and, when the KV range is cut into splits
-// (flash-decoding, to fill the GPU), the splits' (m, l, acc) go to a float32 workspace that
-// paged_decode_attention_reduce combines.
+// (flash-decoding, to fill the GPU), the splits' (m, l, acc) go to a float32 workspace, and the last split of a
+// (request, head block) to finish combines them (a per-launch counter each, reset by that last split): no second
+// kernel, whose launch and serial reads over the splits cost 4.7 us a layer at batch 1 on an H200, more than a third
+// of a short context's attention (benchmarks/gpu/2026-11-27b-h200/lease/profile.log).
 //
 // Per layer (AttentionParams): the softmax scale, a sliding window (only the last `window` keys are read) and a
 // soft cap on the scores (cap * tanh(score / cap), in the base-2 domain the scores are kept in).
@@ -38,8 +40,7 @@
 // each request cuts its own context into that many equal ranges, so short and long contexts alike
 // spread over every split, and no host value of a context length is needed.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "convert.cuh"
 
 namespace {
 
@@ -62,13 +63,6 @@ constexpr int kSlotChunk = 2048;   // keys whose cache slots are staged in share
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
 
 // 16 bytes of T as floats: 8 for the 16-bit types, 4 for float.
 template <typename T> struct Pack {
@@ -180,54 +174,22 @@ __device__ __forceinline__ void accumulate_tile(const uint4 (&v)[kUnroll], const
     }
 }
 
+// One split's keys [kv_begin, kv_end) of one (request, head block): the output row itself when the context is not
+// split, else the split's (m, l, acc) in the workspace.
 template <typename T, int LPK>
-__device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc,
-                                            float* __restrict__ ws_ml, const T* __restrict__ q,
-                                            const T* __restrict__ kv_cache, const int* __restrict__ query_start_loc,
-                                            const int* __restrict__ context_lens, const int* __restrict__ block_tables,
-                                            int max_blocks, int num_q_heads, int num_kv_heads, int heads_per_block,
-                                            int head_dim, int block_size, long long num_slots, float scale_log2,
-                                            int window, float softcap_log2) {
+__device__ __forceinline__ void attend_range(T* __restrict__ out, float* __restrict__ ws_acc,
+                                             float* __restrict__ ws_ml, const T* __restrict__ q,
+                                             const T* __restrict__ kv_cache, const int* __restrict__ table,
+                                             int req, int row, int kv_head, int first_q_head, int num_heads,
+                                             int kv_begin, int kv_end, int split, int num_splits,
+                                             int num_q_heads, int num_kv_heads, int heads_per_block, int head_dim,
+                                             int block_size, long long num_slots, float scale_log2,
+                                             float softcap_log2) {
     constexpr int P = Pack<T>::kSize;
     constexpr int kGroups = kThreads / LPK;  // lane groups: keys per load round
     constexpr int kStep = kGroups * kUnroll; // keys per tile
     static_assert(kSlotChunk % (2 * kStep) == 0, "a slot chunk holds whole pairs of tiles");
     __shared__ int s_slot[kSlotChunk];
-
-    const int req = blockIdx.x;
-    const int row = query_start_loc[req];
-    if (query_start_loc[req + 1] - row != 1) return;  // a prefill chunk (or no query): attended elsewhere
-
-    const int group = num_q_heads / num_kv_heads;  // G query heads per KV head
-    const int blocks_per_kv = (group + heads_per_block - 1) / heads_per_block;
-    const int kv_head = blockIdx.y / blocks_per_kv;
-    const int first_g = (blockIdx.y % blocks_per_kv) * heads_per_block;
-    const int num_heads = min(heads_per_block, group - first_g);  // the last head block may be partial
-    const int first_q_head = kv_head * group + first_g;
-    const int split = blockIdx.z;
-    const int num_splits = gridDim.z;
-
-    // This request's keys (its last `window` with a sliding window: the blocks before them may hold another
-    // request's tokens by now, so they are never read) cut into num_splits equal ranges of whole kSplitTile tiles.
-    const int kv_len = context_lens[req];
-    const int kv_first = window > 0 ? max(0, kv_len - window) : 0;
-    int partition = (kv_len - kv_first + num_splits - 1) / num_splits;
-    partition = max(kSplitTile, (partition + kSplitTile - 1) / kSplitTile * kSplitTile);
-    const int kv_begin = kv_first + split * partition;
-    const int kv_end = min(kv_begin + partition, kv_len);
-    if (kv_begin >= kv_end) {  // a short context leaves the last splits empty: the reduction skips them
-        if (num_splits == 1) {  // no context at all: the workspace is `out` itself, so write the row (0)
-            for (int e = threadIdx.x; e < num_heads * head_dim; e += kThreads) {
-                out[(static_cast<long long>(row) * num_q_heads + first_q_head) * head_dim + e] = from_float<T>(0.0f);
-            }
-        } else if (threadIdx.x < num_heads) {
-            const long long ws_row = (static_cast<long long>(req) * num_q_heads + first_q_head + threadIdx.x) *
-                                     num_splits + split;
-            ws_ml[2 * ws_row] = neg_inf();
-            ws_ml[2 * ws_row + 1] = 0.0f;
-        }
-        return;  // uniform over the block
-    }
 
     // Lane layout: LPK lanes per key, each owning P consecutive dims of the row.
     const int num_packs = head_dim / P;
@@ -256,7 +218,6 @@ __device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restri
 
     const T* k_cache = kv_cache + static_cast<long long>(kv_head) * num_slots * head_dim + dim0;
     const T* v_cache = kv_cache + (static_cast<long long>(num_kv_heads) + kv_head) * num_slots * head_dim + dim0;
-    const int* table = block_tables + static_cast<long long>(req) * max_blocks;
 
     for (int chunk = kv_begin; chunk < kv_end; chunk += kSlotChunk) {  // one chunk unless the split is long
         const int end = min(chunk + kSlotChunk, kv_end);
@@ -323,7 +284,8 @@ __device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restri
         if (num_splits == 1) {
             out[head_row * head_dim + d] = from_float<T>(total / total_l);
         } else {
-            const long long ws_row = (static_cast<long long>(req) * num_q_heads + first_q_head + h) * num_splits + split;
+            const long long ws_row =
+                (static_cast<long long>(req) * num_q_heads + first_q_head + h) * num_splits + split;
             ws_acc[ws_row * head_dim + d] = total;
             if (d == 0) {
                 ws_ml[2 * ws_row] = max_m;
@@ -333,28 +295,115 @@ __device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restri
     }
 }
 
-// Combine the splits of one (request, head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+// Called by every block of a split launch once its partial is written: the last of a (request, head block)'s splits
+// to get here combines them, out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, skipping empty splits.
 template <typename T>
-__device__ void reduce_impl(T* __restrict__ out, const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
-                            const int* __restrict__ query_start_loc, int num_q_heads, int head_dim, int num_splits) {
+__device__ __forceinline__ void merge_if_last(T* __restrict__ out, float* ws_acc, float* ws_ml,
+                                              int* __restrict__ counters, int req, int row, int first_q_head,
+                                              int num_heads, int num_q_heads, int head_dim, int num_splits) {
+    __shared__ int s_last;
+    __threadfence();  // this thread's part of the partial is visible GPU-wide before the split is counted
+    __syncthreads();  // (and every thread is done with the merge buffer that s_w below reuses)
+    if (threadIdx.x == 0) {
+        int* counter = counters + static_cast<long long>(req) * gridDim.y + blockIdx.y;
+        s_last = atomicAdd(counter, 1) == num_splits - 1;
+        if (s_last) *counter = 0;  // every split has counted: ready for the next launch, which the stream orders
+    }
+    __syncthreads();
+    if (!s_last) return;  // uniform over the block
+    __threadfence();  // the other splits' partials, counted before ours, are read after the count (and from L2:
+                      // __ldcg, as this SM's L1 is not kept coherent with the others' writes)
+
+    // Each head's split weights 2^(m_s - M) and their sum of l_s, one warp per head (num_heads <= kWarps).
+    extern __shared__ float smem[];
+    static_assert(kMaxHeads <= kWarps, "a warp a head");
+    float* s_w = smem;                           // [num_heads][num_splits]
+    float* s_l = smem + kMaxHeads * num_splits;  // [num_heads]
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    const long long first_ws_row = (static_cast<long long>(req) * num_q_heads + first_q_head) * num_splits;
+    if (warp < num_heads) {
+        const float* ml = ws_ml + 2 * (first_ws_row + static_cast<long long>(warp) * num_splits);
+        float max_m = neg_inf();
+        for (int s = lane; s < num_splits; s += kWarp) max_m = fmaxf(max_m, __ldcg(ml + 2 * s));
+#pragma unroll
+        for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+            max_m = fmaxf(max_m, __shfl_xor_sync(kFullMask, max_m, offset));
+        }
+        float total_l = 0.0f;
+        for (int s = lane; s < num_splits; s += kWarp) {
+            const float m = __ldcg(ml + 2 * s);
+            const float w = m == neg_inf() ? 0.0f : exp2f(m - max_m);  // an empty split weighs nothing
+            s_w[warp * num_splits + s] = w;
+            total_l += w * __ldcg(ml + 2 * s + 1);
+        }
+#pragma unroll
+        for (int offset = kWarp / 2; offset > 0; offset /= 2) total_l += __shfl_xor_sync(kFullMask, total_l, offset);
+        if (lane == 0) s_l[warp] = total_l;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_heads * head_dim; e += kThreads) {
+        const int h = e / head_dim;
+        const int d = e % head_dim;
+        const float* acc = ws_acc + (first_ws_row + static_cast<long long>(h) * num_splits) * head_dim + d;
+        float total = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            const float w = s_w[h * num_splits + s];
+            if (w != 0.0f) total += w * __ldcg(acc + static_cast<long long>(s) * head_dim);  // empty: never written
+        }
+        const float total_l = s_l[h];
+        out[(static_cast<long long>(row) * num_q_heads + first_q_head + h) * head_dim + d] =
+            from_float<T>(total_l > 0.0f ? total / total_l : 0.0f);  // 0: no context
+    }
+}
+
+template <typename T, int LPK>
+__device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restrict__ ws_acc,
+                                            float* __restrict__ ws_ml, int* __restrict__ counters,
+                                            const T* __restrict__ q, const T* __restrict__ kv_cache,
+                                            const int* __restrict__ query_start_loc,
+                                            const int* __restrict__ context_lens,
+                                            const int* __restrict__ block_tables, int max_blocks, int num_q_heads,
+                                            int num_kv_heads, int heads_per_block, int head_dim, int block_size,
+                                            long long num_slots, float scale_log2, int window, float softcap_log2) {
     const int req = blockIdx.x;
     const int row = query_start_loc[req];
-    if (query_start_loc[req + 1] - row != 1) return;  // the decode kernel skipped it too
-    const long long ws_row = static_cast<long long>(req) * num_q_heads + blockIdx.y;
-    const float* ml = ws_ml + 2 * ws_row * num_splits;
-    float max_m = neg_inf();
-    for (int s = 0; s < num_splits; ++s) max_m = fmaxf(max_m, ml[2 * s]);
-    const long long out_row = static_cast<long long>(row) * num_q_heads + blockIdx.y;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float total_l = 0.0f, total = 0.0f;
-        for (int s = 0; s < num_splits; ++s) {
-            const float m = ml[2 * s];
-            if (m == neg_inf()) continue;  // an empty split
-            const float w = exp2f(m - max_m);
-            total_l += w * ml[2 * s + 1];
-            total += w * ws_acc[(ws_row * num_splits + s) * head_dim + d];
+    if (query_start_loc[req + 1] - row != 1) return;  // a prefill chunk (or no query): attended elsewhere
+
+    const int group = num_q_heads / num_kv_heads;  // G query heads per KV head
+    const int blocks_per_kv = (group + heads_per_block - 1) / heads_per_block;
+    const int kv_head = blockIdx.y / blocks_per_kv;
+    const int first_g = (blockIdx.y % blocks_per_kv) * heads_per_block;
+    const int num_heads = min(heads_per_block, group - first_g);  // the last head block may be partial
+    const int first_q_head = kv_head * group + first_g;
+    const int split = blockIdx.z;
+    const int num_splits = gridDim.z;
+
+    // This request's keys (its last `window` with a sliding window: the blocks before them may hold another
+    // request's tokens by now, so they are never read) cut into num_splits equal ranges of whole kSplitTile tiles.
+    const int kv_len = context_lens[req];
+    const int kv_first = window > 0 ? max(0, kv_len - window) : 0;
+    int partition = (kv_len - kv_first + num_splits - 1) / num_splits;
+    partition = max(kSplitTile, (partition + kSplitTile - 1) / kSplitTile * kSplitTile);
+    const int kv_begin = kv_first + split * partition;
+    const int kv_end = min(kv_begin + partition, kv_len);
+    if (kv_begin < kv_end) {
+        attend_range<T, LPK>(out, ws_acc, ws_ml, q, kv_cache, block_tables + static_cast<long long>(req) * max_blocks,
+                             req, row, kv_head, first_q_head, num_heads, kv_begin, kv_end, split, num_splits,
+                             num_q_heads, num_kv_heads, heads_per_block, head_dim, block_size, num_slots, scale_log2,
+                             softcap_log2);
+    } else if (num_splits == 1) {  // no context at all: write the row (0)
+        for (int e = threadIdx.x; e < num_heads * head_dim; e += kThreads) {
+            out[(static_cast<long long>(row) * num_q_heads + first_q_head) * head_dim + e] = from_float<T>(0.0f);
         }
-        out[out_row * head_dim + d] = from_float<T>(total_l > 0.0f ? total / total_l : 0.0f);  // 0: no context
+    } else if (threadIdx.x < num_heads) {  // a short context leaves the last splits empty: the merge skips them
+        const long long ws_row = (static_cast<long long>(req) * num_q_heads + first_q_head + threadIdx.x) *
+                                 num_splits + split;
+        ws_ml[2 * ws_row] = neg_inf();
+        ws_ml[2 * ws_row + 1] = 0.0f;
+    }
+    if (num_splits > 1) {
+        merge_if_last<T>(out, ws_acc, ws_ml, counters, req, row, first_q_head, num_heads, num_q_heads, head_dim,
+                         num_splits);
     }
 }
 
@@ -363,24 +412,19 @@ __device__ void reduce_impl(T* __restrict__ out, const float* __restrict__ ws_ac
 #define ORCINUS_DECODE(SUFFIX, T, LPK)                                                                           \
     extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)                                    \
         paged_decode_attention_##SUFFIX##_lpk##LPK(                                                            \
-            T* out, float* ws_acc, float* ws_ml, const T* q, const T* kv_cache, const int* query_start_loc,    \
-            const int* context_lens, const int* block_tables, int max_blocks, int num_q_heads, int num_kv_heads, \
-            int heads_per_block, int head_dim, int block_size, long long num_slots, float scale_log2,          \
-            int window, float softcap_log2) {                                                                  \
-        decode_impl<T, LPK>(out, ws_acc, ws_ml, q, kv_cache, query_start_loc, context_lens, block_tables,      \
-                            max_blocks, num_q_heads, num_kv_heads, heads_per_block, head_dim, block_size,      \
-                            num_slots, scale_log2, window, softcap_log2);                                      \
+            T* out, float* ws_acc, float* ws_ml, int* counters, const T* q, const T* kv_cache,                 \
+            const int* query_start_loc, const int* context_lens, const int* block_tables, int max_blocks,      \
+            int num_q_heads, int num_kv_heads, int heads_per_block, int head_dim, int block_size,              \
+            long long num_slots, float scale_log2, int window, float softcap_log2) {                           \
+        decode_impl<T, LPK>(out, ws_acc, ws_ml, counters, q, kv_cache, query_start_loc, context_lens,          \
+                            block_tables, max_blocks, num_q_heads, num_kv_heads, heads_per_block, head_dim,    \
+                            block_size, num_slots, scale_log2, window, softcap_log2);                          \
     }
 
 #define ORCINUS_INSTANTIATE(SUFFIX, T)                                                                          \
     ORCINUS_DECODE(SUFFIX, T, 8)                                                                                \
     ORCINUS_DECODE(SUFFIX, T, 16)                                                                               \
-    ORCINUS_DECODE(SUFFIX, T, 32)                                                                               \
-    extern "C" __global__ void paged_decode_attention_reduce_##SUFFIX(                                          \
-        T* out, const float* ws_acc, const float* ws_ml, const int* query_start_loc, int num_q_heads,           \
-        int head_dim, int num_splits) {                                                                         \
-        reduce_impl<T>(out, ws_acc, ws_ml, query_start_loc, num_q_heads, head_dim, num_splits);                 \
-    }
+    ORCINUS_DECODE(SUFFIX, T, 32)
 
 ORCINUS_INSTANTIATE(bf16, __nv_bfloat16)
 ORCINUS_INSTANTIATE(f16, __half)

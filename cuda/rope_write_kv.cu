@@ -16,24 +16,11 @@
 //
 // Grid: (T, ceil((Hq + 2 Hkv) * D / 2 / 128)); each thread owns one pair (i, i + D/2) of one head.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "convert.cuh"
 
 namespace {
 
 constexpr int kThreads = 128;
-
-template <typename T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
 
 // a * b rounded to T, as a float.
 template <typename T> __device__ __forceinline__ float mul_rounded(float a, float b) {

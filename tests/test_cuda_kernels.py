@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import cupy_backend
 from engine.attention.backend import AttentionMetadata, write_kv
-from engine.attention.nvrtc import NVRTC_OPTIONS
+from engine.attention.nvrtc import NVRTC_OPTIONS, kernel_source
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
 from engine.model import cuda_token_ops
@@ -39,17 +39,20 @@ def test_there_are_kernels():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_every_launched_kernel_builds_without_spills(tmp_path):
-    """Each kernel source as its launcher builds it (NVRTC's options, plus the -ftz=true CuPy adds) compiles without
-    a warning for Hopper and Ampere; every function a launcher may call is there, and none spills registers or
-    keeps a stack frame; nor does the decode kernel's variant with more blocks an SM that bench_attention.py times.
+    """Each kernel source as its launcher builds it (its headers pasted in, NVRTC's options, plus the -ftz=true CuPy
+    adds) compiles without a warning for Hopper and Ampere; every function a launcher may call is there, and none
+    spills registers or keeps a stack frame; nor does the decode kernel's variant with more blocks an SM that
+    bench_attention.py times.
     (All the builds run side by side: ptxas is most of each ~10 s.)"""
     builds = {}
     variant = ("-DORCINUS_DECODE_UNROLL=2", "-DORCINUS_DECODE_MIN_BLOCKS=3")
     for source, arch, defines in [(s, a, ()) for s in LAUNCHED for a in ("sm_90", "sm_80")] + [
             (cupy_backend.KERNEL_SOURCE, "sm_90", variant)]:
         out = tmp_path / f"{source.stem}.{arch}{len(defines)}.cubin"
+        pasted = tmp_path / source.name  # the text NVRTC gets: the file with its own headers pasted in
+        pasted.write_text(kernel_source(source))
         cmd = ["nvcc", f"-arch={arch}", *NVRTC_OPTIONS, *defines, "-ftz=true", "-Werror", "all-warnings",
-               "--resource-usage", "-cubin", str(source), "-o", str(out)]
+               "--resource-usage", "-cubin", str(pasted), "-o", str(out)]
         builds[source, arch, defines] = cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                               text=True)
     for (source, arch, _), (cmd, proc) in builds.items():
@@ -230,3 +233,25 @@ def test_decode_batches_of_several_waves(head_dim):
     backend = make_backend("cuda")
     assert rel_error(backend.forward(q, cache, meta), want) < 1e-2
     assert rel_error(backend.forward_decode(q, cache, meta), want) < 1e-2
+
+
+@needs_gpu
+def test_split_counters_are_zero_again_after_every_launch_and_replay(monkeypatch):
+    """The last split of each (request, head block) merges and resets its counter: a captured split launch
+    replayed many times gives the same bits each time and leaves every counter zero."""
+    force_splits(monkeypatch, 7)
+    q, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS] + [(5, 40)], 16, 4, 128, seed=11)
+    backend = make_backend("cuda")
+    first = backend.forward_decode(q, cache, meta)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward_decode(q, cache, meta)
+    decode_rows = torch.tensor(meta.query_lens_cpu) == 1
+    want = reference(q, cache, meta)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = meta.query_start_loc[:-1].cpu()[decode_rows]
+        assert torch.equal(out[rows.to(out.device)], first[rows.to(out.device)])
+    assert rel_error(out[rows.to(out.device)], want[rows]) < 1e-2
+    assert not backend._counters[q.device.index].any()

@@ -1,8 +1,8 @@
 """The CUDA attention backend: cuda/paged_decode_attention.cu launched through CuPy, SDPA for prefills.
 
 The model has written this iteration's K/V into the paged cache (fused with RoPE); one kernel attends
-every decoding request to its paged context (grid: request x KV head x KV split), and a small reduction combines the
-splits when there is more than one. Multi-token queries (prefill chunks) go, all in one call, to PyTorch's
+every decoding request to its paged context (grid: request x KV head x KV split); when a context is split, the last
+split to finish combines them (no second kernel). Multi-token queries (prefill chunks) go, all in one call, to PyTorch's
 variable-length flash attention (engine/attention/varlen_prefill.py), which uses tensor cores; a per-token
 kernel re-reading each token's prefix cannot.
 Everything runs on PyTorch's current stream on the tensors' own memory (engine/attention/nvrtc.py), so there
@@ -33,8 +33,9 @@ WARPS = 4  # kWarps in the kernel: threads per block = 128
 MAX_HEADS_PER_BLOCK = 4  # kMaxHeads: query heads scored per K/V read
 LANES_PER_KEY = (8, 16, 32)  # the decode kernel's instantiations (LPK): lanes that read one key row
 SPLIT_TILE = 32  # kSplitTile: a split covers a multiple of this many keys
-MIN_PARTITION = 256  # fewer keys per split than this and the reduction costs more than it saves
+MIN_PARTITION = 256  # fewer keys per split than this and combining the splits costs more than it saves
 MAX_SPLITS = 64
+MAX_HEAD_BLOCKS = 1 << 20  # (request, head block) pairs one split launch may count: 4 MB of counters a device
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -49,7 +50,7 @@ def cuda_backend_available() -> bool:
 
 
 class CudaAttention:
-    """Ragged paged attention in one launch per layer (plus, if split, a reduction).
+    """Ragged paged attention in one launch per layer.
 
     Tensors not on a CUDA device, or head dims above 128, go to the PyTorch reference instead, so
     "auto" stays correct for an engine configured with device="cpu" on a GPU machine.
@@ -64,11 +65,13 @@ class CudaAttention:
                                      "the cuda attention backend", options)
         self._fallback = TorchAttention()
         self._resident: dict = {}  # (kernel, device, shared bytes) -> (SMs, resident blocks per SM)
+        self._counters: dict[int, torch.Tensor] = {}  # device -> the split launches' counters, zero between launches
         self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here
         self._plan_meta, self._plans = None, {}  # the step whose PrefillPlans (by sliding window) are cached
 
     def self_test(self) -> None:
-        """Compile, then decode one token against 3 cached ones (GQA, bf16) and compare with the reference."""
+        """Compile, then decode one token against 3 cached ones (GQA, bf16), whole and cut into 3 splits (two of them
+        empty), and compare with the reference."""
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(1, 2, 64, generator=gen).to(torch.bfloat16)
         cache = torch.randn(2, 1, 2, 16, 64, generator=gen).to(torch.bfloat16)  # the request lives in block 1
@@ -76,10 +79,11 @@ class CudaAttention:
                                  torch.tensor([[1]], dtype=torch.int32), torch.tensor([18]), [1], [3])
         expected = self._fallback.forward(q.float(), cache.float(), meta)
         dev = torch.device("cuda", torch.cuda.current_device())
-        got = self.forward(q.to(dev), cache.to(dev), meta.to(dev))
-        torch.cuda.synchronize(dev)
-        if not torch.allclose(got.float().cpu(), expected, atol=3e-2, rtol=3e-2):
-            raise RuntimeError("the kernel's self-test output differs from the PyTorch reference")
+        for splits in (None, 3):
+            got = self.attend(q.to(dev), cache.to(dev), meta.to(dev), 3, num_splits=splits)
+            torch.cuda.synchronize(dev)
+            if not torch.allclose(got.float().cpu(), expected, atol=3e-2, rtol=3e-2):
+                raise RuntimeError(f"the kernel's self-test output ({splits or 1} splits) differs from the reference")
 
     def _fits(self, q: torch.Tensor) -> bool:
         """Whether the kernel takes q: on a GPU, a dtype it is built for, rows of whole 16-byte loads."""
@@ -131,9 +135,11 @@ class CudaAttention:
     # ----------------------------------------------------------------------------- launches
 
     def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int,
-               params: AttentionParams | None = None, context_known: bool = True) -> torch.Tensor:
+               params: AttentionParams | None = None, context_known: bool = True,
+               num_splits: int | None = None) -> torch.Tensor:
         """Attention of every request with one query token; other rows of the result are left unwritten.
-        `context_known=False`: max_context_len is only the capacity (a captured step), not the longest context."""
+        `context_known=False`: max_context_len is only the capacity (a captured step), not the longest context.
+        `num_splits` overrides the plan (the self-test)."""
         params = params or AttentionParams.plain(q.shape[-1])
         num_tokens, num_q_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
@@ -150,37 +156,47 @@ class CudaAttention:
         blocks_per_kv = -(-group // MAX_HEADS_PER_BLOCK)
         heads_per_block = -(-group // blocks_per_kv)
         name = decode_kernel_name(q.dtype, head_dim)
-        # The merge buffer: each lane group's acc [heads, D] and (m, l) per head, float32.
-        shared = 4 * (WARPS * 32 // lanes_per_key(head_dim, q.element_size())) * heads_per_block * (head_dim + 2)
+        # The merge buffer: each lane group's acc [heads, D] and (m, l) per head, float32; the splits' merge reuses
+        # it for kMaxHeads x (splits + 1) weights and sums.
+        shared = 4 * max((WARPS * 32 // lanes_per_key(head_dim, q.element_size())) * heads_per_block * (head_dim + 2),
+                         MAX_HEADS_PER_BLOCK * (MAX_SPLITS + 1))
         sm_count, resident = self._occupancy(name, q.device, shared)
         keys = min(max_context_len, params.sliding_window or max_context_len)  # the most keys a request reads
-        num_splits = plan_splits(num_requests, num_kv_heads * blocks_per_kv, keys, sm_count, resident,
-                                 one_wave=not context_known)
+        num_splits = num_splits or plan_splits(num_requests, num_kv_heads * blocks_per_kv, keys, sm_count, resident,
+                                               one_wave=not context_known)
         if num_splits > 1:
             rows = num_requests * num_q_heads * num_splits
             ws_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
             ws_ml = torch.empty(rows * 2, dtype=torch.float32, device=q.device)
+            counters = self._counters_on(q.device, num_requests * num_kv_heads * blocks_per_kv)
         else:  # the kernel writes `out` directly and never touches the workspace
             ws_acc = ws_ml = out
+            counters = qsl  # never read
         # Scores are kept in base 2 (exp2f): the scale and the cap carry log2(e).
         scale_log2, cap_log2 = math.log2(math.e) * params.scale, math.log2(math.e) * (params.logit_softcap or 0.0)
         with self._kernels.on_torch_stream(q):
             self._kernels(name, q.device)(
                 (num_requests, num_kv_heads * blocks_per_kv, num_splits), (WARPS * 32,),
-                (ptr(out), ptr(ws_acc), ptr(ws_ml), ptr(q), ptr(kv_cache), ptr(qsl), ptr(ctx), ptr(tables),
+                (ptr(out), ptr(ws_acc), ptr(ws_ml), ptr(counters), ptr(q), ptr(kv_cache), ptr(qsl), ptr(ctx),
+                 ptr(tables),
                  np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
                  np.int32(heads_per_block), np.int32(head_dim), np.int32(block_size),
                  np.int64(kv_cache.shape[2] * block_size), np.float32(scale_log2),
                  np.int32(params.sliding_window or 0), np.float32(cap_log2)),
                 shared_mem=shared,
             )
-            if num_splits > 1:
-                self._kernels(f"paged_decode_attention_reduce_{DTYPE_SUFFIX[q.dtype]}", q.device)(
-                    (num_requests, num_q_heads), (min(head_dim, 128),),
-                    (ptr(out), ptr(ws_acc), ptr(ws_ml), ptr(qsl),
-                     np.int32(num_q_heads), np.int32(head_dim), np.int32(num_splits)),
-                )
         return out
+
+    def _counters_on(self, device: torch.device, head_blocks: int) -> torch.Tensor:
+        """The device's split counters, one per (request, head block); each launch leaves them zero again. Made once
+        at their full size: a captured step bakes in their address."""
+        if head_blocks > MAX_HEAD_BLOCKS:
+            raise ValueError(f"{head_blocks} (request, KV head block) pairs in one decode launch; at most "
+                             f"{MAX_HEAD_BLOCKS}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._counters:
+            self._counters[index] = torch.zeros(MAX_HEAD_BLOCKS, dtype=torch.int32, device=device)
+        return self._counters[index]
 
     def _occupancy(self, name: str, device: torch.device, shared: int) -> tuple[int, int]:
         """(SMs, resident blocks per SM of kernel `name` with `shared` bytes of dynamic shared memory), once each."""
@@ -209,8 +225,7 @@ def decode_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
 
 def kernel_names() -> list[str]:
     """Every function of cuda/paged_decode_attention.cu the backend may launch."""
-    return [f"paged_decode_attention_{s}_lpk{n}" for s in DTYPE_SUFFIX.values() for n in LANES_PER_KEY] + [
-        f"paged_decode_attention_reduce_{s}" for s in DTYPE_SUFFIX.values()]
+    return [f"paged_decode_attention_{s}_lpk{n}" for s in DTYPE_SUFFIX.values() for n in LANES_PER_KEY]
 
 
 def split_partition(context_len: int, num_splits: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true and the device's -arch (tests/test_cuda_kernels.py mirrors them)
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # entry points' names end so
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 
 def import_cupy(user: str):
@@ -48,7 +50,7 @@ class NvrtcKernels:
         key = (self.source, self.options)
         if key in self._modules:
             return self._modules[key]
-        code, errors = self.source.read_text(), []
+        code, errors = kernel_source(self.source), []
         for extra in [()] + [(f"-I{d}",) for d in _header_dirs(self.cp)]:
             try:
                 module = self.cp.RawModule(code=code, options=(*NVRTC_OPTIONS, *self.options, *extra))
@@ -82,6 +84,12 @@ class NvrtcKernels:
         stack.enter_context(self.cp.cuda.Device(t.device.index))
         stack.enter_context(self._streams[key])
         return stack
+
+
+def kernel_source(path: Path) -> str:
+    """A .cu file with its own headers (`#include "x.cuh"`, beside it) pasted in: NVRTC gets one self-contained text,
+    and CuPy's compile cache, keyed by that text, sees a header's change."""
+    return _LOCAL_INCLUDE.sub(lambda m: kernel_source(path.parent / m.group(1)), path.read_text())
 
 
 def _header_dirs(cp) -> list[Path]:

@@ -44,11 +44,16 @@ def rows_of(requests: list[SamplingState], drafts: list[list[int]] | None) -> li
     return rows
 
 
+def _masks_stops(row: Row) -> bool:
+    """Whether min_tokens still forbids the row's stop tokens (its drafts before it count as outputs)."""
+    req = row.request
+    return req.num_output_tokens + len(row.drafted) < req.params.min_tokens and bool(req.stop_token_ids)
+
+
 def _changes_logits(row: Row) -> bool:
     """Whether the row's logits change before sampling: a logit bias, penalties, min_tokens masking a stop, a grammar."""
-    req, p = row.request, row.request.params
-    return bool(p.logit_bias) or p.has_penalties or p.grammar is not None or (
-        req.num_output_tokens + len(row.drafted) < p.min_tokens and bool(req.stop_token_ids))
+    p = row.request.params
+    return bool(p.logit_bias) or p.has_penalties or p.grammar is not None or _masks_stops(row)
 
 
 @dataclass
@@ -207,7 +212,7 @@ class Sampler:
                 logits[i].index_add_(0, ids, self._tensor(list(p.logit_bias.values()), torch.float32))
             if p.has_penalties:
                 self._penalize(logits[i], req, row.output_token_ids)
-            if req.num_output_tokens + len(row.drafted) < p.min_tokens and req.stop_token_ids:
+            if _masks_stops(row):
                 logits[i].index_fill_(0, self._tensor(sorted(req.stop_token_ids), torch.int64), float("-inf"))
         return logits
 
