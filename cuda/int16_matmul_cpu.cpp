@@ -230,8 +230,13 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
   constexpr Format f = format_for(Type);
   constexpr int per_word = f.per_word(), chains = R < 4 ? 4 / R : 1;
   const __m256i nibble = _mm256_set1_epi16(15);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  // Past 4 rows the rows' sums, a word's slices and a broadcast fill the 16 registers: the float accumulators,
+  // touched once a block, live in memory then (left in registers, GCC spills sums in the inner loop instead).
+  constexpr bool in_memory = R > 4;
+  alignas(32) float acc_mem[in_memory ? R : 1][8] = {};
+  __m256 acc_reg[in_memory ? 1 : R];
+  if constexpr (!in_memory)
+    for (int r = 0; r < R; ++r) acc_reg[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kRows * f.bytes();
     __m256i sum[R][chains];
@@ -270,21 +275,26 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
       const XBlock& x = xb[r * nb + b];
       __m256i s = sum[r][0];
       for (int c = 1; c < chains; ++c) s = _mm256_add_epi32(s, sum[r][c]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(x.d)), acc[r]);
-      if constexpr (f.mins) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds), acc[r]);
+      __m256 a = in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r];
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(x.d)), a);
+      if constexpr (f.mins) a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds), a);
+      if constexpr (in_memory) _mm256_store_ps(acc_mem[r], a);
+      else acc_reg[r] = a;
     }
   }
-  for (int r = 0; r < R; ++r) store8(out + r * ldo, acc[r]);
+  for (int r = 0; r < R; ++r) store8(out + r * ldo, in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r]);
 }
 
-// Sixteen registers, not 32: a half tile at a time, for fewer rows of x.
+// Sixteen registers, not 32: a half tile at a time.
 template <int R, int Type, typename T>
 void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
   half_tile<R, Type>(xb, nb, w, 0, out, ldo);
   half_tile<R, Type>(xb, nb, w, 1, out + 8, ldo);
 }
 
-constexpr int kTileRowsOfX = 4;
+// As many as VNNI's: with 4, a step's matmuls at 5 to 9 rows (a decoding request and its drafts) took 9% longer,
+// the same beyond 16 (loadtest/bench_block_matmul.py --compare, benchmarks/avx2/block_matmul_rows.json).
+constexpr int kTileRowsOfX = 8;
 
 #endif  // ORCINUS_VNNI
 

@@ -6,6 +6,9 @@ two kinds alternate pass by pass, so both see the same machine; medians over the
 per-pair ratios.
 
     .venv/bin/python loadtest/bench_block_matmul.py --threads 2 --rows 1 2 4 8 32 128 --passes 30 --out benchmarks/int16_matmul.json
+
+`--against FILE` times the int16 op built from another int16_matmul_cpu.cpp (`git show REV:cuda/...`) in place of the
+float32 path, and checks that both give the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--passes", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", default=None, help="an older cuda/int16_matmul_cpu.cpp to time instead of float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -43,27 +47,54 @@ def main() -> None:
     groups += [[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(n)]
     head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
     groups.append([head])
-    kinds = {"float32": [BlockLinear([blocks[k] for k in g]) for g in groups],
+    base = "float32" if args.against is None else "against"
+    kinds = {base: [BlockLinear([blocks[k] for k in g]) if args.against is None else OtherInt16(
+                 [blocks[k] for k in g], other_build(args.against)) for g in groups],
              "int16": [Int16BlockLinear([blocks[k] for k in g]) for g in groups]}
     result = {"command": "python " + " ".join(sys.argv), "threads": args.threads, "layers": len(groups),
               "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
     for rows in args.rows:
-        inputs = [torch.randn(rows, layer.in_features) for layer in kinds["float32"]]
+        inputs = [torch.randn(rows, layer.in_features) for layer in kinds[base]]
         times: dict[str, list[float]] = {k: [] for k in kinds}
+        outputs = {}
         for p in range(args.passes + 3):
-            for kind in (("float32", "int16") if p % 2 else ("int16", "float32")):
+            for kind in ((base, "int16") if p % 2 else ("int16", base)):
                 t = time.perf_counter()
-                for layer, x in zip(kinds[kind], inputs):
-                    layer(x)
+                outputs[kind] = [layer(x) for layer, x in zip(kinds[kind], inputs)]
                 if p >= 3:  # warm-up passes
                     times[kind].append((time.perf_counter() - t) * 1e3)
-        ratios = [f / i for f, i in zip(times["float32"], times["int16"])]
+        ratios = [f / i for f, i in zip(times[base], times["int16"])]
         result["rows"][rows] = {"median_ms": {k: statistics.median(v) for k, v in times.items()},
-                                "float32_over_int16": statistics.median(ratios), "samples_ms": times}
-        print(f"rows {rows}: float32 {statistics.median(times['float32']):.2f} ms, int16 "
-              f"{statistics.median(times['int16']):.2f} ms a pass; ratio {statistics.median(ratios):.2f}x")
+                                f"{base}_over_int16": statistics.median(ratios), "samples_ms": times}
+        same = ""
+        if args.against is not None:
+            result["rows"][rows]["same_bits"] = all(map(torch.equal, outputs[base], outputs["int16"]))
+            same = f"; same bits: {result['rows'][rows]['same_bits']}"
+        print(f"rows {rows}: {base} {statistics.median(times[base]):.2f} ms, int16 "
+              f"{statistics.median(times['int16']):.2f} ms a pass; ratio {statistics.median(ratios):.3f}x{same}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def other_build(source: str):
+    """The int16 op built from another copy of its source, under its own module name."""
+    from torch.utils.cpp_extension import load
+
+    from engine.attention.cpp_extension import STRICT_CFLAGS
+
+    return load(name="orcinus_int16_matmul_against", sources=[source], extra_cflags=STRICT_CFLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def OtherInt16(parts, ops):
+    """An Int16BlockLinear whose packing and matmul are another build's (`ops`)."""
+    from engine.model.quantized import BlockLinear, Blocks
+
+    class Other(BlockLinear):
+        def _matmul_out(self, x, out):
+            ops.int16_matmul_out(x.contiguous(), self._parts, self.types, out)
+
+    return Other([Blocks(p.type, ops.pack(p.data, p.type, p.cols), p.cols) for p in parts])
 
 
 if __name__ == "__main__":

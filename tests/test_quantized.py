@@ -193,10 +193,10 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
 def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weights(kind, cols):
     blocks = random_blocks(kind, 48, cols, seed=5)  # three tiles of 16 outputs
     w = dequantize(blocks).double()
-    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(6)) * 3
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(6)) * 3  # a tile of 8 rows of x, then 1
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     packed = Int16BlockLinear([blocks])._parts
-    got = torch.empty(3, 48)
+    got = torch.empty(9, 48)
     _int16_ops().int16_matmul_out(x, packed, [blocks.type], got)  # the op itself takes any number of rows
     want = int16_rounded(x) @ w.t()
     # integer block sums are exact: what is left is float32 scaling and a sum over the blocks
@@ -215,7 +215,7 @@ def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weigh
 def test_a_rows_int16_result_does_not_depend_on_its_batch():
     parts = [random_blocks(GGMLQuantizationType.Q4_1, 48, 576, seed=7), random_blocks(GGMLQuantizationType.Q8_0, 16, 576)]
     layer = Int16BlockLinear(parts)
-    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(8))  # tiles of 8 (AVX2: 4) rows and a ragged one
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(8))  # tiles of 8 rows and a ragged one
     batch = layer(x)
     assert batch.shape == (37, 64)
     for r in (0, 9, 36):

@@ -296,8 +296,8 @@ def test_the_row_cost_is_measured_from_decode_steps_of_varied_rows():
 
 
 def test_a_step_s_measured_cost_by_rows_keeps_drafts_off_a_new_pass_over_the_weights():
-    """The CPU's int16 kernel multiplies 4 rows per pass over the weights on AVX2: a 9th row starts a third pass.
-    Measured so, a lone request whose drafts are accepted 9 times in 10 drafts 7 tokens (8 rows), not 8, which is
+    """A CPU kernel that multiplies 4 rows per pass over the weights (the int16 kernel on AVX2 did): a 9th row starts
+    a third pass. Measured so, a lone request whose drafts are accepted 9 times in 10 drafts 7 tokens (8 rows), not 8, which is
     what a line through the same steps would say."""
     def measured(min_seen: int) -> Speculation:
         spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=8)
