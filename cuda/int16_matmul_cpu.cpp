@@ -292,8 +292,8 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
   half_tile<R, Type>(xb, nb, w, 1, out + 8, ldo);
 }
 
-// As many as VNNI's: with 4, a step's matmuls at 5 to 9 rows (a decoding request and its drafts) took 9% longer,
-// the same beyond 16 (loadtest/bench_block_matmul.py --compare, benchmarks/avx2/block_matmul_rows.json).
+// As many as VNNI's: with 4, a step's matmuls at 5 to 9 rows (a decoding request and its drafts) took 7-12% longer,
+// the same past 16 (loadtest/bench_block_matmul.py --against, benchmarks/avx2/block_matmul_rows.json).
 constexpr int kTileRowsOfX = 8;
 
 #endif  // ORCINUS_VNNI
