@@ -29,7 +29,8 @@ needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also n
 
 # Each .cu file and every function its launcher may call.
 LAUNCHED = {cupy_backend.KERNEL_SOURCE: cupy_backend.kernel_names(),
-            cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names()}
+            cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names(),
+            cuda_token_ops.NORM_SOURCE: cuda_token_ops.norm_kernel_names()}
 
 
 def test_there_are_kernels():

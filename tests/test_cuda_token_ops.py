@@ -1,13 +1,14 @@
-"""RoPE and the K/V cache write in one CUDA kernel (engine/model/cuda_token_ops.py): on the CPU, the custom op that
-Inductor calls in place and the module swap; with --gpu, the kernel's bits against the PyTorch formula."""
+"""RoPE and the K/V cache write, and RMSNorm with its residual add, as CUDA kernels (engine/model/cuda_token_ops.py):
+on the CPU, the custom ops Inductor calls and the module swaps; with --gpu, the kernels against the PyTorch formulas."""
 
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
 from engine.model import cuda_token_ops
-from engine.model.cuda_token_ops import CudaRotary, cuda_rope_available, use_cuda_rotary
-from engine.model.token_ops import Rotary
+from engine.model.cuda_token_ops import (CudaRMSNorm, CudaRotary, cuda_norm_available, cuda_rope_available,
+                                         use_cuda_rms_norm, use_cuda_rotary)
+from engine.model.token_ops import RMSNorm, Rotary
 
 D, BLOCKS, BLOCK_SIZE = 64, 16, 16
 
@@ -92,7 +93,74 @@ def test_cpu_tensors_take_the_formula():
 def test_no_gpu_means_no_kernel():
     if torch.cuda.is_available():
         pytest.skip("checks a machine without a GPU")
-    assert not cuda_rope_available()
+    assert not cuda_rope_available() and not cuda_norm_available()
+
+
+def norm_formula(x, residual, weight, eps):
+    """The norm op's contract through the PyTorch module: (residual + x or None, the normed rows)."""
+    norm = RMSNorm.__new__(RMSNorm)
+    torch.nn.Module.__init__(norm)
+    norm.weight, norm.eps = torch.nn.Parameter(weight, requires_grad=False), eps
+    return (None, norm(x)) if residual is None else norm(x, residual)
+
+
+def test_compiled_code_calls_the_norm_ops(monkeypatch):
+    """Inside a compiled segment the norms are op boundaries that Inductor calls (and takes their fakes' shapes):
+    checked on the CPU with the PyTorch module standing in for the kernel."""
+    monkeypatch.setattr(cuda_token_ops, "norm_launcher", lambda: norm_formula)
+    weight = torch.randn(48)
+
+    def layer(x, residual):
+        total, h = torch.ops.orcinus.add_rms_norm(x * 2, residual, weight, 1e-6)
+        return total + torch.ops.orcinus.rms_norm(h, weight, 1e-6)
+
+    x, residual = torch.randn(5, 48), torch.randn(5, 48)
+    want_total, want_h = norm_formula(x * 2, residual, weight, 1e-6)
+    want = want_total + norm_formula(want_h, None, weight, 1e-6)[1]
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got, codes = run_and_get_code(torch.compile(layer, dynamic=True), x, residual)
+    torch.testing.assert_close(got, want)
+    calls = [line for code in codes for line in code.splitlines()
+             if "orcinus.add_rms_norm.default(" in line or "orcinus.rms_norm.default(" in line]
+    assert len(calls) == 2, codes
+
+
+def test_every_norm_is_swapped_sharing_its_weight_and_cpu_tensors_take_pytorchs_path():
+    norms = [RMSNorm(48, 1e-6) for _ in range(2)]
+    model = torch.nn.Sequential(norms[0], torch.nn.Sequential(norms[1]))
+    use_cuda_rms_norm(model)
+    assert type(model[0]) is CudaRMSNorm and type(model[1][0]) is CudaRMSNorm
+    assert model[0].weight is norms[0].weight and model[1][0].eps == norms[1].eps
+    x, residual = torch.randn(3, 48), torch.randn(3, 48)
+    assert torch.equal(model[0](x), norms[0](x))
+    assert all(map(torch.equal, model[0](x, residual), norms[0](x, residual)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,hidden", [(1, 2048), (5, 96), (64, 576), (3, 8192), (2, 257)])
+def test_the_norm_kernel_against_pytorch(dtype, rows, hidden):
+    """The residual's sum bit for bit; the output within a last place of PyTorch's (the mean's sums in another
+    order); eager and compiled calls of the swapped module alike."""
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
+    x, residual = (torch.randn(rows, hidden, generator=gen).mul(3).to(dtype) for _ in range(2))
+    (want_total, want), want_plain = norm(x, residual), norm(x)
+    assert cuda_norm_available()
+    fused = torch.nn.Sequential(norm)
+    use_cuda_rms_norm(fused)
+    fused = fused.cuda()[0]
+    got_total, got = fused(x.cuda(), residual.cuda())
+    assert torch.equal(got_total.cpu(), want_total)
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(fused(x.cuda()).cpu(), want_plain, rtol=tol, atol=tol)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(lambda a, b: fused(a, b), dynamic=True)(x.cuda(), residual.cuda())
+    assert torch.equal(compiled[0], got_total) and torch.equal(compiled[1], got)
 
 
 @pytest.mark.gpu

@@ -1,9 +1,12 @@
-"""RoPE and the K/V cache write as one CUDA kernel (cuda/rope_write_kv.cu), in place of the PyTorch formula on a GPU.
+"""The decoder's token-wise ops as CUDA kernels on a GPU: RoPE with the K/V cache write (cuda/rope_write_kv.cu) and
+RMSNorm with its residual add (cuda/rms_norm.cu), in place of the PyTorch formulas.
 
-Traced by torch.compile, the formula and the cache write were ~10 kernels a layer on an H200 (~14 us at batch 1,
-~22 us at batch 64: a tenth of a llama-1b decode step, benchmarks/gpu/2026-11-27-h200/); this is one launch.
-It gives the formula's eager bits (products rounded to the dtype, then their sum). Under torch.compile it is a
-custom op that mutates the cache, so Inductor calls it in place (as it does `write_kv`).
+Traced by torch.compile, RoPE and the cache write were ~10 kernels a layer on an H200 (~14 us at batch 1, ~22 us at
+batch 64: a tenth of a llama-1b decode step, benchmarks/gpu/2026-11-27-h200/); this is one launch. It gives the
+formula's eager bits (products rounded to the dtype, then their sum). Under torch.compile it is a custom op that
+mutates the cache, so Inductor calls it in place (as it does `write_kv`). Each RMSNorm was two kernels (a looped
+reduction and a pointwise pass, benchmarks/gpu/2026-11-27b-h200/); the kernel is one, the residual's sum written
+beside the output; its mean sums in another order than PyTorch's, so an output may differ in its last place.
 """
 
 from __future__ import annotations
@@ -16,15 +19,22 @@ from torch import nn
 
 from engine.attention.cpp_extension import SOURCES, builds
 from engine.attention.nvrtc import DTYPE_SUFFIX, NvrtcKernels, ptr
-from engine.model.token_ops import Rotary
+from engine.model.token_ops import RMSNorm, Rotary
 
 KERNEL_SOURCE = SOURCES / "rope_write_kv.cu"
 THREADS = 128  # kThreads in the kernel: each thread rotates (or copies) one pair of a head's elements
+NORM_SOURCE = SOURCES / "rms_norm.cu"
+NORM_THREADS = 256  # kThreads in cuda/rms_norm.cu: a block a row
 
 
 def kernel_names() -> list[str]:
     """Every function of cuda/rope_write_kv.cu this module may launch."""
     return [f"rope_write_kv_{s}" for s in DTYPE_SUFFIX.values()]
+
+
+def norm_kernel_names() -> list[str]:
+    """Every function of cuda/rms_norm.cu this module may launch."""
+    return [f"rms_norm_{s}" for s in DTYPE_SUFFIX.values()]
 
 
 class RopeWriteKV:
@@ -112,3 +122,102 @@ def use_cuda_rotary(module: nn.Module) -> None:
                 if id(child) not in swapped:
                     swapped[id(child)] = child.on_table_of(CudaRotary)
                 setattr(parent, name, swapped[id(child)])
+
+
+class RmsNormKernel:
+    """The RMSNorm kernel's launcher: one per process."""
+
+    def __init__(self) -> None:
+        self.kernels = NvrtcKernels(NORM_SOURCE, "rms_norm_bf16", "the CUDA RMSNorm kernel")
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Contiguous rows x [T, H] (and residual) -> (residual + x or None, the normed rows)."""
+        out = torch.empty_like(x)
+        total = None if residual is None else torch.empty_like(x)
+        if x.shape[0]:
+            none = np.uint64(0)
+            with self.kernels.on_torch_stream(x):
+                self.kernels(f"rms_norm_{DTYPE_SUFFIX[x.dtype]}", x.device)(
+                    (x.shape[0],), (NORM_THREADS,),
+                    (ptr(out), none if total is None else ptr(total), ptr(x),
+                     none if residual is None else ptr(residual), ptr(weight), np.int32(x.shape[1]),
+                     np.float32(eps)),
+                )
+        return total, out
+
+    def self_test(self) -> None:
+        """3 bf16 rows of 96 (fewer than a block's threads, more than a warp's), with and without a residual: the
+        sum bit for bit, the output within a last place of PyTorch's."""
+        gen = torch.Generator().manual_seed(0)
+        norm = RMSNorm(96, 1e-5).to(torch.bfloat16)
+        norm.weight.data = torch.randn(96, generator=gen).to(torch.bfloat16)
+        x, residual = (torch.randn(3, 96, generator=gen).mul(4).to(torch.bfloat16) for _ in range(2))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        want_sum, want = norm(x, residual)
+        got_sum, got = self(x.to(dev), residual.to(dev), norm.weight.to(dev), norm.eps)
+        _, got_plain = self(x.to(dev), None, norm.weight.to(dev), norm.eps)
+        close = all(torch.allclose(g.cpu().float(), w.float(), rtol=1e-2, atol=1e-2)
+                    for g, w in ((got, want), (got_plain, norm(x))))
+        if not (torch.equal(got_sum.cpu(), want_sum) and close):
+            raise RuntimeError("the RMSNorm kernel's self-test output differs from PyTorch's")
+
+
+@functools.cache
+def norm_launcher() -> RmsNormKernel:
+    return RmsNormKernel()
+
+
+@torch.library.custom_op("orcinus::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return norm_launcher()(x, None, weight, eps)[1]
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("orcinus::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_launcher()(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def cuda_norm_available() -> bool:
+    """Whether the RMSNorm kernel compiles and matches PyTorch here (a warning says why not, if it does not)."""
+    return torch.cuda.is_available() and builds(
+        lambda: norm_launcher().self_test(), "the CUDA RMSNorm kernel is unusable here, using PyTorch's")
+
+
+class CudaRMSNorm(RMSNorm):
+    """RMSNorm (and the residual add before it) in one kernel (the same weight Parameter as the module it replaced)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        w = self.weight
+        if (not x.is_cuda or x.dim() != 2 or not x.is_contiguous() or x.dtype not in DTYPE_SUFFIX or w.dtype != x.dtype
+                or x.shape[1] != w.numel() or (residual is not None and (
+                    residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()))):
+            return super().forward(x, residual)
+        if torch.compiler.is_compiling():  # op boundaries Inductor keeps
+            if residual is None:
+                return torch.ops.orcinus.rms_norm(x, w, self.eps)
+            return torch.ops.orcinus.add_rms_norm(x, residual, w, self.eps)
+        total, out = norm_launcher()(x, residual, w, self.eps)
+        return out if residual is None else (total, out)
+
+
+def use_cuda_rms_norm(module: nn.Module) -> None:
+    """Swap every RMSNorm under `module` for CudaRMSNorm (sharing its weight)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is RMSNorm:
+                swapped = CudaRMSNorm.__new__(CudaRMSNorm)
+                nn.Module.__init__(swapped)
+                swapped.weight, swapped.eps = child.weight, child.eps
+                setattr(parent, name, swapped)

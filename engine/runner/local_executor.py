@@ -15,7 +15,7 @@ from engine.model.families import model_class
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.quantized import can_use_blocks, use_block_weights
-from engine.model.cuda_token_ops import cuda_rope_available, use_cuda_rotary
+from engine.model.cuda_token_ops import cuda_norm_available, cuda_rope_available, use_cuda_rms_norm, use_cuda_rotary
 from engine.model.sampling.sampler import DeviceSample, Sampler
 from engine.model.sampling.state import SamplingState
 from engine.model.sharding import TensorShard
@@ -62,6 +62,8 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
                           "bfloat16")
     if device.type == "cuda" and cuda_rope_available():
         use_cuda_rotary(model)  # one kernel for RoPE and the cache write, eagerly and inside compiled segments
+    if device.type == "cuda" and cuda_norm_available():
+        use_cuda_rms_norm(model)  # one kernel a norm (with its residual add), eagerly and inside compiled segments
     return model.eval().requires_grad_(False)
 
 
