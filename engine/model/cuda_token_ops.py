@@ -217,7 +217,4 @@ def use_cuda_rms_norm(module: nn.Module) -> None:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is RMSNorm:
-                swapped = CudaRMSNorm.__new__(CudaRMSNorm)
-                nn.Module.__init__(swapped)
-                swapped.weight, swapped.eps = child.weight, child.eps
-                setattr(parent, name, swapped)
+                setattr(parent, name, child.on_weight_of(CudaRMSNorm))

@@ -37,6 +37,13 @@ class RMSNorm(nn.Module):
         # statistics in float32 and rounds once (the formula rounds twice), so it is closer to float32 too.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def on_weight_of(self, cls: type[RMSNorm]) -> RMSNorm:
+        """A `cls` (a subclass with other kernels) over this module's weight: the same Parameter, not a copy."""
+        other = cls.__new__(cls)
+        nn.Module.__init__(other)
+        other.weight, other.eps = self.weight, self.eps
+        return other
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU's activation: silu(gate) * up, from the fused gate/up projection's output [T, 2 * width]."""
@@ -157,10 +164,7 @@ def fuse_token_ops(module: nn.Module, _tables: dict[int, CpuRotary] | None = Non
     tables = {} if _tables is None else _tables
     for name, child in list(module.named_children()):
         if type(child) is RMSNorm:
-            fused = CpuRMSNorm.__new__(CpuRMSNorm)
-            nn.Module.__init__(fused)
-            fused.weight, fused.eps = child.weight, child.eps
-            setattr(module, name, fused)
+            setattr(module, name, child.on_weight_of(CpuRMSNorm))
         elif type(child) is SiluAndMul:
             setattr(module, name, CpuSiluAndMul())
         elif type(child) is Rotary:
