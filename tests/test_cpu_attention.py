@@ -82,7 +82,9 @@ def test_auto_picks_the_op_on_the_cpu_and_the_reference_without_it(monkeypatch):
 def test_a_request_s_rows_read_together_give_each_row_s_bits_alone(cpu, window, threads):
     """A decoding request verifying 8 draft tokens sends 9 rows of one request, which share their key reads; each
     row's output must be bit for bit what it gets decoded alone (greedy tokens with and without speculation)."""
-    q, cache, meta = ragged_batch([(9, 300), (1, 40), (5, 77)], 9, 3, 64, dtype=torch.float32, device="cpu")
+    # 17 rows: 51 queries a KV head, two tasks of 25 and 26, the second starting inside a row's query heads.
+    q, cache, meta = ragged_batch([(9, 300), (1, 40), (5, 77), (17, 150)], 9, 3, 64, dtype=torch.float32,
+                                  device="cpu")
     params = AttentionParams(PLAIN.scale, sliding_window=window or None)
     d = meta.decode_rows
     before = torch.get_num_threads()
