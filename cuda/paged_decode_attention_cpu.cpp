@@ -142,6 +142,9 @@ struct Task {
   int64_t row0, head, q0, num_queries;
 };
 
+// The first of a row's `len` keys that it sees: its last `window` (0: all of them).
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
 // One thread's buffers, reused task after task.
 template <typename T>
 struct Scratch {
@@ -164,8 +167,6 @@ struct Attention {
   int64_t window;
   float softcap;
 
-  int64_t window_start(int64_t len) const { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
-
   void run(const Task& task, Scratch<T>& w) const {
     const int64_t head_stride = num_blocks * block_size * head_dim;  // one KV head's keys (or values)
     const int64_t request = row_requests ? row_requests[task.row0] : task.row0;
@@ -177,13 +178,13 @@ struct Attention {
     int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
     for (int64_t j = 0; j < n; ++j) {
       w.row_of[j] = task.row0 + (task.q0 + j) / group;
-      first = std::min(first, window_start(lens[w.row_of[j]]));
+      first = std::min(first, window_start(lens[w.row_of[j]], window));
       last = std::max<int64_t>(last, lens[w.row_of[j]]);
     }
     first = std::min(first, last);
     const int64_t span = last - first;
     for (int64_t j = 0; j < n; ++j) {
-      w.first_key[j] = window_start(lens[w.row_of[j]]) - first;
+      w.first_key[j] = window_start(lens[w.row_of[j]], window) - first;
       w.last_key[j] = lens[w.row_of[j]] - first;
     }
     const T* keys = cache + task.head * head_stride;
@@ -221,7 +222,7 @@ struct Attention {
 
   // Scores, eight keys at a time, each query only where it has keys (a later row sees more of them).
   void score(Scratch<T>& w, int64_t n, int64_t span, int64_t stride) const {
-    w.zero.assign(head_dim, 0.f);
+    w.zero.resize(head_dim);  // zeros, never written
     const float* eight[8];
     for (int64_t t0 = 0; t0 < span; t0 += 8) {
       for (int t = 0; t < 8; ++t) eight[t] = t0 + t < span ? w.rows.keys[t0 + t] : w.zero.data();
@@ -283,7 +284,7 @@ std::vector<std::vector<Task>> make_chunks(const int32_t* row_requests, const in
     while (row_requests && stop < num_rows && row_requests[stop] == row_requests[start]) ++stop;
     int64_t keys = 0;
     for (int64_t r = start; r < stop; ++r) {
-      keys = std::max<int64_t>(keys, window > 0 ? std::min<int64_t>(lens[r], window) : lens[r]);
+      keys = std::max<int64_t>(keys, lens[r] - window_start(lens[r], window));
     }
     keys += 8;  // a query's fixed cost, in keys
     runs.push_back({start, stop - start, keys});

@@ -34,6 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from engine.attention.cpp_extension import load_cpu_extension_copy
     from engine.model.loader import load_checkpoint
     from engine.model.quantized import BlockLinear, Int16BlockLinear
 
@@ -48,8 +49,9 @@ def main() -> None:
     head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
     groups.append([head])
     base = "float32" if args.against is None else "against"
-    kinds = {base: [BlockLinear([blocks[k] for k in g]) if args.against is None else OtherInt16(
-                 [blocks[k] for k in g], other_build(args.against)) for g in groups],
+    other = None if args.against is None else load_cpu_extension_copy("orcinus_cpu_int16_matmul", args.against)
+    kinds = {base: [BlockLinear([blocks[k] for k in g]) if other is None else OtherInt16([blocks[k] for k in g], other)
+                    for g in groups],
              "int16": [Int16BlockLinear([blocks[k] for k in g]) for g in groups]}
     result = {"command": "python " + " ".join(sys.argv), "threads": args.threads, "layers": len(groups),
               "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
@@ -74,16 +76,6 @@ def main() -> None:
               f"{statistics.median(times['int16']):.2f} ms a pass; ratio {statistics.median(ratios):.3f}x{same}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
-
-def other_build(source: str):
-    """The int16 op built from another copy of its source, under its own module name."""
-    from torch.utils.cpp_extension import load
-
-    from engine.attention.cpp_extension import STRICT_CFLAGS
-
-    return load(name="orcinus_int16_matmul_against", sources=[source], extra_cflags=STRICT_CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def OtherInt16(parts, ops):

@@ -33,11 +33,12 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from engine.attention.cpp_extension import load_cpu_extension_copy
     from engine.attention.cpu_backend import _kernels
 
     ops = {"tree": _kernels().paged_decode_attention}
     if args.against:
-        ops["against"] = other_build(args.against).paged_decode_attention
+        ops["against"] = load_cpu_extension_copy("orcinus_cpu_attention", args.against).paged_decode_attention
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     result = {"command": "python " + " ".join(sys.argv), "requests": args.requests, "median_us": {}}
@@ -77,16 +78,6 @@ def main() -> None:
             print(line, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
-
-def other_build(source: str):
-    """The attention op built from another copy of its source, under its own module name."""
-    from torch.utils.cpp_extension import load
-
-    from engine.attention.cpp_extension import CFLAGS
-
-    return load(name="orcinus_cpu_attention_against", sources=[source], extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 if __name__ == "__main__":

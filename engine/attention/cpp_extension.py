@@ -59,6 +59,12 @@ def _build(name: str, source: str, strict: bool):
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
+def load_cpu_extension_copy(name: str, source: str):
+    """The extension `name` of CPU_EXTENSIONS built from another copy of its source (an older revision, for an
+    A/B benchmark), under a module name of its own, with the same flags."""
+    return _build(f"{name}_against", str(Path(source).resolve()), CPU_EXTENSIONS[name][1])
+
+
 def builds(load: Callable[[], object], unusable: str) -> bool:
     """Whether `load()` builds and loads its op (or compiles and self-tests its kernel) here; where not, a warning
     (`unusable`, then why) and False."""
