@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "loadtest"))
 
 
 def main() -> None:
@@ -53,7 +54,9 @@ def main() -> None:
     kinds = {base: [BlockLinear([blocks[k] for k in g]) if other is None else OtherInt16([blocks[k] for k in g], other)
                     for g in groups],
              "int16": [Int16BlockLinear([blocks[k] for k in g]) for g in groups]}
-    result = {"command": "python " + " ".join(sys.argv), "threads": args.threads, "layers": len(groups),
+    from provenance import provenance
+
+    result = {**provenance(), "threads": args.threads, "layers": len(groups),
               "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
     for rows in args.rows:
         inputs = [torch.randn(rows, layer.in_features) for layer in kinds[base]]
