@@ -222,7 +222,10 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
   for (int r = 0; r < R; ++r) store16(out + r * ldo, acc[r]);
 }
 
-constexpr int kTileRowsOfX = 8;  // rows of x a tile's weights serve at once
+// Rows of x a tile's weights serve at once: 12 rows' sums and accumulators, a word's slices and a broadcast fit the
+// 32 registers (a verification step of 8 drafts, 9 rows, went 1.11x against 8 rows and a second pass; 16 spill, 0.94x
+// at 32 rows; loadtest/bench_block_matmul.py --against).
+constexpr int kTileRowsOfX = 12;
 
 #else  // AVX2
 
