@@ -130,6 +130,30 @@ def test_a_dead_stage_fails_the_engine_instead_of_hanging(tokenizer):
         llm.close()
 
 
+def test_a_stage_whose_next_stage_is_gone_waits_for_the_driver_instead_of_dying(monkeypatch, capsys):
+    """A batch can reach a stage after its next stage's host went away, before the driver has seen it: the send fails,
+    and the stage goes back to its driver (which ends the job) instead of exiting with a traceback of its own."""
+    from types import SimpleNamespace
+
+    from engine.parallel import stage as stage_module
+    from engine.parallel.frames import PendingSends
+
+    def isend(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.231.0.3]:48326.\nmore")
+
+    monkeypatch.setattr(stage_module.dist, "isend", isend)
+    stage = object.__new__(stage_module.Stage)
+    stage.samples, stage.via_host, stage.rank, stage.next_rank, stage.tensors = False, False, 1, 2, None
+    stage.model = SimpleNamespace(is_first=True, is_last=False)
+    stage.runner = SimpleNamespace(run=lambda batch, hidden: torch.zeros(3, 8))
+    stage.pending = PendingSends()
+    stage.step(SimpleNamespace(batch=SimpleNamespace(num_tokens=3)))
+    err = capsys.readouterr().err
+    assert err.startswith("orcinus stage rank 1: lost the connection to rank 2: ") and err.count("\n") == 1
+    assert "Connection closed by peer" in err and err.endswith("; waiting for the driver\n")
+    assert stage.pending.items == []
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:

@@ -15,9 +15,16 @@ ROWS_HINT = 32  # oneDNN picks the blocking for this many rows; any row count ru
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's packed linear here: bfloat16 on a CPU where oneDNN has bfloat16 kernels (AVX-512 BW/VL/DQ or
-    AVX-NE-CONVERT; elsewhere its reorder raises, and F.linear runs) (float32 keeps F.linear, the exact reference)."""
+    AVX-NE-CONVERT; elsewhere its reorder raises, and F.linear runs) (float32 keeps F.linear, the exact reference).
+    Not on a CPU with AMX tiles: there oneDNN's packed GEMM summed one shape in another order than F.linear's
+    (512 rows, 2 threads, 1536 -> 576), and packing must not change a bit."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported() and not amx())
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own check; False where torch has none)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 class PackedLinear(nn.Linear):

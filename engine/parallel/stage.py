@@ -136,7 +136,13 @@ class Stage:
         out = self.runner.run(batch, hidden)
         if not self.model.is_last:
             out = out.cpu() if self.via_host else out
-            self.pending.add(dist.isend(out, self.next_rank, group=self.tensors, tag=ACTIVATION_TAG), out)
+            try:
+                self.pending.add(dist.isend(out, self.next_rank, group=self.tensors, tag=ACTIVATION_TAG), out)
+            except RuntimeError as e:
+                # The next stage is gone (its host lost) while this batch was under way: its link to the driver broke
+                # too, so the driver fails the job and leaves, and this rank then exits as it does when that happens.
+                print(f"orcinus stage rank {self.rank}: {LinkLost(self.next_rank, e)}; waiting for the driver",
+                      file=sys.stderr, flush=True)
             return
         if not self.samples:
             return  # its logits went into the gather; tensor-parallel rank 0 samples
