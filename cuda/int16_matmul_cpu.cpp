@@ -155,12 +155,13 @@ inline int32_t pair(const XBlock& x, int t) {
 #ifdef ORCINUS_VNNI
 
 // Weights are read this far ahead of their use: a tile's blocks stream through memory in order, but the hardware
-// prefetchers stop at each 4 KB page (a step's weights from memory at 1 row of x: 1.18x with 32 KB, 1.04x more than
-// with 16 KB; loadtest/bench_block_matmul.py).
+// prefetchers stop at each 4 KB page (a step's weights from memory at 1 row of x: 1.18x with 32 KB ahead against none,
+// 1.04x more than with 16 KB). Into L2, not L1: fetched into L1 a pass took 1.24x as long at 1 row, 1.13x at 4, 1.09x
+// at 9 (loadtest/bench_block_matmul.py --against, benchmarks/int16_prefetch_l2.json).
 constexpr int kPrefetchBytes = 32768;
 
 inline void prefetch_ahead(const uint8_t* p, int bytes) {
-  for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
+  for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T1);
 }
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
