@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "loadtest"))
 
+from provenance import provenance  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -54,8 +56,6 @@ def main() -> None:
     kinds = {base: [BlockLinear([blocks[k] for k in g]) if other is None else OtherInt16([blocks[k] for k in g], other)
                     for g in groups],
              "int16": [Int16BlockLinear([blocks[k] for k in g]) for g in groups]}
-    from provenance import provenance
-
     result = {**provenance(), "threads": args.threads, "layers": len(groups),
               "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
     for rows in args.rows:

@@ -10,8 +10,8 @@ B - 1 + 1 + a + ... + a ** k tokens over what a step of B + k rows costs. What a
 (StepCost, from the engine's own decode steps), so a device whose rows are nearly free (a GPU's decode) drafts beside
 many requests, while alone on the CPU (a row ~0.2-0.3 of a step) a request drafts ~4 tokens at 0.8 acceptance and
 beside 31 others only what is near certain. The measured cost keeps the shape of the CPU's kernels, which multiply 12
-rows per pass over the weights (8 on AVX2), and a row that starts a new pass costs more than one inside a pass, so a draft stops
-short of a new pass unless its tokens pay for the pass. A request whose drafts keep failing stops
+rows per pass over the weights (8 on AVX2), and a row that starts a new pass costs more than one inside a pass, so a
+draft stops short of a new pass unless its tokens pay for the pass. A request whose drafts keep failing stops
 drafting, and probes again with one token once its estimate has recovered.
 """
 
