@@ -212,6 +212,32 @@ def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weigh
 
 
 @needs_int16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_is_rounded_to_the_nearest_even_code_of_its_blocks_scale(dtype):
+    """Against one-hot Q8_0 weights (code 1, scale 1) output i is x's code i times the block's scale, exactly: the
+    rounding itself is visible, ties and clamping included."""
+    data = np.zeros((64, 2, 34), np.uint8)  # 64 outputs, 64 inputs: output i reads input i alone
+    data[:, :, :2] = np.array([1.0], np.float16).view(np.uint8)
+    for i in range(64):
+        data[i, i // 32, 2 + i % 32] = 1
+    packed = _int16_ops().pack(torch.from_numpy(data.reshape(64, -1)), int(GGMLQuantizationType.Q8_0), 64)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-4, 4, 64)
+    x[1, :32] = torch.tensor([32767.0, 2.5, -2.5, 3.5, -3.5, 0.5, 1.5, -0.5] * 4)  # scale 1: codes at exact ties
+    x[2, :32] = 0.0  # scale 0
+    x[3, 32:] = torch.tensor([1e-30, -7.0] * 16)  # tiny against the block's largest: code 0
+    x = x.to(dtype)
+    got = torch.empty(5, 64, dtype=dtype)
+    _int16_ops().int16_matmul_out(x, [packed], [int(GGMLQuantizationType.Q8_0)], got)
+    blocks = x.float().reshape(5, 2, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = amax / 32767
+    codes = torch.where(amax > 0, (blocks * (32767 / amax)).clamp(-32767, 32767).round(), 0.0)  # half to even
+    assert torch.equal(got, (codes * scale).reshape(5, 64).to(dtype))
+    if dtype == torch.float32:  # bfloat16 holds 32767 as 32768: its scale is not 1
+        assert got[1, :8].tolist() == [32767.0, 2.0, -2.0, 4.0, -4.0, 0.0, 2.0, -0.0]
+
+
+@needs_int16
 def test_a_rows_int16_result_does_not_depend_on_its_batch():
     parts = [random_blocks(GGMLQuantizationType.Q4_1, 48, 576, seed=7), random_blocks(GGMLQuantizationType.Q8_0, 16, 576)]
     layer = Int16BlockLinear(parts)
