@@ -20,6 +20,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -99,6 +100,120 @@ struct Rows {
   }
 };
 
+// The arithmetic of one query, whatever the build: a score is eight lanes of fused multiply-adds over head_dim in
+// order, then transpose_sum; a value sum is, lane by lane (one lane a dimension), a fused multiply-add per key in
+// order. The AVX-512 build does the same operations two at a time in 16-lane registers (two keys or two queries side
+// by side, or 16 dimensions of one sum), so it gives the AVX2 build's bits in half the multiply-adds: 12 rows (a
+// request verifying 11 drafts) 1.19x, 5 rows 1.12-1.14x, a lone decode 1.03x, keys from memory
+// (loadtest/bench_cpu_attention.py --against, benchmarks/cpu_attention_paired_queries.json).
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define ORCINUS_ATTENTION_WIDE 1
+#include <immintrin.h>
+#endif
+
+#ifdef ORCINUS_ATTENTION_WIDE
+
+inline v8 low(__m512 v) { return reinterpret_cast<v8>(_mm512_castps512_ps256(v)); }
+inline v8 high(__m512 v) { return reinterpret_cast<v8>(_mm512_extractf32x8_ps(v, 1)); }
+inline __m512 side_by_side(const float* a, const float* b) {  // a's 8 floats, then b's
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512 twice(const float* a) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(a)); }
+
+// scores[t] = q . keys[t] for the 8 keys from `keys` (missing ones point at `zero`), head_dim a multiple of 8: keys
+// 2i and 2i+1 share a register.
+inline void score8(const float* q, const float* const* keys, int64_t head_dim, float* scores) {
+  __m512 acc[4];
+  for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m512 qd = twice(q + d);
+    for (int i = 0; i < 4; ++i) {
+      acc[i] = _mm512_fmadd_ps(qd, side_by_side(keys[2 * i] + d, keys[2 * i + 1] + d), acc[i]);
+    }
+  }
+  v8 a[8];
+  for (int i = 0; i < 4; ++i) {
+    a[2 * i] = low(acc[i]);
+    a[2 * i + 1] = high(acc[i]);
+  }
+  store8(scores, transpose_sum(a));
+}
+
+// score8 for two queries, side by side in one register: a key's slice is read once for both.
+inline void score8x2(const float* q0, const float* q1, const float* const* keys, int64_t head_dim, float* scores0,
+                     float* scores1) {
+  __m512 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m512 qq = side_by_side(q0 + d, q1 + d);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm512_fmadd_ps(qq, twice(keys[t] + d), acc[t]);
+  }
+  v8 a0[8], a1[8];
+  for (int t = 0; t < 8; ++t) {
+    a0[t] = low(acc[t]);
+    a1[t] = high(acc[t]);
+  }
+  store8(scores0, transpose_sum(a0));
+  store8(scores1, transpose_sum(a1));
+}
+
+// acc[0, 16 kWidth) += p[t] * values[t][0, 16 kWidth) for t in [a, b), in that order, for kQueries queries (their
+// weights p[q] and sums acc[q]) at once; the sums stay in registers between a load and a store of acc.
+template <int kWidth, int kQueries>
+inline void accumulate_slice(const float* const* p, const float* const* values, int64_t offset, int64_t a, int64_t b,
+                             float* const* acc) {
+  __m512 sum[kQueries][kWidth];
+  for (int q = 0; q < kQueries; ++q)
+    for (int i = 0; i < kWidth; ++i) sum[q][i] = _mm512_loadu_ps(acc[q] + 16 * i);
+  for (int64_t t = a; t < b; ++t) {
+    __m512 w[kQueries];
+    for (int q = 0; q < kQueries; ++q) w[q] = _mm512_set1_ps(p[q][t]);
+    for (int i = 0; i < kWidth; ++i) {
+      const __m512 v = _mm512_loadu_ps(values[t] + offset + 16 * i);
+      for (int q = 0; q < kQueries; ++q) sum[q][i] = _mm512_fmadd_ps(w[q], v, sum[q][i]);
+    }
+  }
+  for (int q = 0; q < kQueries; ++q)
+    for (int i = 0; i < kWidth; ++i) _mm512_storeu_ps(acc[q] + 16 * i, sum[q][i]);
+}
+
+// The same over the whole head: 64 lanes at a time, then 16, then 8 (a half register, as the AVX2 build does it).
+template <int kQueries>
+inline void accumulate_head(const float* const* p, const float* const* values, int64_t a, int64_t b, int64_t head_dim,
+                            float* const* acc) {
+  const auto at = [&](int64_t d) {
+    std::array<float*, kQueries> out;
+    for (int q = 0; q < kQueries; ++q) out[q] = acc[q] + d;
+    return out;
+  };
+  int64_t d = 0;
+  for (; d + 64 <= head_dim; d += 64) accumulate_slice<4, kQueries>(p, values, d, a, b, at(d).data());
+  for (; d + 16 <= head_dim; d += 16) accumulate_slice<1, kQueries>(p, values, d, a, b, at(d).data());
+  for (; d < head_dim; d += 8) {
+    for (int q = 0; q < kQueries; ++q) {
+      v8 sum = load8(acc[q] + d);
+      for (int64_t t = a; t < b; ++t) sum += (v8{} + p[q][t]) * load8(values[t] + d);
+      store8(acc[q] + d, sum);
+    }
+  }
+}
+
+inline void accumulate(const float* p, const float* const* values, int64_t a, int64_t b, int64_t head_dim,
+                       float* acc) {
+  accumulate_head<1>(&p, values, a, b, head_dim, &acc);
+}
+
+inline void accumulate2(const float* p0, const float* p1, const float* const* values, int64_t a, int64_t b,
+                        int64_t head_dim, float* acc0, float* acc1) {
+  const float* p[2] = {p0, p1};
+  float* acc[2] = {acc0, acc1};
+  accumulate_head<2>(p, values, a, b, head_dim, acc);
+}
+
+constexpr bool kPairQueries = true;
+
+#else  // eight lanes (AVX2, or whatever the compiler makes of them)
+
 // scores[t] = q . keys[t] for the 8 keys from `keys` (missing ones point at `zero`), head_dim a multiple of 8.
 inline void score8(const float* q, const float* const* keys, int64_t head_dim, float* scores) {
   v8 acc[8] = {};
@@ -108,6 +223,11 @@ inline void score8(const float* q, const float* const* keys, int64_t head_dim, f
   }
   store8(scores, transpose_sum(acc));
 }
+
+// Never called: pairs of queries need the wide build's registers (16 sums and the loads spill on 16).
+inline void score8x2(const float*, const float*, const float* const*, int64_t, float*, float*) {}
+inline void accumulate2(const float*, const float*, const float* const*, int64_t, int64_t, int64_t, float*, float*) {}
+constexpr bool kPairQueries = false;
 
 // acc[0, 8 kWidth) += p[t] * values[t][0, 8 kWidth) for t in [a, b), in that order; the sums stay in registers
 // (a width known at compile time) between a load and a store of acc.
@@ -130,6 +250,8 @@ inline void accumulate(const float* p, const float* const* values, int64_t a, in
   for (; d + 64 <= head_dim; d += 64) accumulate_slice<8>(p, values, d, a, b, acc + d);
   for (; d < head_dim; d += 8) accumulate_slice<1>(p, values, d, a, b, acc + d);
 }
+
+#endif  // ORCINUS_ATTENTION_WIDE
 
 // Values are read a tile of keys at a time, which stays in L1 while every query of the task adds it in (each query
 // re-reading its whole context's values ran at L2's bandwidth). A query's sums are the same whatever the tiling: each
@@ -206,9 +328,22 @@ struct Attention {
       for (int64_t t = t0 + kValueTile; t < std::min(t0 + 2 * kValueTile, span); ++t) {
         for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(w.rows.values[t] + d);
       }
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < n;) {
         const int64_t a = std::max(t0, w.first_key[j]), b = std::min(t0 + kValueTile, w.last_key[j]);
-        if (a < b) accumulate(&w.scores[j * stride], w.rows.values.data(), a, b, head_dim, &w.sums[j * head_dim]);
+        float* sums = &w.sums[j * head_dim];
+        const float* p = &w.scores[j * stride];
+        if (kPairQueries && j + 1 < n && std::max(t0, w.first_key[j + 1]) == a) {
+          // Two queries from their common first key to the first's or the second's last; then the longer one alone.
+          const int64_t b1 = std::min(t0 + kValueTile, w.last_key[j + 1]), common = std::min(b, b1);
+          const float* const* values = w.rows.values.data();
+          if (a < common) accumulate2(p, p + stride, values, a, common, head_dim, sums, sums + head_dim);
+          if (common < b) accumulate(p, values, std::max(a, common), b, head_dim, sums);
+          if (common < b1) accumulate(p + stride, values, std::max(a, common), b1, head_dim, sums + head_dim);
+          j += 2;
+          continue;
+        }
+        if (a < b) accumulate(p, w.rows.values.data(), a, b, head_dim, sums);
+        ++j;
       }
     }
     for (int64_t j = 0; j < n; ++j) {
@@ -231,10 +366,16 @@ struct Attention {
       for (int64_t t = t0 + 16; t < std::min(t0 + 24, span); ++t) {
         for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(w.rows.keys[t] + d);
       }
-      for (int64_t j = 0; j < n; ++j) {
-        if (t0 < w.last_key[j] && t0 + 8 > w.first_key[j]) {
-          score8(w.query.data() + j * head_dim, eight, head_dim, w.scores.data() + j * stride + t0);
+      const auto wants = [&](int64_t j) { return t0 < w.last_key[j] && t0 + 8 > w.first_key[j]; };
+      for (int64_t j = 0; j < n;) {
+        if (kPairQueries && j + 1 < n && wants(j) && wants(j + 1)) {
+          score8x2(w.query.data() + j * head_dim, w.query.data() + (j + 1) * head_dim, eight, head_dim,
+                   w.scores.data() + j * stride + t0, w.scores.data() + (j + 1) * stride + t0);
+          j += 2;
+          continue;
         }
+        if (wants(j)) score8(w.query.data() + j * head_dim, eight, head_dim, w.scores.data() + j * stride + t0);
+        ++j;
       }
     }
   }
