@@ -219,17 +219,19 @@ inline int32_t pair(const XBlock& x, int t) {
   return v;
 }
 
-#ifdef ORCINUS_VNNI
-
 // Weights are read this far ahead of their use: a tile's blocks stream through memory in order, but the hardware
 // prefetchers stop at each 4 KB page (a step's weights from memory at 1 row of x: 1.18x with 32 KB ahead against none,
 // 1.04x more than with 16 KB). Into L2, not L1: fetched into L1 a pass took 1.24x as long at 1 row, 1.13x at 4, 1.09x
-// at 9 (loadtest/bench_block_matmul.py --against, benchmarks/int16_prefetch_l2.json).
+// at 9 (loadtest/bench_block_matmul.py --against, benchmarks/int16_prefetch_l2.json). The AVX2 build, timed on the same
+// Intel machine (--march haswell): 1.40x at 1 row, 1.47x at 4, 1.27x at 9, 1.07x at 32 (int16_prefetch_avx2.json;
+// not yet timed on an AMD CPU, whose L2 prefetcher also stops at a page's end).
 constexpr int kPrefetchBytes = 32768;
 
 inline void prefetch_ahead(const uint8_t* p, int bytes) {
   for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T1);
 }
+
+#ifdef ORCINUS_VNNI
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
@@ -320,6 +322,7 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
     for (int r = 0; r < R; ++r) acc_reg[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kRows * f.bytes();
+    if (h == 0) prefetch_ahead(p, kRows * f.bytes());  // the second half reads what the first brought in
     __m256i sum[R][chains];
     for (int r = 0; r < R; ++r) {
       sum[r][0] = f.offset ? _mm256_set1_epi32(-f.offset * xb[r * nb + b].s) : _mm256_setzero_si256();

@@ -8,7 +8,8 @@ per-pair ratios.
     .venv/bin/python loadtest/bench_block_matmul.py --threads 2 --rows 1 2 4 8 32 128 --passes 30 --out benchmarks/int16_matmul.json
 
 `--against FILE` times the int16 op built from another int16_matmul_cpu.cpp (`git show REV:cuda/...`) in place of the
-float32 path, and checks that both give the same bits.
+float32 path, and checks that both give the same bits. With `--march haswell` both sides are built for AVX2 (the
+build AMD's and older Intel CPUs run), so an AVX-512 machine can time that path too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", default=None, help="an older cuda/int16_matmul_cpu.cpp to time instead of float32")
+    ap.add_argument("--march", default="native", help="with --against: build both sides for this -march")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -52,11 +54,17 @@ def main() -> None:
     head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
     groups.append([head])
     base = "float32" if args.against is None else "against"
-    other = None if args.against is None else load_cpu_extension_copy("orcinus_cpu_int16_matmul", args.against)
+    if args.march != "native" and args.against is None:
+        ap.error("--march needs --against")
+    other = None if args.against is None else load_cpu_extension_copy("orcinus_cpu_int16_matmul", args.against,
+                                                                      args.march)
+    tree = None if args.march == "native" else load_cpu_extension_copy(
+        "orcinus_cpu_int16_matmul", str(ROOT / "cuda" / "int16_matmul_cpu.cpp"), args.march, tag="tree")
     kinds = {base: [BlockLinear([blocks[k] for k in g]) if other is None else OtherInt16([blocks[k] for k in g], other)
                     for g in groups],
-             "int16": [Int16BlockLinear([blocks[k] for k in g]) for g in groups]}
-    result = {**provenance(), "threads": args.threads, "layers": len(groups),
+             "int16": [Int16BlockLinear([blocks[k] for k in g]) if tree is None else
+                       OtherInt16([blocks[k] for k in g], tree) for g in groups]}
+    result = {**provenance(), "threads": args.threads, "march": args.march, "layers": len(groups),
               "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
     for rows in args.rows:
         inputs = [torch.randn(rows, layer.in_features) for layer in kinds[base]]

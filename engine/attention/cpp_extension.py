@@ -52,17 +52,20 @@ def _builds() -> dict[str, Future]:
     return builds
 
 
-def _build(name: str, source: str, strict: bool):
+def _build(name: str, source: str, strict: bool, march: str = "native"):
     from torch.utils.cpp_extension import load
 
-    return load(name=name, sources=[str(SOURCES / source)], extra_cflags=STRICT_CFLAGS if strict else CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    flags = [f"-march={march}" if f == "-march=native" else f for f in (STRICT_CFLAGS if strict else CFLAGS)]
+    return load(name=name, sources=[str(SOURCES / source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                verbose=False)
 
 
-def load_cpu_extension_copy(name: str, source: str):
+def load_cpu_extension_copy(name: str, source: str, march: str = "native", tag: str = "against"):
     """The extension `name` of CPU_EXTENSIONS built from another copy of its source (an older revision, for an
-    A/B benchmark), under a module name of its own, with the same flags."""
-    return _build(f"{name}_against", str(Path(source).resolve()), CPU_EXTENSIONS[name][1])
+    A/B benchmark), under a module name of its own (`tag`), with the same flags but for -march (`haswell`: the AVX2
+    build, timed on an AVX-512 machine)."""
+    return _build(f"{name}_{tag}_{march.replace('-', '_')}", str(Path(source).resolve()), CPU_EXTENSIONS[name][1],
+                  march)
 
 
 def builds(load: Callable[[], object], unusable: str) -> bool:
