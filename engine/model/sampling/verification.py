@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.sampling.draw import inverse_cdf
+
 NO_DRAFT = -1  # the draft id of a row that verifies nothing (a request's last row: its token follows the drafts)
 
 
@@ -52,5 +54,5 @@ def verify_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Gener
     ids = torch.tensor(draft + [NO_DRAFT], device=probs.device)
     uniforms = torch.rand(len(ids), generator=generator, device=probs.device)
     accepted, residual = draft_acceptance(probs, ids, uniforms)
-    tokens = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    tokens = inverse_cdf(residual, torch.rand(len(ids), generator=generator, device=probs.device, dtype=torch.float64))
     return accepted_tokens(draft, tokens.tolist(), accepted.tolist())
