@@ -20,7 +20,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     width = BLOCK
     while vocab % width:
         width //= 2
-    blocks = probs.view(rows, vocab // width, width)
+    blocks = probs.reshape(rows, vocab // width, width)
     # Blocks summed in float32 (pairwise: within ~1e-7 of their mass, as close as softmax's own rounding; a float64
     # sum would first copy the whole row to float64), their running sum in float64.
     cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [R, blocks]
