@@ -203,3 +203,23 @@ def test_draws_follow_the_distribution():
         counts[token] += 1
     assert counts[3] == 0
     assert [c / len(ids) for c in counts[:3]] == pytest.approx([0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9], abs=0.015)
+
+
+@pytest.mark.parametrize("vocab", [49152, 32064, 1001])  # blocks of 256; of 64; a vocabulary of odd size: of 1
+def test_the_block_draw_is_the_rows_inverse_cdf_and_never_a_token_without_mass(vocab):
+    import torch
+
+    from engine.model.sampling.draw import inverse_cdf
+
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(32, vocab, generator=g)
+    probs[:, ::3] = 0.0  # every third token has no mass
+    probs[0] = 0.0
+    probs[0, vocab // 2] = 0.5  # one token holds it all (unnormalized)
+    u = torch.rand(32, generator=g, dtype=torch.float64)
+    u[1], u[2] = 0.0, 1 - 2**-53  # the ends of [0, 1)
+    got = inverse_cdf(probs, u)
+    assert (probs.gather(1, got[:, None]) > 0).all()
+    assert got[0] == vocab // 2
+    want = torch.searchsorted(probs.double().cumsum(-1), u[:, None] * probs.double().sum(-1, keepdim=True), right=True)
+    assert torch.equal(got[3:], want[3:, 0])  # u = 1 - 2^-53 may round to the total: the full-row sum overshoots
