@@ -55,7 +55,7 @@ def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step
             if oracle:
                 k = min(agree, max_k)
             else:  # the engine's own rule, alone (one decoding request)
-                k = min(max_k, policy._worth_drafting(estimate, 1))
+                k = min(max_k, policy._worth_drafting(estimate, policy.new_step(1)))
                 if k == 0:
                     estimate = min(Speculation.PRIOR, estimate + Speculation.RECOVERY)
             k = min(k, len(proposal))

@@ -11,7 +11,7 @@ from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.queue_policy import QUEUE_POLICIES, LengthPredictor, WaitingQueue
 from engine.core.request import Failure, Request, RequestStatus, SampledTokens, TokenLogprobs
-from engine.core.speculation import Speculation
+from engine.core.speculation import Speculation, StepDrafts
 
 
 # In a chunk scheduled ahead (async scheduling): the token the batch before samples for this request, which only
@@ -187,14 +187,17 @@ class Scheduler:
         """Running requests in order, until `scheduled` holds `max_seqs`; preempts where blocks run out. Returns
         the budget left."""
         i = 0
+        # Each request's drafts are weighed against the rows of those scheduled before it (theirs included).
+        step = self.speculation.new_step(len(self.running)) if self.speculation is not None else None
         while i < len(self.running) and len(scheduled) < max_seqs:
             req = self.running[i]
             num_new = min(self._num_schedulable(req), budget)
             if num_new == 0:
                 i += 1
                 continue
-            draft = self._draft(req, budget) if num_new == 1 and self.speculation is not None else []
+            draft = self._draft(req, budget, step) if num_new == 1 and step is not None else []
             if draft and not self.kv.allocate(req, num_new + len(draft)):
+                step.rows -= len(draft)
                 draft = []  # no blocks for them: drafts never preempt anybody
             while not self.kv.allocate(req, num_new):
                 victim = self._preempt({r.request_id for r, _, _ in scheduled})
@@ -261,7 +264,7 @@ class Scheduler:
         ready = [(self.policy.key(r), 0) for r in self.running if self._num_schedulable(r)]
         return max_seqs - sum(waiting for _, waiting in sorted(ready + newcomers)[:max_seqs])
 
-    def _draft(self, req: Request, budget: int) -> list[int]:
+    def _draft(self, req: Request, budget: int, step: StepDrafts) -> list[int]:
         """Draft tokens for a request about to decode one token, if speculation is on and it is not running ahead:
         never more than its max_tokens, the context window or the step's token budget leave room for."""
         if self.speculation is None or req.request_id in self.in_flight or req.num_output_tokens == 0:
@@ -270,7 +273,7 @@ class Scheduler:
             return []  # its draws would follow its drafts, which follow the batch: a seed gives the same tokens anywhere
         limit = min(budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
-        return self.speculation.draft(req, limit, len(self.running))
+        return self.speculation.draft(req, limit, step)
 
     def _num_schedulable(self, req: Request) -> int:
         """Tokens a running request could compute next: what it has, or (running ahead) the one token the batch

@@ -5,14 +5,13 @@ it were accepted. Each request keeps an estimate `acceptance` of the chance that
 (an average over its recent draft tokens), so k draft tokens yield 1 + a + ... + a ** k tokens, expected (the 1: the
 token the step samples after them).
 
-A request drafts the k that makes the most tokens a second: beside B - 1 others (a row and a token each), the step's
-B - 1 + 1 + a + ... + a ** k tokens over what a step of B + k rows costs. What a step costs by its rows is measured
-(StepCost, from the engine's own decode steps), so a device whose rows are nearly free (a GPU's decode) drafts beside
-many requests, while alone on the CPU (a row ~0.2-0.3 of a step) a request drafts ~4 tokens at 0.8 acceptance and
-beside 31 others only what is near certain. The measured cost keeps the shape of the CPU's kernels, which multiply 12
-rows per pass over the weights (8 on AVX2), and a row that starts a new pass costs more than one inside a pass, so a
-draft stops short of a new pass unless its tokens pay for the pass. A request whose drafts keep failing stops
-drafting, and probes again with one token once its estimate has recovered.
+A request drafts the k that makes the most tokens a second of the step: the requests scheduled before it bring
+their rows and expected tokens (a row and a token each, plus their drafts), and it adds 1 + a + ... + a ** k tokens
+for k more rows. What a step of R rows costs is measured (StepCost: a line whose slope is fitted to consecutive
+decode steps), so a device whose rows are nearly free (a GPU's decode) drafts beside many requests, while alone on
+the CPU (a row ~0.1-0.3 of a step) a request drafts several tokens at 0.8 acceptance and beside 31 others only what
+is near certain. A request whose drafts keep failing stops drafting, and probes again with one token once its
+estimate has recovered.
 """
 
 from __future__ import annotations
@@ -47,67 +46,82 @@ class RequestSpeculation:
     num_accepted: int = 0
 
 
-class StepCost:
-    """What a decode step of R rows costs, from the engine's own steps: the average of recent steps of R rows where
-    there have been enough of them, else the line a + b R fitted by least squares over recent steps (older ones
-    forgotten geometrically); the line's r = b / a (one more row's share of a step) is what metrics show. Until the
-    steps seen are enough and vary enough in rows to say, 1 + PRIOR R; a row cost set in the config is that line."""
+@dataclass
+class StepDrafts:
+    """A step being scheduled, as its decoding requests draft one by one: its rows so far and the tokens they should
+    yield (each request's own row a token, a draft token its chance of being accepted)."""
 
-    PRIOR = 0.25  # the CPU here: 1.2-1.4 ms a row on a 5-6 ms step
-    MEMORY = 0.99  # each step's weight in the line decays by this at every later step: about the last 100 count
-    MIN_WEIGHT = 30.0  # steps (weighted) before the line counts
-    MIN_SPREAD = 1.0  # rows' standard deviation over those steps before the line counts
-    BOUNDS = (0.01, 4.0)  # what the line may say of r: from rows nearly free (a GPU's decode) to rows all the cost
-    AVERAGE = 0.1  # how much a step moves the average of its row count
-    MIN_SEEN = 5  # steps of a row count before their average stands for it
+    rows: int
+    tokens: float
+
+
+class StepCost:
+    """What a decode step costs by its rows, from the engine's own steps: a line through the level of the recent
+    steps (their rows and seconds) whose slope, one more row's seconds, is fitted to the differences between
+    consecutive steps (which a shared machine's slow swings in speed hardly move) and starts at the prior 1 + PRIOR R,
+    which only steps that differ in rows move. A row cost set in the config fixes the line at 1 + r R."""
+
+    PRIOR = 0.25  # the CPU here: 0.8 ms a row on a 6.5 ms step of one row (benchmarks/README.md)
+    PRIOR_PAIRS = 20.0  # the prior slope weighs as much as this many pairs of consecutive steps one row apart
+    MEMORY = 0.99  # each pair's weight in the slope decays by this at every later step: about the last 100 count
+    LEVEL = 0.1  # how far each step moves the level (rows and seconds) the line goes through
+    CLIP = 4.0  # a pair counts at most this many typical deviations off the line: a hiccup is not a row's cost
+    BOUNDS = (0.01, 4.0)  # r, one more row's share of a step's fixed cost: from nearly free (a GPU) to all the cost
 
     def __init__(self, fixed: float | None = None):
         self.fixed = fixed
-        self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, rows, seconds, rows^2, rows * seconds
-        self.by_rows: dict[int, tuple[int, float]] = {}  # rows -> steps seen, their average seconds
+        self.level: tuple[float, float] | None = None  # recent decode steps' rows and seconds
+        self.last: tuple[int, float] | None = None  # the latest step's rows and seconds
+        self.sxx = self.sxy = 0.0  # decayed sums over pairs of consecutive steps: rows' and seconds' differences
+        self.deviation = 0.0  # a pair's typical distance off the line, in seconds
 
     def observe(self, rows: int, seconds: float) -> None:
-        w, x, y, xx, xy = (v * self.MEMORY for v in self.sums)
-        self.sums = (w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds)
-        seen, average = self.by_rows.get(rows, (0, seconds))
-        self.by_rows[rows] = (seen + 1, average + self.AVERAGE * (seconds - average))
+        if self.level is None:
+            self.level = (float(rows), seconds)
+        else:
+            level_rows, level_seconds = self.level
+            self.level = (level_rows + self.LEVEL * (rows - level_rows),
+                          level_seconds + self.LEVEL * (seconds - level_seconds))
+        if self.last is not None:
+            dx, dy = rows - self.last[0], seconds - self.last[1]
+            slope = self.slope()
+            off = dy - slope * dx
+            limit = self.CLIP * (self.deviation or 0.05 * self.level[1])
+            off = max(-limit, min(limit, off))
+            self.deviation += 0.05 * (abs(off) - self.deviation)
+            self.sxx = self.MEMORY * self.sxx + dx * dx
+            self.sxy = self.MEMORY * self.sxy + dx * (slope * dx + off)
+        self.last = (rows, seconds)
 
-    def _line(self) -> tuple[float, float] | None:
-        """(a, r): a step of R rows takes a (1 + r R) seconds; None while the steps cannot tell."""
-        w, x, y, xx, xy = self.sums
-        if w < self.MIN_WEIGHT:
-            return None
-        mean_x, mean_y = x / w, y / w
-        spread = xx / w - mean_x * mean_x
-        if spread < self.MIN_SPREAD**2:
-            return None
-        b = (xy / w - mean_x * mean_y) / spread
-        a = mean_y - b * mean_x
-        low, high = self.BOUNDS
-        return (a, min(high, max(low, b / a))) if a > 0 else None
+    def slope(self) -> float:
+        """One more row's seconds: the pairs' least-squares slope, drawn toward the prior's (and never below a GPU's)."""
+        level_rows, level_seconds = self.level
+        low, _ = self.BOUNDS
+        prior = level_seconds * self.PRIOR / (1 + self.PRIOR * level_rows)
+        fitted = (self.sxy + self.PRIOR_PAIRS * prior) / (self.sxx + self.PRIOR_PAIRS)
+        return max(fitted, level_seconds * low / (1 + low * level_rows))
 
     @property
     def value(self) -> float:
-        """One more row's cost as a share of a step's fixed cost (r)."""
+        """One more row's cost as a share of a step's fixed cost (r), as metrics show it."""
         if self.fixed is not None:
             return self.fixed
-        line = self._line()
-        return self.PRIOR if line is None else line[1]
+        if self.level is None:
+            return self.PRIOR
+        slope = self.slope()
+        fixed = self.level[1] - slope * self.level[0]
+        low, high = self.BOUNDS
+        return high if fixed <= slope / high else max(low, slope / fixed)
 
     def costs(self, rows: range) -> list[float]:
         """A step of each of `rows` rows, in seconds (in units of a step's fixed cost while nothing is measured)."""
-        if self.fixed is not None:
-            return [1 + self.fixed * n for n in rows]
-        line = self._line()  # once for all of them: it is a least-squares solve
-        if line is None:
-            return [1 + self.PRIOR * n for n in rows]
-        a, r = line
-
-        def cost(n: int) -> float:
-            seen, average = self.by_rows.get(n, (0, 0.0))
-            return average if seen >= self.MIN_SEEN else a * (1 + r * n)
-
-        return [cost(n) for n in rows]
+        if self.fixed is not None or self.level is None:
+            r = self.PRIOR if self.fixed is None else self.fixed
+            return [1 + r * n for n in rows]
+        level_rows, level_seconds = self.level
+        slope = self.slope()
+        floor = 0.01 * level_seconds  # a line extrapolated far below the steps seen must still cost something
+        return [max(floor, level_seconds + slope * (n - level_rows)) for n in rows]
 
 
 class Speculation:
@@ -129,25 +143,31 @@ class Speculation:
         self.num_accepted = 0  # of those, accepted
         self.accepted_lengths: list[int] = []  # per verified draft since the last drain: tokens accepted
 
-    def draft(self, req: Request, limit: int, num_decoding: int) -> list[int]:
-        """Draft tokens for `req`'s next step, beside `num_decoding` requests: at most `limit` (what its max_tokens, the
-        context window and the step's token budget leave), and only as many as pay for their rows."""
+    def new_step(self, num_decoding: int) -> StepDrafts:
+        """A step about to schedule `num_decoding` requests' next tokens, before any drafts."""
+        return StepDrafts(num_decoding, float(num_decoding))
+
+    def draft(self, req: Request, limit: int, step: StepDrafts) -> list[int]:
+        """Draft tokens for `req`'s next step, beside the rows `step` holds so far: at most `limit` (what its
+        max_tokens, the context window and the step's token budget leave), and only as many as pay for their rows."""
         state = req.speculation
         if state is None:
             state = req.speculation = RequestSpeculation(self.source.new_drafter(), self.prior)
         if limit <= 0:
             return []
-        k = min(limit, self.max_tokens, self._worth_drafting(state.acceptance, num_decoding))
+        k = min(limit, self.max_tokens, self._worth_drafting(state.acceptance, step))
         if k <= 0:  # not worth a row: recover slowly, to probe again with one token
             state.acceptance = min(max(self.prior, state.acceptance), state.acceptance + self.RECOVERY)
             return []
-        return state.drafter.propose(req.prompt_token_ids + req.output_token_ids, k)
+        draft = state.drafter.propose(req.prompt_token_ids + req.output_token_ids, k)
+        step.rows += len(draft)
+        step.tokens += sum(state.acceptance ** d for d in range(1, len(draft) + 1))
+        return draft
 
-    def _worth_drafting(self, acceptance: float, num_decoding: int) -> int:
-        """The draft length that makes the most tokens a second (see the module's docstring)."""
-        others = max(1, num_decoding) - 1
-        costs = self.step_cost.costs(range(others + 1, others + 2 + self.max_tokens))
-        tokens = others + 1.0
+    def _worth_drafting(self, acceptance: float, step: StepDrafts) -> int:
+        """The draft length that makes the step the most tokens a second (see the module's docstring)."""
+        costs = self.step_cost.costs(range(step.rows, step.rows + 1 + self.max_tokens))
+        tokens = step.tokens
         best, best_rate = 0, tokens / costs[0]
         gain = 1.0
         for k in range(1, self.max_tokens + 1):
