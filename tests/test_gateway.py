@@ -178,6 +178,15 @@ def test_n_choices(client):
     assert texts[0] and texts[0] == texts[1]  # greedy: both choices alike
 
 
+def test_a_seed_draws_one_text_whether_its_prompt_is_cached_or_not(client):
+    """The first request computes its prompt; the next find it in the prefix cache and attend its last tokens as
+    decode queries, which moves the logits' last bits: a seeded draw must not move with them."""
+    messages = [{"role": "user", "content": "Write a haiku about the sea at dawn, as a lighthouse keeper would."}]
+    texts = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.9,
+                                            seed=seed).choices[0].message.content for seed in (1, 1, 1, 2)]
+    assert texts[0] == texts[1] == texts[2] and texts[3] != texts[0], texts
+
+
 def test_stop_list(client):
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
