@@ -20,14 +20,14 @@ def test_a_plain_install_carries_the_kernel_sources_and_the_engine_finds_them(tm
                    capture_output=True)
     assert {p.name for p in (site / "engine" / "kernels").iterdir()} >= {
         "paged_decode_attention.cu", "rope_write_kv.cu", "rms_norm.cu", "convert.cuh", "paged_decode_attention_cpu.cpp",
-        "token_ops_cpu.cpp", "block_matmul_cpu.cpp", "int16_matmul_cpu.cpp"}
+        "token_ops_cpu.cpp", "block_matmul_cpu.cpp", "int16_matmul_cpu.cpp", "sampling_cpu.cpp"}
     check = (
         "import sys, pathlib\n"
         "import engine.attention.cpp_extension as c, engine.attention.cupy_backend as cuda\n"
         "import engine.model.cuda_token_ops as rope\n"
         "assert c.SOURCES.resolve() == pathlib.Path(sys.argv[1]).resolve(), c.SOURCES\n"
         "assert cuda.KERNEL_SOURCE.is_file() and rope.KERNEL_SOURCE.is_file() and rope.NORM_SOURCE.is_file()\n"
-        "assert all((c.SOURCES / f).is_file() for f in ('token_ops_cpu.cpp', 'paged_decode_attention_cpu.cpp'))\n"
+        "assert all((c.SOURCES / f).is_file() for f, _ in c.CPU_EXTENSIONS.values())\n"
     )
     # From outside the repository, with the installed package first on the path (the venv supplies torch & co).
     env = {**os.environ, "PYTHONPATH": str(site)}

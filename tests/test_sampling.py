@@ -211,12 +211,12 @@ def test_the_race_draws_from_p_never_a_token_without_mass_and_shrugs_off_the_las
     hangs on a running sum over the vocabulary, changed 30 of 1,000 draws so over 49,152 tokens)."""
     import torch
 
-    from engine.model.sampling.draw import exponential_race
+    from engine.model.sampling.draw import exponential_race, keys
 
     g = torch.Generator().manual_seed(5)
     p = torch.tensor([0.4, 0.3, 0.0, 0.2, 0.1]) * 3  # unnormalized
     n = 100_000
-    draws = exponential_race(p.expand(n, 5), torch.rand(n, 5, generator=g))
+    draws = exponential_race(p.expand(n, 5).contiguous(), keys(n, g))
     freq = torch.bincount(draws, minlength=5).double() / n
     assert freq[2] == 0
     assert freq.tolist() == pytest.approx([0.4, 0.3, 0.0, 0.2, 0.1], abs=0.006)  # ~4 standard errors
@@ -225,7 +225,34 @@ def test_the_race_draws_from_p_never_a_token_without_mass_and_shrugs_off_the_las
     logits[:, ::2] = float("-inf")  # half the vocabulary without mass
     probs = (logits / 0.9).softmax(-1)
     nudged = ((logits + 1e-4 * torch.randn(logits.shape, generator=g)) / 0.9).softmax(-1)
-    uniforms = torch.rand(probs.shape, generator=g)
-    a, b = exponential_race(probs, uniforms.clone()), exponential_race(nudged, uniforms)
+    row_keys = keys(300, g)
+    a, b = exponential_race(probs, row_keys), exponential_race(nudged, row_keys)
     assert (probs.gather(1, a[:, None]) > 0).all()
     assert (a != b).sum() <= 1
+
+
+def test_the_cpu_race_op_draws_the_torch_race_s_tokens():
+    """The C++ op (which skips the log wherever a token's bound cannot beat the best) and the torch ops draw the same
+    token from the same key: flat and peaked rows, zeros, a one-hot row, a vocabulary of 1 and one not a multiple of
+    the op's chunk; and each row's draw is its own (a row alone draws what it draws in a batch)."""
+    import torch
+
+    from engine.model.sampling import draw
+
+    if draw._cpu_op() is None:
+        pytest.skip("the C++ op does not build here")
+    g = torch.Generator().manual_seed(7)
+    for vocab, scale in ((49152, 3.0), (49152, 12.0), (1001, 1.0), (7, 0.5), (1, 1.0), (129, 30.0)):
+        probs = (torch.randn(64, vocab, generator=g) * scale).softmax(-1)
+        probs[::3, : vocab // 2] = 0.0
+        probs[5] = 0.0
+        probs[5, vocab - 1] = 1.0
+        row_keys = draw.keys(64, g)
+        op = draw.exponential_race(probs, row_keys)
+        assert op.tolist() == draw.exponential_race_reference(probs, row_keys).tolist(), vocab
+        assert (probs.gather(1, op[:, None]) > 0).all() and op[5] == vocab - 1
+        assert draw.exponential_race(probs[9:10], row_keys[9:10]).item() == op[9]
+    u = draw.odd_uniforms(draw.keys(4, g), 100_000).double() / 2**24  # the uniforms themselves: mean and spread
+    assert u.min() > 0 and u.max() < 1
+    assert u.mean().item() == pytest.approx(0.5, abs=0.002) and u.var().item() == pytest.approx(1 / 12, abs=0.001)
+

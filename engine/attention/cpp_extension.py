@@ -32,6 +32,7 @@ CPU_EXTENSIONS = {
     "orcinus_cpu_int16_matmul": ("int16_matmul_cpu.cpp", True),
     "orcinus_cpu_token_ops": ("token_ops_cpu.cpp", False),
     "orcinus_cpu_attention": ("paged_decode_attention_cpu.cpp", False),
+    "orcinus_cpu_sampling": ("sampling_cpu.cpp", False),
 }
 
 

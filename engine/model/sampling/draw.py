@@ -2,18 +2,65 @@
 
 It is what torch.multinomial does for one sample, but multinomial's exponentials on the CPU (`exponential_`) cost
 0.85 ms a row of a 49k vocabulary, 20 ms for a step of 24 sampled rows, more than the model's forward (two threads,
-torch 2.13); uniforms and a log take 3.8 ms for those 24 rows. An inverse CDF was faster still (0.6 ms), but its token
-hangs on a running sum over the whole vocabulary: noise of 1e-4 in every logit moved 3% of its draws (the race's:
-none), and a seeded request drew other tokens with its prompt cached than without (a cached prefix is attended as
-decode queries, not by SDPA). The race compares only the leading candidates' ratios.
+torch 2.13). An inverse CDF was faster still, but its token hangs on a running sum over the whole vocabulary: noise of
+1e-4 in every logit moved 3% of its draws (the race's: none), and a seeded request drew other tokens with its prompt
+cached than without (a cached prefix is attended as decode queries, not by SDPA). The race compares only the leading
+candidates' ratios.
+
+A row's uniforms come from its 64-bit key and the token's index alone (SplitMix64 of key + (i + 1) * gamma), so the
+CPU's op (cuda/sampling_cpu.cpp, which settles most tokens without a log) and the torch ops here draw the same
+tokens, and a row's draw never depends on the rest of the batch.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from engine.attention.cpp_extension import builds, load_cpu_extension
 
-def exponential_race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """probs [R, V] (non-negative, each row's mass above 0, not necessarily 1) and uniforms [R, V] in [0, 1) (a fresh
-    tensor: it is overwritten) -> per row a token drawn with probability p_i / sum(p); a token of probability 0 never."""
-    return (probs / uniforms.log_().neg_()).max(dim=-1).indices
+KEY_BITS = 62  # a key per row drawn from a torch generator: [0, 2^62)
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)  # SplitMix64's constants as int64 (torch's int64 arithmetic wraps)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def keys(n: int, generator: torch.Generator | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """n keys [n] int64 for `exponential_race`, from `generator` (the shared one, or a seeded request's own)."""
+    return torch.randint(0, 1 << KEY_BITS, (n,), generator=generator, device=device)
+
+
+def exponential_race(probs: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] (non-negative, finite, each row's mass above 0, not necessarily 1) and a key per row -> per row
+    a token drawn with probability p_i / sum(p); a token of probability 0 never."""
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and _cpu_op() is not None:
+        return _cpu_op().exponential_race(probs.contiguous(), row_keys.contiguous())
+    return exponential_race_reference(probs, row_keys)
+
+
+def exponential_race_reference(probs: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+    """The race in torch ops, on any device (the GPU's, and the CPU's where its op does not build)."""
+    u = odd_uniforms(row_keys, probs.shape[1]).float().mul_(2.0**-24)
+    return (probs.float() / u.log_().neg_()).max(dim=-1).indices
+
+
+def odd_uniforms(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, V] int64: each token's uniform as an odd integer m in [1, 2^24), u = m / 2^24 (never 0 or 1)."""
+    z = row_keys[:, None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=row_keys.device) * _GAMMA
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    z = z ^ _shift(z, 31)
+    return _shift(z, 41) * 2 + 1
+
+
+def _shift(z: torch.Tensor, n: int) -> torch.Tensor:
+    """z >> n as unsigned 64-bit integers (torch shifts int64 arithmetically)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+@functools.cache
+def _cpu_op():
+    """The CPU's race op, or None where it cannot build (the torch ops then draw the same tokens)."""
+    load = functools.partial(load_cpu_extension, "orcinus_cpu_sampling")
+    return load() if builds(load, "the C++ sampling op is unavailable, drawing with torch ops") else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.request import SampledTokens, TokenLogprobs
-from engine.model.sampling.draw import exponential_race
+from engine.model.sampling.draw import exponential_race, keys
 from engine.model.sampling.grammar import GrammarMasks
 from engine.model.sampling.state import SamplingState
 from engine.model.sampling.verification import NO_DRAFT, accepted_tokens, draft_acceptance
@@ -266,12 +266,12 @@ class Sampler:
         return probs.scatter_add_(1, best[:, None], unusable.to(probs.dtype))
 
     def _draw(self, probs: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
-        """A token per row, by the exponential race over uniforms from the shared generator, or a seeded request's own."""
-        uniforms = torch.rand(probs.shape, generator=self.generator, device=probs.device)
+        """A token per row, by the exponential race keyed from the shared generator, or from a seeded request's own."""
+        row_keys = keys(len(requests), self.generator, probs.device)
         for i, r in enumerate(requests):
-            if r.params.seed is not None:  # its draws never depend on the batch: the shared row is left unused
-                uniforms[i] = torch.rand(probs.shape[1], generator=self._generator_for(r), device=probs.device)
-        return exponential_race(probs, uniforms)
+            if r.params.seed is not None:  # its draws never depend on the batch: the shared key is left unused
+                row_keys[i] = keys(1, self._generator_for(r), probs.device)[0]
+        return exponential_race(probs, row_keys)
 
     def _uniform(self, rows: list[Row], device: torch.device) -> torch.Tensor:
         """A uniform draw per row, from the generator its token is drawn with; a seeded request draws only for its

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.sampling.draw import exponential_race
+from engine.model.sampling.draw import exponential_race, keys
 
 NO_DRAFT = -1  # the draft id of a row that verifies nothing (a request's last row: its token follows the drafts)
 
@@ -54,5 +54,5 @@ def verify_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Gener
     ids = torch.tensor(draft + [NO_DRAFT], device=probs.device)
     uniforms = torch.rand(len(ids), generator=generator, device=probs.device)
     accepted, residual = draft_acceptance(probs, ids, uniforms)
-    tokens = exponential_race(residual, torch.rand(residual.shape, generator=generator, device=probs.device))
+    tokens = exponential_race(residual, keys(len(ids), generator, probs.device))
     return accepted_tokens(draft, tokens.tolist(), accepted.tolist())
