@@ -137,10 +137,13 @@ class Sampler:
             every = len(random_rows) == len(rows)  # then no copy of the logits: 24 rows of 49k took 0.3 ms
             probs = self._probs(logits if every else logits.index_select(0, index),
                                 [row.request for row in sampled_rows], tokens.index_select(0, index))
-            if any(row.draft_id != NO_DRAFT for row in sampled_rows):
-                uniforms = self._uniform(sampled_rows, probs.device)
-                verdicts, probs = draft_acceptance(probs, draft_ids.index_select(0, index), uniforms)
-                accepted.index_copy_(0, index, verdicts)
+            verifying = [j for j, row in enumerate(sampled_rows) if row.draft_id != NO_DRAFT]
+            if verifying:  # only the rows with a draft token: a pass over every row's vocabulary cost ~3 ms at 32 rows
+                at = self._tensor(verifying, torch.int64)
+                uniforms = self._uniform([sampled_rows[j] for j in verifying], probs.device)
+                verdicts, residual = draft_acceptance(probs.index_select(0, at), draft_ids[index[at]], uniforms)
+                accepted.index_copy_(0, index[at], verdicts)
+                probs.index_copy_(0, at, residual)  # `_probs` made probs: its own tensor
             tokens.index_copy_(0, index, self._draw(probs, [row.request for row in sampled_rows]))
 
         # One transfer for everything: ids are exact in float64.
@@ -274,13 +277,12 @@ class Sampler:
         return exponential_race(probs, row_keys)
 
     def _uniform(self, rows: list[Row], device: torch.device) -> torch.Tensor:
-        """A uniform draw per row, from the generator its token is drawn with; a seeded request draws only for its
-        draft rows, so what it samples never depends on whether others in the batch drafted."""
+        """A uniform draw per draft row, from the generator its token is drawn with (a seeded request's own, so what
+        it samples never depends on whether others in the batch drafted)."""
         out = torch.rand(len(rows), generator=self.generator, device=device)
         for i, row in enumerate(rows):
             if row.request.params.seed is not None:
-                out[i] = (0.0 if row.draft_id == NO_DRAFT else
-                          torch.rand(1, generator=self._generator_for(row.request), device=device)[0])
+                out[i] = torch.rand(1, generator=self._generator_for(row.request), device=device)[0]
         return out
 
     def _generator_for(self, req: SamplingState) -> torch.Generator:
