@@ -252,6 +252,9 @@ def test_the_cpu_race_op_draws_the_torch_race_s_tokens():
         assert op.tolist() == draw.exponential_race_reference(probs, row_keys).tolist(), vocab
         assert (probs.gather(1, op[:, None]) > 0).all() and op[5] == vocab - 1
         assert draw.exponential_race(probs[9:10], row_keys[9:10]).item() == op[9]
+    probs = (torch.randn(100, 49152, generator=g) * 3).softmax(-1)  # the reference a few rows at a time
+    row_keys = draw.keys(100, g)
+    assert draw.exponential_race(probs, row_keys).tolist() == draw.exponential_race_reference(probs, row_keys).tolist()
     u = draw.odd_uniforms(draw.keys(4, g), 100_000).double() / 2**24  # the uniforms themselves: mean and spread
     assert u.min() > 0 and u.max() < 1
     assert u.mean().item() == pytest.approx(0.5, abs=0.002) and u.var().item() == pytest.approx(1 / 12, abs=0.001)

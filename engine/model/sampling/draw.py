@@ -21,6 +21,7 @@ import torch
 from engine.attention.cpp_extension import builds, load_cpu_extension
 
 KEY_BITS = 62  # a key per row drawn from a torch generator: [0, 2^62)
+REFERENCE_ELEMENTS = 1 << 22  # the torch race's rows at a time times the vocabulary: 32 MB per int64 temporary
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)  # SplitMix64's constants as int64 (torch's int64 arithmetic wraps)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
@@ -40,9 +41,15 @@ def exponential_race(probs: torch.Tensor, row_keys: torch.Tensor) -> torch.Tenso
 
 
 def exponential_race_reference(probs: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
-    """The race in torch ops, on any device (the GPU's, and the CPU's where its op does not build)."""
-    u = odd_uniforms(row_keys, probs.shape[1]).float().mul_(2.0**-24)
-    return (probs.float() / u.log_().neg_()).max(dim=-1).indices
+    """The race in torch ops, on any device (the GPU's, and the CPU's where its op does not build); a few rows at a
+    time, so that its int64 temporaries stay near REFERENCE_ELEMENTS whatever the batch and vocabulary."""
+    rows = max(1, REFERENCE_ELEMENTS // max(1, probs.shape[1]))
+    tokens = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    for start in range(0, probs.shape[0], rows):
+        p, k = probs[start:start + rows], row_keys[start:start + rows]
+        u = odd_uniforms(k, probs.shape[1]).float().mul_(2.0**-24)
+        tokens[start:start + rows] = (p.float() / u.log_().neg_()).max(dim=-1).indices
+    return tokens
 
 
 def odd_uniforms(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
