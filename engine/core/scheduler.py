@@ -197,8 +197,9 @@ class Scheduler:
                 continue
             draft = self._draft(req, budget, step) if num_new == 1 and step is not None else []
             if draft and not self.kv.allocate(req, num_new + len(draft)):
-                step.rows -= len(draft)
                 draft = []  # no blocks for them: drafts never preempt anybody
+            if draft:
+                self.speculation.join(req, draft, step)
             while not self.kv.allocate(req, num_new):
                 victim = self._preempt({r.request_id for r, _, _ in scheduled})
                 if victim is None:  # every newer request is in flight: wait for one to come back

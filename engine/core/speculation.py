@@ -149,7 +149,8 @@ class Speculation:
 
     def draft(self, req: Request, limit: int, step: StepDrafts) -> list[int]:
         """Draft tokens for `req`'s next step, beside the rows `step` holds so far: at most `limit` (what its
-        max_tokens, the context window and the step's token budget leave), and only as many as pay for their rows."""
+        max_tokens, the context window and the step's token budget leave), and only as many as pay for their rows.
+        Once they are scheduled (their blocks allocated), `join` counts them in the step."""
         state = req.speculation
         if state is None:
             state = req.speculation = RequestSpeculation(self.source.new_drafter(), self.prior)
@@ -159,10 +160,12 @@ class Speculation:
         if k <= 0:  # not worth a row: recover slowly, to probe again with one token
             state.acceptance = min(max(self.prior, state.acceptance), state.acceptance + self.RECOVERY)
             return []
-        draft = state.drafter.propose(req.prompt_token_ids + req.output_token_ids, k)
+        return state.drafter.propose(req.prompt_token_ids + req.output_token_ids, k)
+
+    def join(self, req: Request, draft: list[int], step: StepDrafts) -> None:
+        """Count `req`'s scheduled draft in its step: a row each, and the tokens they should yield."""
         step.rows += len(draft)
-        step.tokens += sum(state.acceptance ** d for d in range(1, len(draft) + 1))
-        return draft
+        step.tokens += sum(req.speculation.acceptance ** d for d in range(1, len(draft) + 1))
 
     def _worth_drafting(self, acceptance: float, step: StepDrafts) -> int:
         """The draft length that makes the step the most tokens a second (see the module's docstring)."""
