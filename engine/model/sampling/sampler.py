@@ -140,9 +140,10 @@ class Sampler:
             verifying = [j for j, row in enumerate(sampled_rows) if row.draft_id != NO_DRAFT]
             if verifying:  # only the rows with a draft token: a pass over every row's vocabulary cost ~3 ms at 32 rows
                 at = self._tensor(verifying, torch.int64)
+                batch_rows = index[at]  # the verifying rows' places in the batch
                 uniforms = self._uniform([sampled_rows[j] for j in verifying], probs.device)
-                verdicts, residual = draft_acceptance(probs.index_select(0, at), draft_ids[index[at]], uniforms)
-                accepted.index_copy_(0, index[at], verdicts)
+                verdicts, residual = draft_acceptance(probs.index_select(0, at), draft_ids[batch_rows], uniforms)
+                accepted.index_copy_(0, batch_rows, verdicts)
                 probs.index_copy_(0, at, residual)  # `_probs` made probs: its own tensor
             tokens.index_copy_(0, index, self._draw(probs, [row.request for row in sampled_rows]))
 
