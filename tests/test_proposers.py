@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine.spec import NgramDrafter, RecentOutputs, SuffixDrafter, SuffixTree
+from engine.spec import NgramDrafter, NgramSource, RecentNgrams, RecentOutputs, SuffixDrafter, SuffixTree
 
 
 def brute_force_lookup(tokens, k, min_n, max_n):
@@ -40,6 +40,51 @@ def test_prompt_lookup_prefers_the_longest_match_then_the_latest():
     assert NgramDrafter(1, 4).propose([5, 6, 7, 5], 0) == []
     with pytest.raises(ValueError):
         NgramDrafter(3, 2)
+
+
+def test_recent_outputs_draft_only_where_the_own_context_has_no_match():
+    source = NgramSource(min_n=2, max_n=8, shared_max_n=4)
+    source.finished([40, 41, 42, 43, 44, 45])
+    source.finished([50, 41, 42, 60, 61])  # the later "41 42" wins
+    drafter = source.new_drafter()
+    assert drafter.propose([1, 2, 41, 42], 3) == [60, 61]
+    assert drafter.propose([1, 2, 41, 42, 43], 3) == [44, 45]  # "42 43" occurs in the first output only
+    assert drafter.propose([1, 2, 41, 42, 43, 1, 2], 3) == [41, 42, 43]  # the own context's match comes first
+    assert drafter.propose([1, 2, 41, 42, 43, 1, 2, 9], 3) == []  # no match anywhere
+    assert NgramSource(shared_capacity=0).recent is None
+
+
+def brute_force_recent(outputs, capacity, tokens, k, min_n, max_n):
+    """The latest outputs that fit `capacity` tokens (the newest whole), searched newest first for the longest
+    n-gram that ends the context and has a continuation."""
+    kept, total = [], 0
+    for out in reversed(outputs):
+        if kept and total + len(out) > capacity:
+            break
+        kept.append(out[-capacity:])
+        total += len(out)
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for out in kept:
+            for end in range(len(out) - 1, n - 1, -1):
+                if out[end - n:end] == suffix:
+                    return out[end:end + k]
+    return []
+
+
+def test_recent_ngrams_match_a_scan_of_the_outputs_still_held():
+    rng = random.Random(5)
+    recent, outputs = RecentNgrams(2, 3, capacity=40), []
+    for _ in range(60):
+        out = [rng.randrange(4) for _ in range(rng.randrange(1, 25))]
+        recent.add(out)
+        outputs.append(out)
+        for _ in range(5):
+            tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+            assert recent.propose(tokens, 4) == brute_force_recent(outputs, 40, tokens, 4, 2, 3)
+    for _ in range(40):
+        recent.add([9])  # one-token outputs have no n-gram with a continuation: everything older leaves
+    assert len(recent) == 0
 
 
 def substring_counts(sequences, depth):

@@ -2,14 +2,15 @@
 followed earlier occurrences of the request's latest tokens, for the target model to verify in one step.
 
 Pure Python over token ids, run on the host while the device computes: imports nothing else of the engine, and no
-torch. `ngram.py` is prompt lookup (the longest recent n-gram match); `suffix_tree.py` counts every context's
-substrings up to a depth, per request and across recent outputs, and drafts by frequency (SuffixDecoding, 2024);
-`sources.py` makes each request's drafter for the engine (engine/core/speculation.py decides how far it drafts).
+torch. `ngram.py` is prompt lookup (the longest recent n-gram match, in the request's context or else in recent
+outputs); `suffix_tree.py` counts every context's substrings up to a depth, per request and across recent outputs,
+and drafts by frequency (SuffixDecoding, 2024); `sources.py` makes each request's drafter for the engine
+(engine/core/speculation.py decides how far it drafts).
 """
 
-from engine.spec.ngram import NgramDrafter
+from engine.spec.ngram import NgramDrafter, RecentNgrams
 from engine.spec.sources import DRAFT_SOURCES, NgramSource, SuffixSource
 from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
 
-__all__ = ["DRAFT_SOURCES", "NgramDrafter", "NgramSource", "RecentOutputs", "SuffixDrafter", "SuffixSource",
-           "SuffixTree"]
+__all__ = ["DRAFT_SOURCES", "NgramDrafter", "NgramSource", "RecentNgrams", "RecentOutputs", "SuffixDrafter",
+           "SuffixSource", "SuffixTree"]

@@ -1,20 +1,72 @@
-"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of the context's last n tokens."""
+"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of the context's last n tokens, in
+the request's own context or, failing that, in other requests' recent outputs."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+
+
+class RecentNgrams:
+    """The n-grams of the latest finished outputs (at most `capacity` tokens of them), each pointing at its latest
+    occurrence; an output's n-grams leave with it unless a later output has them too. Answers to similar requests
+    share their structure (a JSON record's keys, a docstring's sections, a list's phrasing), which a request's own
+    context holds only from its second occurrence on."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, capacity: int = 65536):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
+        self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
+        self._latest: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}  # n-gram -> (output, it, end)
+        self._outputs: deque[tuple[int, tuple[int, ...]]] = deque()  # (serial number, tokens), oldest first
+        self._num_tokens = 0
+        self._serial = 0
+
+    def _ngrams(self, output: tuple[int, ...]):
+        # Only n-grams with a token after them: a draft needs a continuation.
+        for end in range(self.min_n, len(output)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                yield output[end - n:end], end
+
+    def add(self, output: Sequence[int]) -> None:
+        tokens = tuple(output[-self.capacity:])
+        self._serial += 1
+        self._outputs.append((self._serial, tokens))
+        self._num_tokens += len(tokens)
+        for ngram, end in self._ngrams(tokens):
+            self._latest[ngram] = (self._serial, tokens, end)
+        while self._num_tokens > self.capacity:
+            serial, old = self._outputs.popleft()
+            self._num_tokens -= len(old)
+            for ngram, _ in self._ngrams(old):
+                entry = self._latest.get(ngram)
+                if entry is not None and entry[0] == serial:
+                    del self._latest[ngram]
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest of the context's last n-grams in a recent output."""
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            entry = self._latest.get(tuple(tokens[len(tokens) - n:]))
+            if entry is not None:
+                _, output, end = entry
+                return list(output[end:end + k])
+        return []
+
+    def __len__(self) -> int:
+        return len(self._latest)
 
 
 class NgramDrafter:
     """One request's drafter. For n from `max_n` down to `min_n`, the last n tokens are looked up among the n-grams
     that end earlier in the context (prompt and output); the first n that matches wins, and its latest occurrence's
-    next tokens are the draft. An index of each n-gram's latest end grows with the context, so a call costs
-    O(max_n) per new token, not a scan of the context."""
+    next tokens are the draft. Where none matches, `shared` (recent outputs of other requests) drafts. An index of
+    each n-gram's latest end grows with the context, so a call costs O(max_n) per new token, not a scan."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int = 2, max_n: int = 4, shared: RecentNgrams | None = None):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.shared = shared
         self._latest_end: dict[tuple[int, ...], int] = {}  # an n-gram -> where its latest indexed occurrence ends
         self._indexed = 0  # n-grams ending at or before this position are in the index
 
@@ -31,4 +83,4 @@ class NgramDrafter:
             end = self._latest_end.get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
                 return list(tokens[end:end + k])
-        return []
+        return self.shared.propose(tokens, k) if self.shared is not None else []
