@@ -42,16 +42,21 @@ def test_prompt_lookup_prefers_the_longest_match_then_the_latest():
         NgramDrafter(3, 2)
 
 
-def test_recent_outputs_draft_only_where_the_own_context_has_no_match():
+def test_recent_outputs_are_a_drafter_shared_by_all_requests():
     source = NgramSource(min_n=2, max_n=8, shared_max_n=4)
     source.finished([40, 41, 42, 43, 44, 45])
     source.finished([50, 41, 42, 60, 61])  # the later "41 42" wins
-    drafter = source.new_drafter()
-    assert drafter.propose([1, 2, 41, 42], 3) == [60, 61]
-    assert drafter.propose([1, 2, 41, 42, 43], 3) == [44, 45]  # "42 43" occurs in the first output only
-    assert drafter.propose([1, 2, 41, 42, 43, 1, 2], 3) == [41, 42, 43]  # the own context's match comes first
-    assert drafter.propose([1, 2, 41, 42, 43, 1, 2, 9], 3) == []  # no match anywhere
-    assert NgramSource(shared_capacity=0).recent is None
+    own, recent = source.new_drafters()
+    assert recent is source.recent and own is not source.new_drafters()[0]  # one shared, one own per request
+
+    def propose(tokens, k):
+        return own.propose(tokens, k) or recent.propose(tokens, k)  # as engine/core/speculation.py tries them
+
+    assert propose([1, 2, 41, 42], 3) == [60, 61]
+    assert propose([1, 2, 41, 42, 43], 3) == [44, 45]  # "42 43" occurs in the first output only
+    assert propose([1, 2, 41, 42, 43, 1, 2], 3) == [41, 42, 43]  # the own context's match comes first
+    assert propose([1, 2, 41, 42, 43, 1, 2, 9], 3) == []  # no match anywhere
+    assert len(NgramSource(shared_capacity=0).new_drafters()) == 1
 
 
 def brute_force_recent(outputs, capacity, tokens, k, min_n, max_n):

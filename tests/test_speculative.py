@@ -208,8 +208,8 @@ class FixedDrafts:
     def __init__(self, draft):
         self.draft = draft
 
-    def new_drafter(self):
-        return self
+    def new_drafters(self):
+        return [self]
 
     def propose(self, tokens, k):
         return self.draft[:k]
@@ -271,10 +271,47 @@ def test_a_new_request_starts_from_what_recent_drafts_earned():
     for _ in range(100):  # open chat: one draft token in three accepted
         spec.verified(first, 2, 1)
         spec.verified(first, 1, 0)
-    assert spec.prior == pytest.approx(1 / 3, abs=0.05)
+    assert spec.priors == [pytest.approx(1 / 3, abs=0.05)]
     later = Request("b", [1, 2], SamplingParams())
     later.output_token_ids = [3]
     assert spec.draft(later, 16, spec.new_step(4)) == []  # beside 3 others a draft token must be accepted one time in two
+
+
+class TwoDrafters:
+    """An own drafter proposing on even-length contexts only, and a shared one proposing always."""
+
+    class Own:
+        def propose(self, tokens, k):
+            return list(range(100, 100 + k)) if len(tokens) % 2 == 0 else []
+
+    def __init__(self):
+        self.shared = FixedDrafts(list(range(200, 220)))
+
+    def new_drafters(self):
+        return [self.Own(), self.shared]
+
+    def finished(self, output_token_ids):
+        pass
+
+
+def test_each_drafter_is_judged_by_its_own_drafts():
+    """Own-context drafts always accepted, other requests' always rejected: the request keeps drafting far from the
+    first and stops drafting from the second, and new requests start from each one's record."""
+    spec = Speculation(TwoDrafters(), max_tokens=8, row_cost=0.25)
+    req = Request("a", [1, 2], SamplingParams())
+    for outputs in range(1, 41):
+        req.output_token_ids = [3] * outputs
+        draft = spec.draft(req, 16, spec.new_step(1))
+        own = outputs % 2 == 0  # the context is 2 prompt tokens + the outputs
+        assert not draft or draft[0] == (100 if own else 200)
+        if draft:
+            spec.verified(req, len(draft), len(draft) if own else 0)
+    req.output_token_ids = [3, 3]
+    assert len(spec.draft(req, 16, spec.new_step(1))) == 8
+    req.output_token_ids = [3]
+    assert len(spec.draft(req, 16, spec.new_step(1))) <= 1  # nothing, or a probe of one token
+    assert req.speculation.acceptance[0] > 0.99 and req.speculation.acceptance[1] < 0.3
+    assert spec.priors[0] > Speculation.PRIOR > spec.priors[1]
 
 
 def test_the_row_cost_is_measured_from_consecutive_decode_steps():
@@ -325,7 +362,7 @@ def test_a_full_batch_of_doubtful_drafts_stays_undrafted_where_rows_are_dear():
             req = Request(str(i), [1, 2], SamplingParams())
             req.output_token_ids = [3]
             spec.draft(req, 16, spec.new_step(1))  # made its drafter: now set its estimate
-            req.speculation.acceptance = acceptance
+            req.speculation.acceptance = [acceptance]
             draft = spec.draft(req, 16, step)
             spec.join(req, draft, step)  # scheduled: the scheduler counts it in the step
             drafts.append(len(draft))

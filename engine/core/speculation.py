@@ -29,19 +29,22 @@ class Drafter(Protocol):
 
 
 class DraftSource(Protocol):
-    """Makes each request's drafter (engine/spec/sources.py) and learns from finished outputs."""
+    """Makes each request's drafters (engine/spec/sources.py) and learns from finished outputs."""
 
-    def new_drafter(self) -> Drafter: ...
+    def new_drafters(self) -> list[Drafter]:
+        """A request's drafters, tried in order: the first with a proposal drafts, judged by its own record."""
 
     def finished(self, output_token_ids: Sequence[int]) -> None: ...
 
 
 @dataclass
 class RequestSpeculation:
-    """One request's drafter and what its drafts have earned so far."""
+    """One request's drafters and what each one's drafts have earned so far (its own context's matches and other
+    requests' outputs are accepted at different rates)."""
 
-    drafter: Drafter
-    acceptance: float  # estimated chance that its next draft token is accepted
+    drafters: list[Drafter]
+    acceptance: list[float]  # per drafter: estimated chance that its next draft token is accepted
+    drafting: int = 0  # the drafter whose draft was scheduled last: verification's outcome is its
     num_drafted: int = 0
     num_accepted: int = 0
 
@@ -136,9 +139,9 @@ class Speculation:
         self.source = source
         self.max_tokens = max_tokens  # most draft tokens per request per step
         self.step_cost = StepCost(row_cost)  # a step's cost by its rows (row_cost: a fixed share of a step a row)
-        # A new request's acceptance estimate: recent draft tokens' outcomes, all requests' (open chat accepts fewer
-        # than a rewrite of its prompt, and a request starting out optimistic pays for it in rows).
-        self.prior = self.PRIOR
+        # A new request's acceptance estimates, per drafter: recent draft tokens' outcomes, all requests' (open chat
+        # accepts fewer than a rewrite of its prompt, and a request starting out optimistic pays for it in rows).
+        self.priors: list[float] = []
         self.num_drafted = 0  # draft tokens sent to verification, since start
         self.num_accepted = 0  # of those, accepted
         self.accepted_lengths: list[int] = []  # per verified draft since the last drain: tokens accepted
@@ -153,19 +156,32 @@ class Speculation:
         Once they are scheduled (their blocks allocated), `join` counts them in the step."""
         state = req.speculation
         if state is None:
-            state = req.speculation = RequestSpeculation(self.source.new_drafter(), self.prior)
+            drafters = self.source.new_drafters()
+            self.priors += [self.PRIOR] * (len(drafters) - len(self.priors))
+            state = req.speculation = RequestSpeculation(drafters, self.priors[:len(drafters)])
+        limit = min(limit, self.max_tokens)
         if limit <= 0:
             return []
-        k = min(limit, self.max_tokens, self._worth_drafting(state.acceptance, step))
-        if k <= 0:  # not worth a row: recover slowly, to probe again with one token
-            state.acceptance = min(max(self.prior, state.acceptance), state.acceptance + self.RECOVERY)
+        context = req.prompt_token_ids + req.output_token_ids
+        for i, drafter in enumerate(state.drafters):
+            draft = drafter.propose(context, limit)
+            if draft:
+                break
+        else:
             return []
-        return state.drafter.propose(req.prompt_token_ids + req.output_token_ids, k)
+        k = self._worth_drafting(state.acceptance[i], step)
+        if k <= 0:  # not worth a row: recover slowly, to probe again with one token
+            a = state.acceptance[i]
+            state.acceptance[i] = min(max(self.priors[i], a), a + self.RECOVERY)
+            return []
+        state.drafting = i
+        return draft[:k]
 
     def join(self, req: Request, draft: list[int], step: StepDrafts) -> None:
         """Count `req`'s scheduled draft in its step: a row each, and the tokens they should yield."""
         step.rows += len(draft)
-        step.tokens += sum(req.speculation.acceptance ** d for d in range(1, len(draft) + 1))
+        state = req.speculation
+        step.tokens += sum(state.acceptance[state.drafting] ** d for d in range(1, len(draft) + 1))
 
     def _worth_drafting(self, acceptance: float, step: StepDrafts) -> int:
         """The draft length that makes the step the most tokens a second (see the module's docstring)."""
@@ -191,9 +207,10 @@ class Speculation:
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self.accepted_lengths.append(num_accepted)
+        i = state.drafting
         for outcome in [1.0] * num_accepted + [0.0] * (num_accepted < num_drafted):
-            state.acceptance += self.WEIGHT * (outcome - state.acceptance)
-            self.prior += self.PRIOR_WEIGHT * (outcome - self.prior)
+            state.acceptance[i] += self.WEIGHT * (outcome - state.acceptance[i])
+            self.priors[i] += self.PRIOR_WEIGHT * (outcome - self.priors[i])
 
     def finished(self, req: Request) -> None:
         if req.speculation is not None:

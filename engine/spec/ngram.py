@@ -1,5 +1,5 @@
 """Prompt lookup: draft the tokens that followed the latest earlier occurrence of the context's last n tokens, in
-the request's own context or, failing that, in other requests' recent outputs."""
+the request's own context (NgramDrafter) or in other requests' recent outputs (RecentNgrams)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 class RecentNgrams:
     """The n-grams of the latest finished outputs (at most `capacity` tokens of them), each pointing at its latest
-    occurrence; an output's n-grams leave with it unless a later output has them too. Answers to similar requests
-    share their structure (a JSON record's keys, a docstring's sections, a list's phrasing), which a request's own
-    context holds only from its second occurrence on."""
+    occurrence; an output's n-grams leave with it unless a later output has them too. One is shared by all requests
+    as a drafter: answers to similar requests share their structure (a JSON record's keys, a docstring's sections, a
+    list's phrasing), which a request's own context holds only from its second occurrence on."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4, capacity: int = 65536):
         if not 1 <= min_n <= max_n:
@@ -59,14 +59,13 @@ class RecentNgrams:
 class NgramDrafter:
     """One request's drafter. For n from `max_n` down to `min_n`, the last n tokens are looked up among the n-grams
     that end earlier in the context (prompt and output); the first n that matches wins, and its latest occurrence's
-    next tokens are the draft. Where none matches, `shared` (recent outputs of other requests) drafts. An index of
-    each n-gram's latest end grows with the context, so a call costs O(max_n) per new token, not a scan."""
+    next tokens are the draft. An index of each n-gram's latest end grows with the context, so a call costs
+    O(max_n) per new token, not a scan of the context."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, shared: RecentNgrams | None = None):
+    def __init__(self, min_n: int = 2, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
-        self.shared = shared
         self._latest_end: dict[tuple[int, ...], int] = {}  # an n-gram -> where its latest indexed occurrence ends
         self._indexed = 0  # n-grams ending at or before this position are in the index
 
@@ -83,4 +82,4 @@ class NgramDrafter:
             end = self._latest_end.get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
                 return list(tokens[end:end + k])
-        return self.shared.propose(tokens, k) if self.shared is not None else []
+        return []

@@ -10,7 +10,7 @@ from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
 
 class NgramSource:
     """Prompt lookup: each request drafts from its own context, and where that has no match, from the n-grams of
-    recent outputs of all requests."""
+    recent outputs of all requests (each judged by its own acceptance)."""
 
     # Matches of up to 8 tokens: on copy-heavy answers (benchmarks/speculative.json's grounded workload) 0.82 of the
     # draft tokens were accepted against 0.78 with n <= 4, in 254 steps against 271. Recent outputs' matches of up
@@ -19,8 +19,9 @@ class NgramSource:
         self.min_n, self.max_n = min_n, max_n
         self.recent = RecentNgrams(min_n, shared_max_n, shared_capacity) if shared_capacity else None
 
-    def new_drafter(self) -> NgramDrafter:
-        return NgramDrafter(self.min_n, self.max_n, self.recent)
+    def new_drafters(self) -> list[NgramDrafter | RecentNgrams]:
+        own = NgramDrafter(self.min_n, self.max_n)
+        return [own] if self.recent is None else [own, self.recent]
 
     def finished(self, output_token_ids: Sequence[int]) -> None:
         if self.recent is not None:
@@ -35,8 +36,8 @@ class SuffixSource:
         self.shared = SuffixTree(depth)
         self.recent = RecentOutputs(self.shared, capacity)
 
-    def new_drafter(self) -> SuffixDrafter:
-        return SuffixDrafter(self.shared, self.depth)
+    def new_drafters(self) -> list[SuffixDrafter]:
+        return [SuffixDrafter(self.shared, self.depth)]
 
     def finished(self, output_token_ids: Sequence[int]) -> None:
         self.recent.add(output_token_ids)
