@@ -69,7 +69,8 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     if config.scheduling_policy == "predicted":
         predictor = RidgeLengthPredictor(ckpt.shape.hidden_size, config.length_predictor)
     executor = make_executor(config, ckpt, max_model_len)
-    draft_source = None if config.speculative == "off" else DRAFT_SOURCES[config.speculative]()
+    draft_source = (None if config.speculative == "off"
+                    else DRAFT_SOURCES[config.speculative](shared=config.speculative_shared))
     return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source,
                       predictor)
 

@@ -53,6 +53,9 @@ _ENGINE_FLAGS = {
                         help="speculative decoding: draft from prompt lookup (ngram) or suffix trees, verify in one step "
                              "(default auto: ngram on the CPU, off on a GPU)"),
     "num_speculative_tokens": dict(type=int, help="most draft tokens per request per step (default 11)"),
+    "speculative_shared": dict(action=argparse.BooleanOptionalAction,
+                               help="draft also from other requests' recent outputs, where a request's own context has "
+                                    "no match (default: on)"),
     "speculative_row_cost": dict(type=float, help="one more row's cost as a share of a step's fixed cost: drafts are "
                                  "scheduled only where likely to pay for their rows (default: measured from the engine's "
                                  "own steps, starting at 0.25; 0 drafts always)"),

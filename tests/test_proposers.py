@@ -56,7 +56,7 @@ def test_recent_outputs_are_a_drafter_shared_by_all_requests():
     assert propose([1, 2, 41, 42, 43], 3) == [44, 45]  # "42 43" occurs in the first output only
     assert propose([1, 2, 41, 42, 43, 1, 2], 3) == [41, 42, 43]  # the own context's match comes first
     assert propose([1, 2, 41, 42, 43, 1, 2, 9], 3) == []  # no match anywhere
-    assert len(NgramSource(shared_capacity=0).new_drafters()) == 1
+    assert len(NgramSource(shared=False).new_drafters()) == 1
 
 
 def brute_force_recent(outputs, capacity, tokens, k, min_n, max_n):

@@ -1,4 +1,4 @@
-"""What the engine asks for a request's drafter: one source per method, named by `--speculative`."""
+"""What the engine asks for a request's drafters: one source per method, named by `--speculative`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ class NgramSource:
     # Matches of up to 8 tokens: on copy-heavy answers (benchmarks/speculative.json's grounded workload) 0.82 of the
     # draft tokens were accepted against 0.78 with n <= 4, in 254 steps against 271. Recent outputs' matches of up
     # to 4 drafted as well as up to 8 did (benchmarks/README.md, "Drafts from other requests' outputs").
-    def __init__(self, min_n: int = 2, max_n: int = 8, shared_max_n: int = 4, shared_capacity: int = 32768):
+    def __init__(self, shared: bool = True, min_n: int = 2, max_n: int = 8, shared_max_n: int = 4,
+                 shared_capacity: int = 32768):
         self.min_n, self.max_n = min_n, max_n
-        self.recent = RecentNgrams(min_n, shared_max_n, shared_capacity) if shared_capacity else None
+        self.recent = RecentNgrams(min_n, shared_max_n, shared_capacity) if shared else None
 
     def new_drafters(self) -> list[NgramDrafter | RecentNgrams]:
         own = NgramDrafter(self.min_n, self.max_n)
@@ -29,18 +30,20 @@ class NgramSource:
 
 
 class SuffixSource:
-    """Suffix trees: each request's own context, and a tree shared by all over the last `capacity` outputs."""
+    """Suffix trees: each request's own context, and (`shared`) a tree shared by all over the last `capacity`
+    outputs."""
 
-    def __init__(self, capacity: int = 256, depth: int = 24):
+    def __init__(self, shared: bool = True, capacity: int = 256, depth: int = 24):
         self.depth = depth
-        self.shared = SuffixTree(depth)
-        self.recent = RecentOutputs(self.shared, capacity)
+        self.shared = SuffixTree(depth) if shared else None
+        self.recent = RecentOutputs(self.shared, capacity) if shared else None
 
     def new_drafters(self) -> list[SuffixDrafter]:
         return [SuffixDrafter(self.shared, self.depth)]
 
     def finished(self, output_token_ids: Sequence[int]) -> None:
-        self.recent.add(output_token_ids)
+        if self.recent is not None:
+            self.recent.add(output_token_ids)
 
 
 DRAFT_SOURCES = {"ngram": NgramSource, "suffix": SuffixSource}
