@@ -7,11 +7,14 @@ row cost) turns steps and rows into a modeled speedup over one token per step. P
 acceptance estimate, and an oracle that drafts exactly the tokens that will be accepted (the drafter's ceiling).
 With --pass-rows P the cost has the CPU kernels' shape instead: a row costs --row-cost of a one-row step and each
 pass over the weights after the first (a pass multiplies P rows: 4 with AVX2, 8 with AVX-512) --pass-cost more; the
-engine's rule then sees those costs as measured (its StepCost primed with them).
+engine's rule then sees those costs as measured (its StepCost primed with them). Each policy runs twice: drafting
+from the request's own context alone, and (`shared`) from the earlier requests' outputs too where that has no match.
 
     python loadtest/spec_ceiling.py --prompts 60 --out benchmarks/spec_ceiling.json
     python loadtest/spec_ceiling.py --prompts 60 --pass-rows 4 --row-cost 0.115 --pass-cost 0.15 --max-k 8 16 24 \
         --out benchmarks/spec_ceiling_avx2.json
+    python loadtest/spec_ceiling.py --prompts 80 --pass-rows 12 --row-cost 0.118 --max-k 11 16 \
+        --out benchmarks/spec_ceiling_shared.json
 """
 
 from __future__ import annotations
@@ -31,41 +34,42 @@ sys.path.insert(0, str(ROOT / "loadtest"))
 from bench_speculative import chat, grounded  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.core.request import Request  # noqa: E402
 from engine.core.speculation import Speculation  # noqa: E402
-from engine.spec.ngram import NgramDrafter  # noqa: E402
+from engine.spec.sources import NgramSource  # noqa: E402
 
 
 def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step_cost: Callable[[int], float],
-           oracle: bool) -> dict:
-    """Modeled speedup, tokens per step and draft acceptance of one policy over every request; `step_cost(R)`: a
-    step of R rows in units of a one-row step."""
+           oracle: bool, shared: bool) -> dict:
+    """Modeled speedup, tokens per step and draft acceptance of one policy over every request, served one at a time
+    in order (so `shared` drafts come from the outputs before); `step_cost(R)`: a step of R rows in units of a
+    one-row step. The engine's rule is engine/core/speculation.py itself, given its drafts' outcomes."""
     cost = tokens = steps = drafted = accepted = 0
-    policy = Speculation(None, max_k)
+    policy = Speculation(NgramSource(shared=shared, min_n=min_n), max_k)
     for _ in range(10):  # the engine's measured costs, as if it had run these steps
         for rows in range(1, max_k + 2):
             policy.step_cost.observe(rows, step_cost(rows))
-    for prompt, out in data:
-        drafter = NgramDrafter(min_n, 8)
-        estimate, t = Speculation.PRIOR, 0
+    for i, (prompt, out) in enumerate(data):
+        req = Request(str(i), prompt, SamplingParams(max_tokens=len(out), temperature=0.0))
+        drafters, t = policy.source.new_drafters(), 0
         while t < len(out):
-            proposal = drafter.propose(prompt + out[:t], 64)
-            agree = 0
-            while agree < len(proposal) and t + agree < len(out) - 1 and proposal[agree] == out[t + agree]:
-                agree += 1
+            req.output_token_ids = out[:t]
+            limit = len(out) - t - 1  # what max_tokens leaves for drafts
             if oracle:
-                k = min(agree, max_k)
-            else:  # the engine's own rule, alone (one decoding request)
-                k = min(max_k, policy._worth_drafting(estimate, policy.new_step(1)))
-                if k == 0:
-                    estimate = min(Speculation.PRIOR, estimate + Speculation.RECOVERY)
-            k = min(k, len(proposal))
-            a = min(agree, k)
-            if k and not oracle:
-                for outcome in [1.0] * a + [0.0] * (a < k):
-                    estimate += Speculation.WEIGHT * (outcome - estimate)
-            drafted, accepted = drafted + k, accepted + a
-            advance = min(a + 1, len(out) - t)
+                context = prompt + out[:t]
+                draft = next((d for d in (drafter.propose(context, limit) for drafter in drafters) if d), [])
+            else:
+                draft = policy.draft(req, limit, policy.new_step(1))
+            agree = 0
+            while agree < len(draft) and draft[agree] == out[t + agree]:
+                agree += 1
+            k = min(agree, max_k) if oracle else len(draft)
+            if not oracle and k:
+                policy.verified(req, k, agree)
+            drafted, accepted = drafted + k, accepted + min(agree, k)
+            advance = min(agree, k) + 1
             t, tokens, steps, cost = t + advance, tokens + advance, steps + 1, cost + step_cost(1 + k)
+        policy.source.finished(out)
     return {"modeled_speedup": tokens / cost, "tokens_per_step": tokens / steps,
             "acceptance": accepted / max(1, drafted)}
 
@@ -97,12 +101,13 @@ def main() -> int:
         outs = llm.generate(ids, SamplingParams(max_tokens=256, temperature=0.0))
         data = [(i, list(o.token_ids)) for i, o in zip(ids, outs)]
         rows = {}
-        for min_n in (2, 1):
-            for max_k in args.max_k:
-                for oracle in (False, True):
-                    key = f"{'oracle' if oracle else 'engine'} n>={min_n} k<={max_k}"
-                    rows[key] = replay(data, min_n, max_k, step_cost, oracle)
-                    print(name, key, json.dumps({k: round(v, 3) for k, v in rows[key].items()}), flush=True)
+        for shared in (False, True):
+            for min_n in (2, 1):
+                for max_k in args.max_k:
+                    for oracle in (False, True):
+                        key = f"{'oracle' if oracle else 'engine'} n>={min_n} k<={max_k}{' shared' if shared else ''}"
+                        rows[key] = replay(data, min_n, max_k, step_cost, oracle, shared)
+                        print(name, key, json.dumps({k: round(v, 3) for k, v in rows[key].items()}), flush=True)
         result["workloads"][name] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
