@@ -203,9 +203,12 @@ class Generation:
         choice.num_tokens += len(token_ids)
         self.metrics.generation_tokens.inc(len(token_ids))
         finish = delta.finish_reason
-        if detok.stopped and finish is None:
+        if detok.stopped and finish in (None, "length"):
+            # A stop string ended the text, even where the same step also reached max_tokens (a step's drafts can
+            # carry a sequence past both): OpenAI reports "stop".
+            if finish is None:
+                self.client.abort(rid)  # the engine does not know stop strings: free its blocks now
             finish = "stop"
-            self.client.abort(rid)  # the engine does not know stop strings: free its blocks now
         if finish is not None:
             text += detok.flush()
             choice.finished = True

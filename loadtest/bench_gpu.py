@@ -57,6 +57,7 @@ def make_engine(shape_name: str, args, **overrides) -> EngineCore:
     config = EngineConfig(
         model=f"dummy:{shape_name}", device=args.device, max_num_seqs=max(max(args.batches), args.requests),
         max_num_batched_tokens=args.token_budget, kv_cache_memory=int(args.kv_gib * 2**30),
+        speculative="off",  # one token per request per step, as a GPU serves by default: the steps timed are decodes
     ).with_(**overrides)
     engine = build_engine(config, load_checkpoint(config.model))
     r = engine.runner

@@ -473,6 +473,24 @@ def test_some_character_spans_several_tokens(http):
 # ---------------------------------------------------------------- multi-token stop strings
 
 
+def test_a_stop_string_in_the_last_token_max_tokens_allows_finishes_with_stop(http):
+    """The engine ends the sequence at max_tokens, and its last token completes a stop string: the text stops there,
+    and so does the reason (one step of accepted drafts can carry a sequence past both at once)."""
+    prompt = "Once upon a time, in a small village,"
+    base = complete(http, prompt=prompt, max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
+    text = base["choices"][0]["text"]
+    last = base["choices"][0]["logprobs"]["text_offset"][-1]
+    start = next((i for i in range(last - 1, -1, -1) if text.find(text[i:]) == i and text[i:].strip()), None)
+    assert start is not None, text
+    for body in ({}, {"stream": True}):
+        if body:
+            events = stream(http, prompt=prompt, max_tokens=12, temperature=0, ignore_eos=True, stop=[text[start:]])
+            assert stream_text(events) == text[:start] and finish_reasons(events) == ["stop"]
+        else:
+            r = complete(http, prompt=prompt, max_tokens=12, temperature=0, ignore_eos=True, stop=[text[start:]])
+            assert r["choices"][0]["text"] == text[:start] and r["choices"][0]["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("prompt", ["Once upon a time, in a small village,", "def fibonacci(n):"])
 def test_multi_token_stop_string_cuts_exactly(http, prompt):
     base = complete(http, prompt=prompt, max_tokens=24, temperature=0, logprobs=0, ignore_eos=True)

@@ -58,6 +58,18 @@ def test_greedy_tokens_are_the_same_with_staggered_arrivals(checkpoint, expected
     assert accepted(llm) > 40  # the grounded prompts' drafts were accepted: the test saw speculation
 
 
+def test_repeated_prompts_draft_from_the_earlier_outputs_to_the_same_tokens(checkpoint, expected):
+    """Served again, every prompt drafts from its earlier answer (other requests' recent outputs) where its own
+    context has no match: far more is accepted, and the tokens are the same."""
+    llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
+    assert [o.token_ids for o in llm.generate(ALL, GREEDY)] == expected
+    first = accepted(llm)
+    ids = [llm.tokenizer.encode(p, add_special_tokens=True) for p in ALL]
+    requests = run_staggered(llm.engine, ids, GREEDY)
+    assert [r.output_token_ids for r in requests] == expected
+    assert accepted(llm) - first > 2 * first
+
+
 @pytest.mark.parametrize("config", [
     {"kv_cache_memory": 14 * BLOCK, "max_num_seqs": 8},  # preemption
     {"max_num_batched_tokens": 16},  # chunked prefill, and drafts cut to the token budget
