@@ -90,6 +90,11 @@ def test_recent_ngrams_match_a_scan_of_the_outputs_still_held():
     for _ in range(40):
         recent.add([9])  # one-token outputs have no n-gram with a continuation: everything older leaves
     assert len(recent) == 0
+    long = list(range(100, 100 + 3 * RecentNgrams.MAX_OUTPUT_TOKENS))
+    big = RecentNgrams(2, 2, capacity=10 * len(long))
+    big.add(long)  # only its first tokens are indexed: the engine's step waits for this
+    assert len(big) == RecentNgrams.MAX_OUTPUT_TOKENS - 2
+    assert big.propose([100, 101], 2) == [102, 103] and big.propose(long[-2:], 1) == []
 
 
 def substring_counts(sequences, depth):
