@@ -4,7 +4,7 @@ followed earlier occurrences of the request's latest tokens, for the target mode
 Pure Python over token ids, run on the host while the device computes: imports nothing else of the engine, and no
 torch. `ngram.py` is prompt lookup (the longest recent n-gram match, in the request's context or else in recent
 outputs); `suffix_tree.py` counts every context's substrings up to a depth, per request and across recent outputs,
-and drafts by frequency (SuffixDecoding, 2024); `sources.py` makes each request's drafter for the engine
+and drafts by frequency (SuffixDecoding, 2024); `sources.py` makes each request's drafters for the engine
 (engine/core/speculation.py decides how far it drafts).
 """
 

@@ -21,7 +21,7 @@ class RecentNgrams:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
-        self._latest: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}  # n-gram -> (output, it, end)
+        self._latest: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}  # n-gram -> (serial, output, end)
         self._outputs: deque[tuple[int, tuple[int, ...]]] = deque()  # (serial number, tokens), oldest first
         self._num_tokens = 0
         self._serial = 0
