@@ -51,7 +51,7 @@ def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step
             policy.step_cost.observe(rows, step_cost(rows))
     for i, (prompt, out) in enumerate(data):
         req = Request(str(i), prompt, SamplingParams(max_tokens=len(out), temperature=0.0))
-        drafters, t = policy.source.new_drafters(), 0
+        drafters, t = (policy.source.new_drafters() if oracle else []), 0  # the oracle's: the rule has its own
         while t < len(out):
             req.output_token_ids = out[:t]
             limit = len(out) - t - 1  # what max_tokens leaves for drafts

@@ -4,7 +4,29 @@ the request's own context (NgramDrafter) or in other requests' recent outputs (R
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+
+
+def _check_sizes(min_n: int, max_n: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
+
+
+def _ngrams_ending(tokens: Sequence[int], ends: Iterable[int], min_n: int, max_n: int
+                   ) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(n-gram, end) for every n-gram of `min_n` to `max_n` tokens of `tokens` that ends at one of `ends`."""
+    for end in ends:
+        for n in range(min_n, min(max_n, end) + 1):
+            yield tuple(tokens[end - n:end]), end
+
+
+def _longest_suffix(index: dict, tokens: Sequence[int], min_n: int, max_n: int):
+    """`index`'s value for the longest n-gram (`max_n` tokens down to `min_n`) that ends `tokens`; None if none."""
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        value = index.get(tuple(tokens[len(tokens) - n:]))
+        if value is not None:
+            return value
+    return None
 
 
 class RecentNgrams:
@@ -18,19 +40,16 @@ class RecentNgrams:
     MAX_OUTPUT_TOKENS = 4096
 
     def __init__(self, min_n: int = 2, max_n: int = 4, capacity: int = 32768):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
+        _check_sizes(min_n, max_n)
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
         self._latest: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}  # n-gram -> (serial, output, end)
         self._outputs: deque[tuple[int, tuple[int, ...]]] = deque()  # (serial number, tokens), oldest first
         self._num_tokens = 0
         self._serial = 0
 
-    def _ngrams(self, output: tuple[int, ...]):
+    def _ngrams(self, output: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], int]]:
         # Only n-grams with a token after them: a draft needs a continuation.
-        for end in range(self.min_n, len(output)):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                yield output[end - n:end], end
+        return _ngrams_ending(output, range(self.min_n, len(output)), self.min_n, self.max_n)
 
     def add(self, output: Sequence[int]) -> None:
         tokens = tuple(output[:min(self.capacity, self.MAX_OUTPUT_TOKENS)])
@@ -49,12 +68,11 @@ class RecentNgrams:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest of the context's last n-grams in a recent output."""
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            entry = self._latest.get(tuple(tokens[len(tokens) - n:]))
-            if entry is not None:
-                _, output, end = entry
-                return list(output[end:end + k])
-        return []
+        entry = _longest_suffix(self._latest, tokens, self.min_n, self.max_n)
+        if entry is None:
+            return []
+        _, output, end = entry
+        return list(output[end:end + k])
 
     def __len__(self) -> int:
         return len(self._latest)
@@ -67,8 +85,7 @@ class NgramDrafter:
     O(max_n) per new token, not a scan of the context."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
+        _check_sizes(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self._latest_end: dict[tuple[int, ...], int] = {}  # an n-gram -> where its latest indexed occurrence ends
         self._indexed = 0  # n-grams ending at or before this position are in the index
@@ -78,12 +95,9 @@ class NgramDrafter:
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []
         # Index the n-grams that end before the last token: the context's own suffix must not match itself.
-        for end in range(max(self._indexed + 1, self.min_n), len(tokens)):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._latest_end[tuple(tokens[end - n:end])] = end
+        ends = range(max(self._indexed + 1, self.min_n), len(tokens))
+        self._latest_end.update(_ngrams_ending(tokens, ends, self.min_n, self.max_n))
         self._indexed = max(self._indexed, len(tokens) - 1)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            end = self._latest_end.get(tuple(tokens[len(tokens) - n:]))
-            if end is not None:
-                return list(tokens[end:end + k])
-        return []
+        # At most len - 1 tokens: an indexed n-gram ends before the last token.
+        end = _longest_suffix(self._latest_end, tokens, self.min_n, min(self.max_n, len(tokens) - 1))
+        return [] if end is None else list(tokens[end:end + k])
