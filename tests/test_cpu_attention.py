@@ -12,7 +12,7 @@ from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
 
 DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 33), (1, 700), (1, 2049)]
-MIXED = [(1, 300), (17, 17), (1, 16), (40, 97), (1, 1), (1, 33)]
+MIXED = [(1, 300), (17, 17), (1, 16), (40, 97), (1, 1), (1, 33), (40, 1100)]  # the last past 1024 keys: SDPA
 # (query heads, KV heads, head dim): SmolLM2's 9/3/64, plain multi-head, Llama-1B's 32/8/64 group of 4, the
 # 128-wide specialisation, and a width that takes the generic path.
 SHAPES = [(9, 3, 64), (4, 4, 64), (32, 8, 64), (8, 2, 128), (6, 2, 48)]
@@ -41,6 +41,18 @@ def test_mixed_batches_take_the_op_for_their_decoding_rows(cpu, dtype):
     q, cache, meta = ragged_batch(MIXED, 9, 3, 64, dtype=dtype, device="cpu")
     want = TorchAttention().forward(q.float(), cache.float(), meta)
     assert rel_error(cpu.forward(q, cache, meta), want) < TOLERANCE[dtype]
+
+
+def test_a_short_prompt_s_tokens_get_the_bits_each_gets_as_a_decode_query_alone(cpu):
+    """A prompt chunk with at most 1024 keys goes through the op: each of its tokens attends as a decode query at
+    its position, so its output does not depend on where the prompt was cut into chunks or what else ran beside."""
+    q, cache, meta = ragged_batch([(40, 97), (1, 300), (33, 1100)], 9, 3, 64, dtype=torch.float32, device="cpu")
+    out = cpu.forward(q, cache, meta)
+    for j in range(40):  # the chunk's j-th query sits at position 97 - 40 + j: it sees 58 + j keys
+        alone = cpu._decode(q[j:j + 1], cache, meta.block_tables, torch.tensor([0], dtype=torch.int32),
+                            torch.tensor([58 + j], dtype=torch.int32), PLAIN)
+        assert torch.equal(out[j:j + 1], alone)
+    assert rel_error(out, TorchAttention().forward(q, cache, meta)) < 1e-5
 
 
 def test_strided_queries_and_table_slices_are_read_in_place(cpu):
@@ -86,7 +98,7 @@ def test_a_request_s_rows_read_together_give_each_row_s_bits_alone(cpu, window, 
     q, cache, meta = ragged_batch([(9, 300), (1, 40), (5, 77), (17, 150)], 9, 3, 64, dtype=torch.float32,
                                   device="cpu")
     params = AttentionParams(PLAIN.scale, sliding_window=window or None)
-    d = meta.decode_rows
+    d = meta.decode_rows()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

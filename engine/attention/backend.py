@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,6 +42,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
     query_lens_cpu: list[int]  # host copies, so backends need no device sync to loop
     context_lens_cpu: list[int]
+    _decode_rows: dict = field(default_factory=dict, repr=False, compare=False)  # decode_rows' answers by limit
 
     @property
     def num_requests(self) -> int:
@@ -53,24 +54,29 @@ class AttentionMetadata:
         """One query per request: row i of the batch is request i."""
         return all(n == 1 for n in self.query_lens_cpu)
 
-    @functools.cached_property
-    def decode_rows(self) -> DecodeRows | None:
-        """Queries of requests with at most MAX_DECODE_LIKE_QUERIES, as decode queries; None if there are none."""
+    def decode_rows(self, context_limit: int = 0) -> DecodeRows | None:
+        """Queries of requests with at most MAX_DECODE_LIKE_QUERIES of them, or at most `context_limit` keys, as
+        decode queries; None if there are none. Computed once a step per limit: every layer asks."""
+        cached = self._decode_rows.get(context_limit, False)
+        if cached is not False:
+            return cached
         rows, requests, lens = [], [], []
         start = 0
         for i, (n, ctx) in enumerate(zip(self.query_lens_cpu, self.context_lens_cpu)):
-            if n <= MAX_DECODE_LIKE_QUERIES:  # query j sits at position ctx - n + j
+            if n <= MAX_DECODE_LIKE_QUERIES or ctx <= context_limit:  # query j sits at position ctx - n + j
                 rows += range(start, start + n)
                 requests += [i] * n
                 lens += range(ctx - n + 1, ctx + 1)
             start += n
-        if not rows:
-            return None
-        device = self.query_start_loc.device
-        every = len(rows) == start
-        return DecodeRows(None if every else torch.tensor(rows, device=device),
-                          torch.tensor(requests, dtype=torch.int32, device=device),
-                          torch.tensor(lens, dtype=torch.int32, device=device), max(lens))
+        d = None
+        if rows:
+            device = self.query_start_loc.device
+            every = len(rows) == start
+            d = DecodeRows(None if every else torch.tensor(rows, device=device),
+                           torch.tensor(requests, dtype=torch.int32, device=device),
+                           torch.tensor(lens, dtype=torch.int32, device=device), max(lens))
+        self._decode_rows[context_limit] = d
+        return d
 
     @functools.cached_property
     def max_context_len(self) -> int:

@@ -1,4 +1,5 @@
-"""The CPU attention backend: cuda/paged_decode_attention_cpu.cpp for decoding requests, SDPA for prefills.
+"""The CPU attention backend: cuda/paged_decode_attention_cpu.cpp for decoding requests and prompts of up to 1024
+keys, SDPA for longer prompts.
 
 The PyTorch reference gathers every decoding request's whole context into a new tensor in every layer and
 pads the batch to its longest context; this C++ op reads keys and values in place from the paged cache.
@@ -23,9 +24,14 @@ def cpu_kernel_available() -> bool:
 
 
 class CpuAttention(TorchAttention):
-    """The reference's prefill path (SDPA per chunk) with decoding requests through the paged C++ op."""
+    """Every query of a request with a short context through the paged C++ op (a prompt token at position p is a
+    decode query against its p + 1 keys), a long prompt's chunk through SDPA."""
 
-    label = "C++ paged decode, SDPA prefill"
+    label = "C++ paged, SDPA for prompts past 1024 keys"
+    # Past this many keys SDPA's blocked kernel beats one query at a time: a whole prefill of 130 prompt tokens took
+    # ~1.09x less time through the op (its attention ~16 of ~98 ms through SDPA, with the mask and gathered copy),
+    # 480: ~1.02x, 1,800: 0.99x, 4,000: 0.92x (benchmarks/README.md, "Short prompts through the paged op").
+    decode_like_context = 1024
 
     def __init__(self):
         self._op = _kernels().paged_decode_attention

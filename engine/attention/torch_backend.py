@@ -14,13 +14,16 @@ class TorchAttention:
     # Capturable, but a captured forward_decode gathers every request's whole window: not worth it on a GPU.
     graph_safe_decode = False
     label = "PyTorch reference"
+    # Requests whose context is at most this many keys attend as decode queries whatever their number of queries
+    # (the reference's decode pads every row to the longest context: only the few queries of a verification do).
+    decode_like_context = 0
 
     def forward(self, q, kv_cache, meta, params: AttentionParams | None = None):
         params = params or AttentionParams.plain(q.shape[-1])
         if meta.is_pure_decode:  # row i is request i, no gathers needed
             tables = meta.block_tables[:, : -(-meta.max_context_len // kv_cache.shape[3])]
             return self._decode(q, kv_cache, tables, None, meta.context_lens, params)
-        d = meta.decode_rows  # decodes, and requests verifying a few draft tokens
+        d = meta.decode_rows(self.decode_like_context)  # decodes, requests verifying drafts, short prompts
         if d is not None:
             tables = meta.block_tables[:, : -(-d.max_context_len // kv_cache.shape[3])]
             if d.token_rows is None:
@@ -29,8 +32,8 @@ class TorchAttention:
         qsl = meta.query_starts_cpu
         if d is not None:
             out[d.token_rows] = self._decode(q[d.token_rows], kv_cache, tables, d.requests, d.context_lens, params)
-        for i, n in enumerate(meta.query_lens_cpu):
-            if n > MAX_DECODE_LIKE_QUERIES:
+        for i, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            if n > MAX_DECODE_LIKE_QUERIES and ctx > self.decode_like_context:
                 attend_prefill(q, kv_cache, meta, i, qsl, out, params)
         return out
 
