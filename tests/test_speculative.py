@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.request import Request, SampledTokens
 from engine.core.scheduler import Scheduler
-from engine.core.speculation import StepCost, Speculation
+from engine.core.speculation import DepthAcceptance, StepCost, Speculation
 from engine.ipc.messages import EngineStats
 from engine.model.sampling import sampler as sampler_module
 from engine.model.sampling.sampler import Sampler
@@ -217,6 +217,8 @@ def test_the_samplers_verification_keeps_the_targets_distribution(monkeypatch):
 class FixedDrafts:
     """A draft source proposing `draft` every time."""
 
+    matched = 0
+
     def __init__(self, draft):
         self.draft = draft
 
@@ -259,20 +261,45 @@ def test_drafts_grow_with_acceptance_and_shrink_as_the_batch_grows():
     spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=16, row_cost=0.25)
     req = Request("a", [1, 2], SamplingParams())
     req.output_token_ids = [3]
-    # A new request's estimate 0.8: (1 + 0.8 + ... + 0.8 ** k) / (1 + 0.25 (1 + k)) is highest at k = 4 (1.49 tokens a
-    # unit of time, against 0.8 without drafts).
+    # A new request's estimate 0.8, and 0.8 for each later token: (1 + 0.8 + ... + 0.8 ** k) / (1 + 0.25 (1 + k)) is
+    # highest at k = 4 (1.49 tokens a unit of time, against 0.8 without drafts).
     assert len(spec.draft(req, 16, spec.new_step(1))) == 4
     assert spec.draft(req, 16, spec.new_step(32)) == []  # beside 31 others a draft token must be accepted 8 times in 9
     for _ in range(30):
-        spec.verified(req, 4, 4)
+        draft = spec.draft(req, 16, spec.new_step(1))
+        spec.verified(req, len(draft), len(draft))
     assert len(spec.draft(req, 16, spec.new_step(1))) == len(spec.draft(req, 16, spec.new_step(32))) == 16  # always accepted: as long as allowed
     assert len(spec.draft(req, 3, spec.new_step(1))) == 3  # never past its limit
     for _ in range(30):
-        spec.verified(req, 4, 0)
+        if draft := spec.draft(req, 16, spec.new_step(1)):
+            spec.verified(req, len(draft), 0)
     assert spec.draft(req, 16, spec.new_step(1)) == []  # always rejected: it stops drafting
-    for _ in range(12):
+    for _ in range(30):
         spec.draft(req, 16, spec.new_step(1))
-    assert len(spec.draft(req, 16, spec.new_step(1))) == 1  # and probes again once its estimate has recovered
+    assert 1 <= len(spec.draft(req, 16, spec.new_step(1))) <= 4  # and probes again once its estimate has recovered
+
+
+def test_a_draft_goes_as_deep_as_drafts_of_its_kind_went():
+    """Two requests whose drafts' first tokens are always accepted: one's drafts (a long match) go on to the end, the
+    other's (a two-token match) stop after two. Each drafts what its kind's record pays for, and a new request
+    with a long match starts from that record."""
+    spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=8, row_cost=0.25)
+    long, short = Request("a", [1, 2], SamplingParams()), Request("b", [1, 2], SamplingParams())
+    for req, matched, accepted in ((long, 8, 8), (short, 2, 2)):
+        req.output_token_ids = [3]
+        spec.source.matched = matched
+        for _ in range(40):
+            draft = spec.draft(req, 8, spec.new_step(1))
+            spec.verified(req, len(draft), min(accepted, len(draft)))
+        assert req.speculation.acceptance[0] > 0.99
+    spec.source.matched = 8
+    assert len(spec.draft(long, 8, spec.new_step(1))) == 8
+    spec.source.matched = 2
+    assert len(spec.draft(short, 8, spec.new_step(1))) == 2
+    newcomer = Request("c", [1, 2], SamplingParams())
+    newcomer.output_token_ids = [3]
+    spec.source.matched = 8
+    assert len(spec.draft(newcomer, 8, spec.new_step(1))) > 4  # 0.8 for its first token, then what long ones earned
 
 
 def test_a_new_request_starts_from_what_recent_drafts_earned():
@@ -280,8 +307,9 @@ def test_a_new_request_starts_from_what_recent_drafts_earned():
     first = Request("a", [1, 2], SamplingParams())
     first.output_token_ids = [3]
     assert len(spec.draft(first, 16, spec.new_step(4))) == 2  # (3 + 1 + 0.8 + 0.64) / (1 + 0.25 * 6): 2.18 against 2.0 undrafted
-    for _ in range(100):  # open chat: one draft token in three accepted
-        spec.verified(first, 2, 1)
+    for _ in range(100):  # open chat: one draft in three has its first token accepted
+        spec.verified(first, 1, 1)
+        spec.verified(first, 1, 0)
         spec.verified(first, 1, 0)
     assert spec.priors == [pytest.approx(1 / 3, abs=0.05)]
     later = Request("b", [1, 2], SamplingParams())
@@ -293,6 +321,8 @@ class TwoDrafters:
     """An own drafter proposing on even-length contexts only, and a shared one proposing always."""
 
     class Own:
+        matched = 0
+
         def propose(self, tokens, k):
             return list(range(100, 100 + k)) if len(tokens) % 2 == 0 else []
 
@@ -368,6 +398,9 @@ def test_a_full_batch_of_doubtful_drafts_stays_undrafted_where_rows_are_dear():
         rows = 32 + rng.choice([0, 0, 1, 3])
         spec.step_cost.observe(rows, (0.005 + 0.0014 * rows) * rng.uniform(0.9, 1.1))
     for acceptance, lengths in ((0.5, {0}), (0.95, {1, 2, 3, 4, 5})):
+        spec.depths = DepthAcceptance()  # drafts of a new request's kind went on at `acceptance` a token
+        for _ in range(500):
+            spec.depths.learn(spec.depths.kind(0, 0, None), 8, next((d for d in range(8) if rng.random() > acceptance), 8))
         step = spec.new_step(32)
         drafts = []
         for i in range(32):

@@ -1,12 +1,15 @@
 """Speculative decoding's policy (issue 30): which decoding requests get draft tokens this step, and how many.
 
 A draft token costs a row of the step whether the target accepts it or not, and the d-th counts only if all before
-it were accepted. Each request keeps an estimate `acceptance` of the chance that its next draft token is accepted
-(an average over its recent draft tokens), so k draft tokens yield 1 + a + ... + a ** k tokens, expected (the 1: the
-token the step samples after them).
+it were accepted. Each request keeps an estimate `acceptance` of the chance that its next draft's first token is
+accepted (an average over its recent drafts, per drafter); the chance that the d-th is accepted once the ones
+before it were comes from every request's recent drafts of the same kind (DepthAcceptance: a copy that matched a
+long suffix, or whose request's last draft was accepted whole, goes on further). So k draft tokens yield
+1 + S(1) + ... + S(k) tokens, expected, S(d) the chance that the first d are all accepted (the 1: the token the
+step samples after them).
 
 A request drafts the k that makes the most tokens a second of the step: the requests scheduled before it bring
-their rows and expected tokens (a row and a token each, plus their drafts), and it adds 1 + a + ... + a ** k tokens
+their rows and expected tokens (a row and a token each, plus their drafts), and it adds 1 + S(1) + ... + S(k) tokens
 for k more rows. What a step of R rows costs is measured (StepCost: a line whose slope is fitted to consecutive
 decode steps), so a device whose rows are nearly free (a GPU's decode) drafts beside many requests, while alone on
 the CPU (a row ~0.1-0.3 of a step) a request drafts several tokens at 0.8 acceptance and beside 31 others only what
@@ -17,13 +20,15 @@ estimate has recovered.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.core.request import Request
 
 
 class Drafter(Protocol):
+    matched: int  # the context suffix its latest proposal matched, in tokens (0: none, or it cannot say)
+
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens to follow `tokens` (the request's whole context, which only grows)."""
 
@@ -37,14 +42,22 @@ class DraftSource(Protocol):
     def finished(self, output_token_ids: Sequence[int]) -> None: ...
 
 
+# A draft's kind: its drafter, the context suffix it matched (capped), and whether its request's last draft was
+# accepted whole (None: no draft yet).
+DraftKind = tuple[int, int, bool | None]
+
+
 @dataclass
 class RequestSpeculation:
     """One request's drafters and what each one's drafts have earned so far (its own context's matches and other
     requests' outputs are accepted at different rates)."""
 
     drafters: list[Drafter]
-    acceptance: list[float]  # per drafter: estimated chance that its next draft token is accepted
+    acceptance: list[float]  # per drafter: estimated chance that its next draft's first token is accepted
     drafting: int = 0  # the drafter whose draft was scheduled last: verification's outcome is its
+    kind: DraftKind | None = None  # the kind of the draft scheduled last
+    survival: list[float] = field(default_factory=list)  # S(1..k) of the draft scheduled last
+    last_whole: bool | None = None  # whether its last verified draft was accepted whole
     num_drafted: int = 0
     num_accepted: int = 0
 
@@ -127,18 +140,57 @@ class StepCost:
         return [max(floor, level_seconds + slope * (n - level_rows)) for n in rows]
 
 
+class DepthAcceptance:
+    """The chance that a draft's d-th token (d >= 2) is accepted once the ones before it were, by the draft's kind,
+    from all requests' recent drafts: a draft whose first token holds tends to be a copy that goes on, the more so
+    after a long match (replaying 240 greedy outputs through the drafters: 1.028x the modeled tokens a second of one
+    estimate for every token on grounded prompts, 1.023x on chat; benchmarks/README.md, "How deep a draft goes")."""
+
+    PRIOR = 0.8  # a kind's second token before any draft of that kind has reached it
+    PRIOR_WEIGHT = 4.0  # the prior weighs as much as this many drafts; a deeper token's prior is the one before's
+    MEMORY = 1000.0  # past this many drafts reaching a depth, older ones count half: the chances follow the load
+    MAX_MATCH = 8  # matches of this many tokens or more are one kind
+
+    def __init__(self):
+        self._counts: dict[tuple[DraftKind, int], list[float]] = {}  # (kind, depth) -> [accepted, reached]
+
+    def kind(self, drafter: int, matched: int, last_whole: bool | None) -> DraftKind:
+        return drafter, min(matched, self.MAX_MATCH), last_whole
+
+    def survival(self, kind: DraftKind, first: float, k: int) -> list[float]:
+        """S(1..k): the chance that a draft of `kind` has its first d tokens accepted, its first's being `first`."""
+        chance, prior, out = first, self.PRIOR, [first]
+        for d in range(2, k + 1):
+            accepted, reached = self._counts.get((kind, d), (0.0, 0.0))
+            prior = (accepted + self.PRIOR_WEIGHT * prior) / (reached + self.PRIOR_WEIGHT)
+            chance *= prior
+            out.append(chance)
+        return out[:k]
+
+    def learn(self, kind: DraftKind, num_drafted: int, num_accepted: int) -> None:
+        """A draft of `kind` had its first `num_accepted` of `num_drafted` tokens accepted."""
+        for d in range(2, min(num_drafted, num_accepted + 1) + 1):  # the depths it reached
+            counts = self._counts.setdefault((kind, d), [0.0, 0.0])
+            counts[0] += d <= num_accepted
+            counts[1] += 1
+            if counts[1] > self.MEMORY:
+                counts[0] /= 2
+                counts[1] /= 2
+
+
 class Speculation:
     """Hands out drafts at schedule time and learns from each step's verification."""
 
     PRIOR = 0.8  # the first request's acceptance estimate: it drafts a few tokens before it knows better
-    PRIOR_WEIGHT = 0.01  # how much each draft token's outcome, any request's, moves a new request's estimate
-    WEIGHT = 0.2  # how much each draft token's outcome moves the request's own estimate
+    PRIOR_WEIGHT = 0.01  # how much each draft's first token's outcome, any request's, moves a new request's estimate
+    WEIGHT = 0.2  # how much each draft's first token's outcome moves the request's own estimate
     RECOVERY = 0.05  # how far a request that does not draft moves back toward a new request's estimate per step
 
     def __init__(self, source: DraftSource, max_tokens: int, row_cost: float | None = None):
         self.source = source
         self.max_tokens = max_tokens  # most draft tokens per request per step
         self.step_cost = StepCost(row_cost)  # a step's cost by its rows (row_cost: a fixed share of a step a row)
+        self.depths = DepthAcceptance()  # how far a draft's tokens go on being accepted, by its kind
         # A new request's acceptance estimates, per drafter: recent draft tokens' outcomes, all requests' (open chat
         # accepts fewer than a rewrite of its prompt, and a request starting out optimistic pays for it in rows).
         self.priors: list[float] = []
@@ -169,29 +221,29 @@ class Speculation:
                 break
         else:
             return []
-        k = self._worth_drafting(state.acceptance[i], step)
+        kind = self.depths.kind(i, drafter.matched, state.last_whole)
+        survival = self.depths.survival(kind, state.acceptance[i], len(draft))
+        k = self._worth_drafting(survival, step)
         if k <= 0:  # not worth a row: recover slowly, to probe again with one token
             a = state.acceptance[i]
             state.acceptance[i] = min(max(self.priors[i], a), a + self.RECOVERY)
             return []
-        state.drafting = i
+        state.drafting, state.kind, state.survival = i, kind, survival[:k]
         return draft[:k]
 
     def join(self, req: Request, draft: list[int], step: StepDrafts) -> None:
         """Count `req`'s scheduled draft in its step: a row each, and the tokens they should yield."""
         step.rows += len(draft)
-        state = req.speculation
-        step.tokens += sum(state.acceptance[state.drafting] ** d for d in range(1, len(draft) + 1))
+        step.tokens += sum(req.speculation.survival[:len(draft)])
 
-    def _worth_drafting(self, acceptance: float, step: StepDrafts) -> int:
-        """The draft length that makes the step the most tokens a second (see the module's docstring)."""
-        costs = self.step_cost.costs(range(step.rows, step.rows + 1 + self.max_tokens))
+    def _worth_drafting(self, survival: list[float], step: StepDrafts) -> int:
+        """The draft length (at most len(survival)) that makes the step the most tokens a second (see the module's
+        docstring)."""
+        costs = self.step_cost.costs(range(step.rows, step.rows + 1 + len(survival)))
         tokens = step.tokens
         best, best_rate = 0, tokens / costs[0]
-        gain = 1.0
-        for k in range(1, self.max_tokens + 1):
-            gain *= acceptance
-            tokens += gain
+        for k, chance in enumerate(survival, 1):
+            tokens += chance
             rate = tokens / costs[k]
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -207,10 +259,11 @@ class Speculation:
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self.accepted_lengths.append(num_accepted)
-        i = state.drafting
-        for outcome in [1.0] * num_accepted + [0.0] * (num_accepted < num_drafted):
-            state.acceptance[i] += self.WEIGHT * (outcome - state.acceptance[i])
-            self.priors[i] += self.PRIOR_WEIGHT * (outcome - self.priors[i])
+        i, outcome = state.drafting, float(num_accepted > 0)
+        state.acceptance[i] += self.WEIGHT * (outcome - state.acceptance[i])
+        self.priors[i] += self.PRIOR_WEIGHT * (outcome - self.priors[i])
+        self.depths.learn(state.kind, num_drafted, num_accepted)
+        state.last_whole = num_accepted == num_drafted
 
     def finished(self, req: Request) -> None:
         if req.speculation is not None:

@@ -21,12 +21,13 @@ def _ngrams_ending(tokens: Sequence[int], ends: Iterable[int], min_n: int, max_n
 
 
 def _longest_suffix(index: dict, tokens: Sequence[int], min_n: int, max_n: int):
-    """`index`'s value for the longest n-gram (`max_n` tokens down to `min_n`) that ends `tokens`; None if none."""
+    """`index`'s value for the longest n-gram (`max_n` tokens down to `min_n`) that ends `tokens`, and its n;
+    (None, 0) if none."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         value = index.get(tuple(tokens[len(tokens) - n:]))
         if value is not None:
-            return value
-    return None
+            return value, n
+    return None, 0
 
 
 class RecentNgrams:
@@ -46,6 +47,7 @@ class RecentNgrams:
         self._outputs: deque[tuple[int, tuple[int, ...]]] = deque()  # (serial number, tokens), oldest first
         self._num_tokens = 0
         self._serial = 0
+        self.matched = 0  # the context suffix the latest proposal matched, in tokens (0: none)
 
     def _ngrams(self, output: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], int]]:
         # Only n-grams with a token after them: a draft needs a continuation.
@@ -68,7 +70,7 @@ class RecentNgrams:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest of the context's last n-grams in a recent output."""
-        entry = _longest_suffix(self._latest, tokens, self.min_n, self.max_n)
+        entry, self.matched = _longest_suffix(self._latest, tokens, self.min_n, self.max_n)
         if entry is None:
             return []
         _, output, end = entry
@@ -89,15 +91,17 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
         self._latest_end: dict[tuple[int, ...], int] = {}  # an n-gram -> where its latest indexed occurrence ends
         self._indexed = 0  # n-grams ending at or before this position are in the index
+        self.matched = 0  # the context suffix the latest proposal matched, in tokens (0: none)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k draft tokens to follow `tokens` (the request's whole context so far, which only grows)."""
         if k <= 0 or len(tokens) < self.min_n + 1:
+            self.matched = 0
             return []
         # Index the n-grams that end before the last token: the context's own suffix must not match itself.
         ends = range(max(self._indexed + 1, self.min_n), len(tokens))
         self._latest_end.update(_ngrams_ending(tokens, ends, self.min_n, self.max_n))
         self._indexed = max(self._indexed, len(tokens) - 1)
         # At most len - 1 tokens: an indexed n-gram ends before the last token.
-        end = _longest_suffix(self._latest_end, tokens, self.min_n, min(self.max_n, len(tokens) - 1))
+        end, self.matched = _longest_suffix(self._latest_end, tokens, self.min_n, min(self.max_n, len(tokens) - 1))
         return [] if end is None else list(tokens[end:end + k])

@@ -114,6 +114,7 @@ class SuffixDrafter:
         self.max_spec_factor = max_spec_factor
         self._active: list[_Node] = []
         self._seen = 0  # tokens of the context already in `own`
+        self.matched = 0  # the context suffix the latest proposal matched, in tokens (0: none)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k draft tokens to follow `tokens` (the request's whole context so far, which only grows)."""
@@ -125,15 +126,16 @@ class SuffixDrafter:
         # The own tree's suffix nodes are at hand (the i-th is the suffix of i + 1 tokens): the longest with a
         # continuation is the longest that occurred before.
         own = next(((i + 1, node) for i, node in reversed(list(enumerate(self._active))) if node.children), (0, None))
-        best: tuple[float, list[int]] = (0.0, [])
+        best: tuple[float, list[int], int] = (0.0, [], 0)
         for n, node in (own, self.shared.match(tokens) if self.shared is not None else (0, None)):
             if node is None:
                 continue
             limit = min(k, max(1, int(self.max_spec_factor * n)))
             draft, expected = follow(node, limit, self.min_probability)
             if expected > best[0]:
-                best = (expected, draft)
-        return best[1]
+                best = (expected, draft, n)
+        _, draft, self.matched = best
+        return draft
 
 
 class RecentOutputs:
