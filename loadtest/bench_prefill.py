@@ -11,6 +11,7 @@ A tree's C++ ops build into its own TORCH_EXTENSIONS_DIR (under /tmp), so two tr
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -55,8 +56,10 @@ def main() -> int:
     args = ap.parse_args()
     trees = [str(Path(t).resolve()) for t in args.trees]
     workers = []
-    for i, tree in enumerate(trees):
-        env = dict(os.environ, TORCH_EXTENSIONS_DIR=f"/tmp/bench_prefill_ext_{i}_{abs(hash(tree))}")
+    for tree in trees:
+        # Named by the tree's path (hash() of a str differs from run to run: every run would build again).
+        name = hashlib.sha1(tree.encode()).hexdigest()[:12]
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=f"/tmp/bench_prefill_ext_{name}")
         workers.append(subprocess.Popen([sys.executable, "-c", WORKER, tree], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env, cwd=tree))
     for w in workers:

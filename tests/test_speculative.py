@@ -400,7 +400,8 @@ def test_a_full_batch_of_doubtful_drafts_stays_undrafted_where_rows_are_dear():
     for acceptance, lengths in ((0.5, {0}), (0.95, {1, 2, 3, 4, 5})):
         spec.depths = DepthAcceptance()  # drafts of a new request's kind went on at `acceptance` a token
         for _ in range(500):
-            spec.depths.learn(spec.depths.kind(0, 0, None), 8, next((d for d in range(8) if rng.random() > acceptance), 8))
+            accepted = next((d for d in range(8) if rng.random() > acceptance), 8)
+            spec.depths.learn(spec.depths.kind(0, 0, None), 8, accepted)
         step = spec.new_step(32)
         drafts = []
         for i in range(32):
