@@ -70,7 +70,8 @@ def sample(url: str, headers: dict, started: float) -> dict:
 def first_sample(url: str, headers: dict, started: float) -> dict:
     """The baseline before any load, once the engine has reported its memory (about once a second)."""
     deadline = time.monotonic() + 30
-    while (row := sample(url, headers, started))["engine_rss_mib"] == 0 and time.monotonic() < deadline:
+    # Absent (nan) until the engine's first report, then 0 until it has read its memory: `not > 0` waits for both.
+    while not (row := sample(url, headers, started))["engine_rss_mib"] > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     return row
 
