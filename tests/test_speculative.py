@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.request import Request, SampledTokens
 from engine.core.scheduler import Scheduler
-from engine.core.speculation import DepthAcceptance, StepCost, Speculation
+from engine.core.speculation import DepthAcceptance, FirstTokenCalibration, StepCost, Speculation
 from engine.ipc.messages import EngineStats
 from engine.model.sampling import sampler as sampler_module
 from engine.model.sampling.sampler import Sampler
@@ -336,6 +336,26 @@ class TwoDrafters:
         pass
 
 
+def test_estimates_that_did_not_hold_are_discounted():
+    """Requests whose own estimates said 0.8-0.9 had their drafts' first tokens accepted half the time: a request
+    estimating 0.85 is then taken at 0.5, and beside 7 others (where a row pays only above 2/3) it no longer drafts."""
+    cal = FirstTokenCalibration()
+    assert cal(0, 0.85) == 0.85  # nothing learnt yet: the estimate as it is
+    for n in range(200):
+        cal.learn(0, 0.85, n % 2 == 0)
+    assert cal(0, 0.88) == pytest.approx(0.5, abs=0.02)
+    assert cal(1, 0.88) == 0.88 and cal(0, 0.95) == 0.95  # another drafter, another tenth: their own records
+    spec = Speculation(FixedDrafts([100, 101]), max_tokens=2, row_cost=0.25)
+    req = Request("a", [1, 2], SamplingParams())
+    req.output_token_ids = [3]
+    spec.draft(req, 2, spec.new_step(1))
+    req.speculation.acceptance[0] = 0.85
+    assert spec.draft(req, 2, spec.new_step(8))  # taken at its word: 0.85 > 2/3
+    spec.calibration = cal
+    req.speculation.acceptance[0] = 0.85
+    assert spec.draft(req, 2, spec.new_step(8)) == []
+
+
 def test_each_drafter_is_judged_by_its_own_drafts():
     """Own-context drafts always accepted, other requests' always rejected: the request keeps drafting far from the
     first and stops drafting from the second, and new requests start from each one's record."""
@@ -352,7 +372,8 @@ def test_each_drafter_is_judged_by_its_own_drafts():
     assert len(spec.draft(req, 16, spec.new_step(1))) == 8
     req.output_token_ids = [3]
     assert len(spec.draft(req, 16, spec.new_step(1))) <= 1  # nothing, or a probe of one token
-    assert req.speculation.acceptance[0] > 0.99 and req.speculation.acceptance[1] < 0.3
+    own, other = req.speculation.acceptance
+    assert spec.calibration(0, own) > 0.99 and spec.calibration(1, other) < 0.3
     assert spec.priors[0] > Speculation.PRIOR > spec.priors[1]
 
 

@@ -14,7 +14,8 @@ for k more rows. What a step of R rows costs is measured (StepCost: a line whose
 decode steps), so a device whose rows are nearly free (a GPU's decode) drafts beside many requests, while alone on
 the CPU (a row ~0.1-0.3 of a step) a request drafts several tokens at 0.8 acceptance and beside 31 others only what
 is near certain. A request whose drafts keep failing stops drafting, and probes again with one token once its
-estimate has recovered.
+estimate has recovered. A request's estimate is taken at what such estimates have been worth (FirstTokenCalibration):
+the drafts that clear a high line are the lucky runs' and hold less often than their estimates say.
 """
 
 from __future__ import annotations
@@ -178,6 +179,34 @@ class DepthAcceptance:
                 counts[1] /= 2
 
 
+class FirstTokenCalibration:
+    """How often a draft's first token was accepted when its request's own estimate said `chance`, per drafter: a
+    request drafts when its estimate has just risen past what a row costs, often on a lucky run, so beside many
+    requests (a high line to clear) the drafts that pass hold less often than their estimates say."""
+
+    BINS = 10  # estimates grouped by tenths
+    PRIOR_WEIGHT = 8.0  # an estimate counts as this many drafts accepted at its own chance
+    MEMORY = 500.0  # past this many drafts in a bin, older ones count half
+
+    def __init__(self):
+        self._counts: dict[tuple[int, int], list[float]] = {}  # (drafter, bin) -> [accepted, drafted]
+
+    def _key(self, drafter: int, chance: float) -> tuple[int, int]:
+        return drafter, min(int(chance * self.BINS), self.BINS - 1)
+
+    def __call__(self, drafter: int, chance: float) -> float:
+        accepted, drafted = self._counts.get(self._key(drafter, chance), (0.0, 0.0))
+        return (accepted + self.PRIOR_WEIGHT * chance) / (drafted + self.PRIOR_WEIGHT)
+
+    def learn(self, drafter: int, chance: float, accepted: bool) -> None:
+        counts = self._counts.setdefault(self._key(drafter, chance), [0.0, 0.0])
+        counts[0] += accepted
+        counts[1] += 1
+        if counts[1] > self.MEMORY:
+            counts[0] /= 2
+            counts[1] /= 2
+
+
 class Speculation:
     """Hands out drafts at schedule time and learns from each step's verification."""
 
@@ -191,6 +220,7 @@ class Speculation:
         self.max_tokens = max_tokens  # most draft tokens per request per step
         self.step_cost = StepCost(row_cost)  # a step's cost by its rows (row_cost: a fixed share of a step a row)
         self.depths = DepthAcceptance()  # how far a draft's tokens go on being accepted, by its kind
+        self.calibration = FirstTokenCalibration()  # how often a request's estimate for a first token held
         # A new request's acceptance estimates, per drafter: recent draft tokens' outcomes, all requests' (open chat
         # accepts fewer than a rewrite of its prompt, and a request starting out optimistic pays for it in rows).
         self.priors: list[float] = []
@@ -217,7 +247,8 @@ class Speculation:
         # A draft's d-th token is accepted at most as often as its first: if no drafter's first token would pay
         # for its row, no draft would, and the lookups are skipped (~15 us a request a step: 2.5% of a step of 32
         # chat requests, which draft little there).
-        if not self._worth_a_row(max(state.acceptance), step):
+        chances = [self.calibration(i, a) for i, a in enumerate(state.acceptance)]
+        if not self._worth_a_row(max(chances), step):
             self._recover(state, range(len(state.drafters)))
             return []
         context = req.prompt_token_ids + req.output_token_ids
@@ -228,7 +259,7 @@ class Speculation:
         else:
             return []
         kind = self.depths.kind(i, drafter.matched, state.last_whole)
-        survival = self.depths.survival(kind, state.acceptance[i], len(draft))
+        survival = self.depths.survival(kind, chances[i], len(draft))
         k = self._worth_drafting(survival, step)
         if k <= 0:
             self._recover(state, (i,))
@@ -276,6 +307,7 @@ class Speculation:
         self.num_accepted += num_accepted
         self.accepted_lengths.append(num_accepted)
         i, outcome = state.drafting, float(num_accepted > 0)
+        self.calibration.learn(i, state.acceptance[i], num_accepted > 0)
         state.acceptance[i] += self.WEIGHT * (outcome - state.acceptance[i])
         self.priors[i] += self.PRIOR_WEIGHT * (outcome - self.priors[i])
         self.depths.learn(state.kind, num_drafted, num_accepted)
