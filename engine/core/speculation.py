@@ -141,6 +141,16 @@ class StepCost:
         return [max(floor, level_seconds + slope * (n - level_rows)) for n in rows]
 
 
+def _tally(counts: dict, key, accepted: bool, memory: float) -> None:
+    """One more outcome in `counts[key]` ([accepted, seen]); past `memory` seen, older outcomes count half."""
+    tally = counts.setdefault(key, [0.0, 0.0])
+    tally[0] += accepted
+    tally[1] += 1
+    if tally[1] > memory:
+        tally[0] /= 2
+        tally[1] /= 2
+
+
 class DepthAcceptance:
     """The chance that a draft's d-th token (d >= 2) is accepted once the ones before it were, by the draft's kind,
     from all requests' recent drafts: a draft whose first token holds tends to be a copy that goes on, the more so
@@ -171,12 +181,7 @@ class DepthAcceptance:
     def learn(self, kind: DraftKind, num_drafted: int, num_accepted: int) -> None:
         """A draft of `kind` had its first `num_accepted` of `num_drafted` tokens accepted."""
         for d in range(2, min(num_drafted, num_accepted + 1) + 1):  # the depths it reached
-            counts = self._counts.setdefault((kind, d), [0.0, 0.0])
-            counts[0] += d <= num_accepted
-            counts[1] += 1
-            if counts[1] > self.MEMORY:
-                counts[0] /= 2
-                counts[1] /= 2
+            _tally(self._counts, (kind, d), d <= num_accepted, self.MEMORY)
 
 
 class FirstTokenCalibration:
@@ -199,12 +204,7 @@ class FirstTokenCalibration:
         return (accepted + self.PRIOR_WEIGHT * chance) / (drafted + self.PRIOR_WEIGHT)
 
     def learn(self, drafter: int, chance: float, accepted: bool) -> None:
-        counts = self._counts.setdefault(self._key(drafter, chance), [0.0, 0.0])
-        counts[0] += accepted
-        counts[1] += 1
-        if counts[1] > self.MEMORY:
-            counts[0] /= 2
-            counts[1] /= 2
+        _tally(self._counts, self._key(drafter, chance), accepted, self.MEMORY)
 
 
 class Speculation:
@@ -248,7 +248,7 @@ class Speculation:
         # for its row, no draft would, and the lookups are skipped (~15 us a request a step: 2.5% of a step of 32
         # chat requests, which draft little there).
         chances = [self.calibration(i, a) for i, a in enumerate(state.acceptance)]
-        if not self._worth_a_row(max(chances), step):
+        if not self._worth_drafting([max(chances)], step):
             self._recover(state, range(len(state.drafters)))
             return []
         context = req.prompt_token_ids + req.output_token_ids
@@ -277,11 +277,6 @@ class Speculation:
         for i in drafters:
             a = state.acceptance[i]
             state.acceptance[i] = min(max(self.priors[i], a), a + self.RECOVERY)
-
-    def _worth_a_row(self, chance: float, step: StepDrafts) -> bool:
-        """Whether one draft token accepted with this chance makes the step more tokens a second."""
-        without, with_one = self.step_cost.costs(range(step.rows, step.rows + 2))
-        return (step.tokens + chance) / with_one > step.tokens / without
 
     def _worth_drafting(self, survival: list[float], step: StepDrafts) -> int:
         """The draft length (at most len(survival)) that makes the step the most tokens a second (see the module's
