@@ -5,9 +5,11 @@ The saturation rate is FCFS's: the output tokens per second enough closed-loop c
 (the engine's own counter, after a warm-up), over the workload's mean output length (`--mean-output-tokens`, as
 loadtest/eval_length_predictor.py measured it on its held-out requests).
 Each run sends the same arrival schedule (prompts, times, max_tokens) to each policy, streamed, greedy; the oracle
-gets each request's real output length (from the run just before it; who goes first rotates from round to round,
+(and any variant named oracle...) gets each request's real output length (from the run just before it; who goes first rotates from round to round,
 since this machine's speed drifts) in its `priority` field. Per run: mean and p99 end-to-end latency, median TTFT,
-output tokens per second, latency by kind of answer, and preemptions.
+output tokens per second, latency by kind of answer, and preemptions. `--alone` also sends each run's requests to the
+FCFS server one at a time: each request with the machine to itself, the floor under any order's mean end-to-end
+latency and TTFT (a request shares every step it runs in, and gets no more of it than alone).
 
     python loadtest/eval_length_predictor.py --train 2000 --predictor /tmp/length.safetensors
     python loadtest/bench_length_aware.py --length-predictor /tmp/length.safetensors \\
@@ -69,7 +71,23 @@ async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
         await asyncio.gather(*(one(i, *s, http) for i, s in enumerate(schedule)))
-    elapsed = time.perf_counter() - start
+    return summarize(rows, time.perf_counter() - start)
+
+
+async def one_at_a_time(url: str, model: str, schedule: list[tuple[float, str, str, int]]) -> dict:
+    """Each request of the schedule alone, the next sent when the last has finished."""
+    rows = []
+    async with httpx.AsyncClient(timeout=3600) as http:
+        start = time.perf_counter()
+        for at, kind, prompt, max_tokens in schedule:
+            sent = time.perf_counter()
+            ttft, tokens = await stream_one(http, url, body(model, prompt, max_tokens))
+            rows.append({"kind": kind, "arrival_s": at, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent,
+                         "output_tokens": tokens})
+    return summarize(rows, time.perf_counter() - start)
+
+
+def summarize(rows: list[dict], elapsed: float) -> dict:
     e2e = sorted(r["e2e_s"] for r in rows)
     ttfts = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
     return {
@@ -132,6 +150,8 @@ def main() -> int:
     ap.add_argument("--flags", default="", help="more `orcinus serve` flags for every policy")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="one more server to compare, with these flags (PREDICTOR in them: the trained predictor)")
+    ap.add_argument("--alone", action="store_true",
+                    help="also each run's requests one at a time (the floor no order reaches)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="length_aware_"))
@@ -159,13 +179,14 @@ def main() -> int:
                 schedule = poisson(random.Random(args.seed_base + 1000 * r + int(100 * load)), load * rate, args.seconds)
                 # Who goes first rotates (the machine's speed drifts within a round); the oracle goes second, taking
                 # its lengths from the first (greedy: every policy gives the same tokens).
-                others = [n for n in variants if n != "oracle"]
+                others = [n for n in variants if not n.startswith("oracle")]
                 order = others[r % len(others):] + others[:r % len(others)]
-                order[1:1] = ["oracle"]
+                order[1:1] = [n for n in variants if n.startswith("oracle")]
                 lengths = None
                 for name in order:
                     preempted = scrape_metrics(urls[name])["orcinus_preemptions"]
-                    res = asyncio.run(open_loop(urls[name], model, schedule, lengths if name == "oracle" else None))
+                    oracle = name.startswith("oracle")
+                    res = asyncio.run(open_loop(urls[name], model, schedule, lengths if oracle else None))
                     res["preemptions"] = scrape_metrics(urls[name])["orcinus_preemptions"] - preempted
                     if lengths is None:
                         lengths = [row["output_tokens"] for row in res["rows"]]
@@ -173,14 +194,26 @@ def main() -> int:
                     print(f"round {r} load {load} {name}: mean e2e {res['e2e_mean_s']:.2f}s p99 {res['e2e_p99_s']:.2f}s "
                           f"median TTFT {res['ttft_median_s']:.3f}s {res['output_tok_s']:.1f} tok/s "
                           f"({res['requests']} requests, {res['preemptions']:.0f} preemptions)", flush=True)
+                if args.alone:
+                    res = asyncio.run(one_at_a_time(urls["fcfs"], model, schedule))
+                    runs[str(load)].setdefault("alone", []).append(res)
+                    fcfs = runs[str(load)]["fcfs"][-1]
+                    print(f"round {r} load {load} alone: mean e2e {res['e2e_mean_s']:.2f}s (fcfs "
+                          f"{fcfs['e2e_mean_s'] / res['e2e_mean_s']:.2f}x it) median TTFT {res['ttft_median_s']:.3f}s "
+                          f"(fcfs {fcfs['ttft_median_s'] / res['ttft_median_s']:.2f}x it)", flush=True)
         summary = {load: {name: {k: statistics.median(x[k] for x in xs)
                                  for k in ("e2e_mean_s", "e2e_p99_s", "ttft_median_s", "output_tok_s")}
-                          for name, xs in by.items()} for load, by in runs.items()}
+                          for name, xs in by.items() if xs} for load, by in runs.items()}
         for load, by in summary.items():
             f, p = by["fcfs"], by["predicted"]
             print(f"load {load}: predicted vs fcfs: mean e2e {f['e2e_mean_s'] / p['e2e_mean_s']:.2f}x lower, "
                   f"median TTFT {f['ttft_median_s'] / p['ttft_median_s']:.2f}x lower, p99 {p['e2e_p99_s'] / f['e2e_p99_s']:.2f}x "
                   f"fcfs's, throughput {p['output_tok_s'] / f['output_tok_s']:.2f}x", flush=True)
+            if "alone" in by:
+                a = by["alone"]
+                print(f"load {load}: fcfs vs each request alone: mean e2e {f['e2e_mean_s'] / a['e2e_mean_s']:.2f}x, "
+                      f"median TTFT {f['ttft_median_s'] / a['ttft_median_s']:.2f}x (no order lowers them further)",
+                      flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({
                 **provenance(), "variants": variants, "saturation_output_tok_s": tok_s, "saturation_rate": rate,
