@@ -5,8 +5,8 @@ The saturation rate is FCFS's: the output tokens per second enough closed-loop c
 (the engine's own counter, after a warm-up), over the workload's mean output length (`--mean-output-tokens`, as
 loadtest/eval_length_predictor.py measured it on its held-out requests).
 Each run sends the same arrival schedule (prompts, times, max_tokens) to each policy, streamed, greedy; the oracle
-(and any variant named oracle...) gets each request's real output length (from the run just before it; who goes first rotates from round to round,
-since this machine's speed drifts) in its `priority` field. Per run: mean and p99 end-to-end latency, median TTFT,
+(and any variant named oracle...) gets each request's real output length (from the run just before it; who goes
+first rotates from round to round, since this machine's speed drifts) in its `priority` field. Per run: mean and p99 end-to-end latency, median TTFT,
 output tokens per second, latency by kind of answer, and preemptions. `--alone` also sends each run's requests to the
 FCFS server one at a time: each request with the machine to itself, the floor under any order's mean end-to-end
 latency and TTFT (a request shares every step it runs in, and gets no more of it than alone).
@@ -55,6 +55,14 @@ def body(model: str, prompt: str, max_tokens: int, priority: int = 0) -> dict:
             "priority": priority}
 
 
+async def timed(http: httpx.AsyncClient, url: str, payload: dict, kind: str, at: float) -> dict:
+    """One request's row: its kind, arrival, TTFT, end-to-end seconds and output tokens."""
+    sent = time.perf_counter()
+    ttft, tokens = await stream_one(http, url, payload)
+    return {"kind": kind, "arrival_s": at, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent,
+            "output_tokens": tokens}
+
+
 async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, int]],
                     lengths: list[int] | None) -> dict:
     """Send each request at its time; wait for all. `lengths`: the oracle's priorities."""
@@ -63,10 +71,7 @@ async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, 
 
     async def one(i: int, at: float, kind: str, prompt: str, max_tokens: int, http: httpx.AsyncClient) -> None:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-        sent = time.perf_counter()
-        ttft, tokens = await stream_one(http, url, body(model, prompt, max_tokens, lengths[i] if lengths else 0))
-        rows[i] = {"kind": kind, "arrival_s": at, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent,
-                   "output_tokens": tokens}
+        rows[i] = await timed(http, url, body(model, prompt, max_tokens, lengths[i] if lengths else 0), kind, at)
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
@@ -80,10 +85,7 @@ async def one_at_a_time(url: str, model: str, schedule: list[tuple[float, str, s
     async with httpx.AsyncClient(timeout=3600) as http:
         start = time.perf_counter()
         for at, kind, prompt, max_tokens in schedule:
-            sent = time.perf_counter()
-            ttft, tokens = await stream_one(http, url, body(model, prompt, max_tokens))
-            rows.append({"kind": kind, "arrival_s": at, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent,
-                         "output_tokens": tokens})
+            rows.append(await timed(http, url, body(model, prompt, max_tokens), kind, at))
     return summarize(rows, time.perf_counter() - start)
 
 
@@ -163,6 +165,7 @@ def main() -> int:
     for spec in args.variant:
         name, _, flags = spec.partition("=")
         variants[name] = flags.replace("PREDICTOR", str(predictor)).split()
+    oracles = [n for n in variants if n.startswith("oracle")]  # given the true lengths
     servers, urls = {}, {}
     try:
         for name, flags in variants.items():
@@ -179,14 +182,13 @@ def main() -> int:
                 schedule = poisson(random.Random(args.seed_base + 1000 * r + int(100 * load)), load * rate, args.seconds)
                 # Who goes first rotates (the machine's speed drifts within a round); the oracle goes second, taking
                 # its lengths from the first (greedy: every policy gives the same tokens).
-                others = [n for n in variants if not n.startswith("oracle")]
+                others = [n for n in variants if n not in oracles]
                 order = others[r % len(others):] + others[:r % len(others)]
-                order[1:1] = [n for n in variants if n.startswith("oracle")]
+                order[1:1] = oracles
                 lengths = None
                 for name in order:
                     preempted = scrape_metrics(urls[name])["orcinus_preemptions"]
-                    oracle = name.startswith("oracle")
-                    res = asyncio.run(open_loop(urls[name], model, schedule, lengths if oracle else None))
+                    res = asyncio.run(open_loop(urls[name], model, schedule, lengths if name in oracles else None))
                     res["preemptions"] = scrape_metrics(urls[name])["orcinus_preemptions"] - preempted
                     if lengths is None:
                         lengths = [row["output_tokens"] for row in res["rows"]]

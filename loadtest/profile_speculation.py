@@ -22,6 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "loadtest")]
 
 
+def ms(xs: list[float]) -> float | None:
+    """The mean of `xs` seconds in milliseconds (None for none)."""
+    return round(1e3 * statistics.mean(xs), 3) if xs else None
+
+
 def profile(args: argparse.Namespace, speculative: str) -> dict:
     from bench_speculative import WORKLOADS
 
@@ -67,9 +72,6 @@ def profile(args: argparse.Namespace, speculative: str) -> dict:
             seconds += time.perf_counter() - started
             tokens += sum(len(r.output_token_ids) for r in requests)
     llm.close()
-    def ms(xs: list[float]) -> float | None:
-        return round(1e3 * statistics.mean(xs), 3) if xs else None
-
     prompt_steps = [s for s in steps if s.get("prompt")]
     decode = [s for s in steps if "rows" in s and not s.get("prompt")]
     by_rows: dict[int, list[float]] = {}
