@@ -40,6 +40,8 @@ class Metrics:
         self.kv_cached = Gauge("orcinus_kv_blocks_cached", "KV cache blocks the prefix cache can find (held or free)",
                                REPLICA, registry=r)
         self.iterations = Gauge("orcinus_iterations", "Engine iterations since start", REPLICA, registry=r)
+        self.step_paths = Gauge("orcinus_steps_by_path", "Forward passes since start by how they ran: whole-step "
+                                "graph, piecewise graphs or eager", ["path", *REPLICA], registry=r)
         self.engine_rss = Gauge("orcinus_engine_resident_memory_bytes", "Resident memory of the engine process",
                                 REPLICA, registry=r)
         # Resident memory less the channel rings' shared pages, which count in RSS once touched (engine/ipc/memory.py).
@@ -120,6 +122,8 @@ class Metrics:
         self.prefix_hits.labels(label).set(s.prefix_hit_tokens)
         self.kv_cached.labels(label).set(s.kv_blocks_cached)
         self.iterations.labels(label).set(s.num_iterations)
+        for path, n in s.step_paths.items():
+            self.step_paths.labels(path, label).set(n)
         if s.rss_bytes:
             self.engine_rss.labels(label).set(s.rss_bytes)
             self.engine_private.labels(label).set(s.private_bytes)

@@ -119,6 +119,7 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     # "short" or "long", seconds it waited for admission)
     length_outcomes: list[tuple[float, str, float]] = []
     spec_row_cost: float = 0.0  # a row's cost as speculation measures it; 0 without speculation
+    step_paths: dict[str, int] = {}  # steps since start by how they ran: whole-step graph, piecewise graphs, eager
 
 
 class CacheEvents(msgspec.Struct, tag=True, array_like=True):

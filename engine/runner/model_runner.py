@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
@@ -105,6 +107,8 @@ class ModelRunner:
         self.probed_hidden: dict[str, list[float]] = {}
         self.graphs: CudaGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
+        # Steps run by each path since start: a benchmark checks the path it means to time actually ran.
+        self.step_paths: Counter[str] = Counter()
         segments = pick_segments(config.compile, use_graphs, model, self.kv_caches, self.scratch_block)
         if use_graphs:
             self.graphs = CudaGraphRunner(model, self.kv_caches, graph_max_tokens(config), self.scratch_block,
@@ -147,11 +151,15 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.takes(input_ids.shape[0], len(logits_indices), meta):
             rows = self.inputs[(self.num_steps - 1) % 2].put("row_requests", row_requests(meta))
             logits = self.decode_graphs.forward(input_ids, positions, meta, rows, logits_indices)
+            path = "whole"
         if logits is None and self.graphs is not None:
             logits = self.graphs.forward(input_ids, positions, meta, self.attention, logits_indices)
-        if logits is not None:
-            return logits
-        return self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
+            path = "piecewise"
+        if logits is None:
+            logits = self.model(input_ids, positions, self.kv_caches, meta, self.attention, logits_indices, hidden)
+            path = "eager"
+        self.step_paths[path] += 1
+        return logits
 
     def _run_normed(self, input_ids, positions, meta, logits_indices, hidden, prompt: PromptRows | None,
                     probes: dict[str, int]):
@@ -160,6 +168,7 @@ class ModelRunner:
         normed = None
         if self.graphs is not None:
             normed = self.graphs.forward(input_ids, positions, meta, self.attention, None)
+        self.step_paths["piecewise" if normed is not None else "eager"] += 1
         if normed is None:
             normed = self.model(input_ids, positions, self.kv_caches, meta, self.attention, None, hidden)
         if probes:
