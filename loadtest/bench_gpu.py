@@ -39,6 +39,7 @@ from engine.launch import build_engine  # noqa: E402
 from engine.model.loader import load_checkpoint  # noqa: E402
 from engine.runner.cuda_graphs import CudaGraphRunner  # noqa: E402
 from engine.runner.decode_graphs import DecodeGraphRunner  # noqa: E402
+from engine.runner.token_segments import EAGER  # noqa: E402
 from json_report import write_json  # noqa: E402
 
 
@@ -66,7 +67,24 @@ def make_engine(shape_name: str, args, **overrides) -> EngineCore:
         r.graphs = CudaGraphRunner(engine.model, r.kv_caches, 64, r.scratch_block, r.device, r.dtype)
         r.decode_graphs = DecodeGraphRunner(engine.model, r.kv_caches, r.attention, config.max_num_seqs,
                                             r.scratch_block, r.device, max_rows=64)
+    if r.device.type == "cuda":
+        assert_gpu_path(engine)
     return engine
+
+
+def assert_gpu_path(engine: EngineCore) -> None:
+    """Fail rather than time a fallback: each of these falls back with a warning only where it cannot build."""
+    r = engine.runner
+    names = {type(m).__name__ for m in engine.model.modules()}
+    missing = [what for what, ok in (
+        ("the CUDA attention backend", type(r.attention).__name__ == "CudaAttention"),
+        ("whole-step graphs", r.decode_graphs is not None),
+        ("compiled token-wise segments", r.graphs is not None and r.graphs.segments is not EAGER),
+        ("the RMSNorm kernel", "CudaRMSNorm" in names),
+        ("the RoPE kernel", "CudaRotary" in names),
+    ) if not ok]
+    if missing:
+        raise RuntimeError(f"not the GPU path meant to be timed, without {', '.join(missing)}: {r.describe()}")
 
 
 MODES = ("eager", "piecewise", "whole")  # no graphs; token-wise segments only; + whole-step decode graphs
@@ -124,7 +142,8 @@ def check_graphs_match_eager(args) -> dict:
         set_graphs(engine, mode, graphs)
         outputs[mode], _ = run_to_completion(engine, work, stagger=True)
     result = {"shape": args.shapes[0], "dtype": args.check_dtype, "requests": len(work), "steps": args.check_steps,
-              "capture": capture_cost(engine)}
+              "capture": capture_cost(engine), "runner": engine.runner.describe(),
+              "steps_by_path": dict(engine.runner.step_paths)}
     for mode in MODES[1:]:
         result[mode] = {
             "identical": sum(a == b for a, b in zip(outputs["eager"], outputs[mode])),
@@ -205,6 +224,7 @@ def decode_step_times(args, bandwidth: float, rows: list[dict], save) -> None:
             med = {m: statistics.median(v) for m, v in samples.items()}
             rows.append({
                 "shape": shape_name, "batch": batch, "context": context, "capture": capture,
+                "runner": engine.runner.describe(),
                 "eager_ms": med["eager"] * 1e3, "piecewise_ms": med["piecewise"] * 1e3, "graphs_ms": med["whole"] * 1e3,
                 "floor_ms": floor * 1e3, "graph_speedup": med["eager"] / med["whole"],
                 "graphs_over_floor": med["whole"] / floor,
@@ -368,7 +388,7 @@ def main() -> int:
     ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens; default: the engine's")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache per engine (engines are co-resident)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds of (b), and warm runs of (c)/(d) per system")
-    ap.add_argument("--parts", nargs="+", choices="abcd", default=list("abcd"), help="which of (a)-(d) to run")
+    ap.add_argument("--parts", nargs="+", choices="abcd", default=list("abcd"), help="which of (a)-(d) to run, in this order")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script itself")
     ap.add_argument("--out", default="benchmarks/gpu/bench_gpu.json")
     args = ap.parse_args()
@@ -387,24 +407,38 @@ def main() -> int:
         write_json(args.out, report)
 
     save()
-    if "a" in args.parts:
+
+    def part_a() -> None:
         report["graphs_vs_eager"] = check_graphs_match_eager(args)
         save()
         print(f"(a) {report['graphs_vs_eager']}", flush=True)
-    if "b" in args.parts:
+
+    def part_b() -> None:
         bandwidth = copy_bandwidth(device)
         report["copy_bandwidth_gb_s"] = bandwidth / 1e9
         report["bandwidth_timer"] = "cuda events" if device.type == "cuda" else "perf_counter"
         report["decode_steps"] = []
         decode_step_times(args, bandwidth, report["decode_steps"], save)
-    if "c" in args.parts or "d" in args.parts:
+
+    def part_cd() -> None:
         report["throughput"] = {}
         throughput(args, report["throughput"], save)
-    report["complete"] = True
+
+    # In the order named (the most telling first); a part that fails is recorded and the next still runs.
+    parts = {"a": part_a, "b": part_b, "c": part_cd, "d": part_cd}
+    for run_part in dict.fromkeys(parts[p] for p in args.parts):
+        try:
+            run_part()
+        except Exception as e:
+            report.setdefault("errors", {})[run_part.__name__] = repr(e)
+            save()
+            print(f"{run_part.__name__} failed: {e!r}", flush=True)
+            free_memory()
+    report["complete"] = "errors" not in report
     save()
     print_table(report)
     print(f"wrote {args.out}")
-    return 0
+    return 0 if report["complete"] else 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import Workload, run, summarize
 from json_report import write_json
-from local_server import launch_server, stop_server
+from local_server import launch_server, scrape_metrics, stop_server
 
 MODES = ("iteration", "request")
 
@@ -58,6 +58,13 @@ def throughput_at(points: list[dict], latency: float) -> float:
             f = (latency - a["p50_normalized_latency"]) / (b["p50_normalized_latency"] - a["p50_normalized_latency"])
             best = max(best, a["throughput"] + f * (b["throughput"] - a["throughput"]))
     return best
+
+
+def step_paths(url: str) -> dict[str, float]:
+    """The server's forward passes since start by path (whole-step graph, piecewise graphs, eager)."""
+    prefix = 'orcinus_steps_by_path{path="'
+    return {k[len(prefix):].split('"')[0]: v for k, v in scrape_metrics(url).items()
+            if k.startswith(prefix) and "replica" not in k}
 
 
 def sweep(rates: list[float], measure, points: dict[str, list[dict]], on_point=lambda mode, point: None) -> None:
@@ -148,21 +155,25 @@ def main() -> int:
         def measure(mode: str, rate: float) -> dict:
             n = max(args.num_prompts, math.ceil(rate * args.seconds))
             load = workload if n == workload.num_prompts else replace(workload, num_prompts=n)
+            before = step_paths(servers[mode][1])
             results, duration = asyncio.run(run(servers[mode][1], None, load, rate, None))
+            after = step_paths(servers[mode][1])
             s = summarize(results, duration)
             if s["normalized_latency_s"]["p50"] is None:  # every request failed: no curve to draw
                 log = Path(args.out).with_suffix(f".{mode}.server.log")
                 sys.exit(f"{mode} rate {rate}/s: all {s['failed']} requests failed; see {log}")
             return {"rate": rate, "throughput": s["request_throughput"], "output_tok_s": s["output_throughput"],
                     "p50_normalized_latency": s["normalized_latency_s"]["p50"], "p50_ttft": s["ttft_s"]["p50"],
-                    "failed": s["failed"], "duration_s": duration, "num_prompts": n}
+                    "failed": s["failed"], "duration_s": duration, "num_prompts": n,
+                    "steps_by_path": {k: v - before.get(k, 0.0) for k, v in after.items()}}
 
         def on_point(mode: str, point: dict) -> None:
             result["elapsed_s"] = time.perf_counter() - t_start
             write_json(args.out, result)
             print(f"{mode:>9} rate {point['rate']:6.2f}/s: {point['throughput']:.3f} req/s "
                   f"{point['output_tok_s']:6.1f} tok/s  p50 norm. latency "
-                  f"{point['p50_normalized_latency'] * 1000:8.1f} ms/token  failed {point['failed']}", flush=True)
+                  f"{point['p50_normalized_latency'] * 1000:8.1f} ms/token  failed {point['failed']}  steps "
+                  f"{' '.join(f'{k} {v:.0f}' for k, v in sorted(point['steps_by_path'].items()))}", flush=True)
 
         sweep(args.rates, measure, result["modes"], on_point)
     finally:

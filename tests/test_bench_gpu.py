@@ -19,6 +19,9 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
     a = report["graphs_vs_eager"]
     # The CPU stand-ins of both graph runners reproduce eager tokens exactly.
     assert a["piecewise"]["identical"] == a["whole"]["identical"] == a["requests"] == 4
+    # Each mode's steps ran the path it names, and the report says what ran.
+    assert set(a["steps_by_path"]) == {"eager", "piecewise", "whole"} and all(a["steps_by_path"].values())
+    assert "whole-step graphs" in a["runner"] and all("runner" in r for r in report["decode_steps"])
     assert [(r["shape"], r["batch"]) for r in report["decode_steps"]] == [("tiny", 1), ("tiny", 2)]
     assert all(r["eager_ms"] > 0 and r["piecewise_ms"] > 0 and r["graphs_ms"] > 0 and r["floor_ms"] > 0
                for r in report["decode_steps"])
