@@ -58,7 +58,7 @@ async def retrieve_response(request: Request, state: ServerState) -> Response:
     stored = state.responses.get(request.path_params["response_id"], _owner(request))
     if stored is None:
         raise _not_found(request.path_params["response_id"])
-    return json_response(stored.response)
+    return Response(stored.body, media_type="application/json")
 
 
 async def delete_response(request: Request, state: ServerState) -> Response:

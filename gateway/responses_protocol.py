@@ -15,6 +15,9 @@ from gateway.protocol import (
 from gateway.tools import FunctionCall, FunctionDef, FunctionName, NamedToolChoice, Tool, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+# OpenAI's limits on `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+                     Meta(max_length=16)]
 
 
 class InputContent(Struct, kw_only=True):
@@ -94,7 +97,7 @@ class ResponsesRequest(Struct, kw_only=True):
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
 
     def input_messages(self) -> list[ChatMessage]:

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pytest
 
@@ -132,6 +133,9 @@ def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's limits: 16 pairs,
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # keys up to 64 characters,
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # values up to 512
 ])
 def test_bad_requests_are_400s_naming_the_field(server, body, param):
     r = httpx.post(f"{server}/v1/responses", json=body)
@@ -155,13 +159,47 @@ def test_langchain_on_the_responses_api(server, model):
 
 
 def test_the_store_keeps_each_keys_responses_apart_and_drops_the_oldest():
-    store = ResponseStore(max_responses=2, max_chars=100)
+    store = ResponseStore(key_responses=2)
     said = [ChatMessage(role="user", content="x" * 10)]
-    store.put("a", b"key1", said, "A")
-    assert store.get("a", b"key2") is None and store.get("a", b"key1").response == "A"
+    store.put("a", b"key1", said, {"id": "a"})
+    assert store.get("a", b"key2") is None and json.loads(store.get("a", b"key1").body) == {"id": "a"}
+    assert store.get("a", b"key1").messages == said
     assert not store.delete("a", b"key2")
-    store.put("b", b"key1", said, "B")
-    store.put("c", b"key1", said, "C")  # over the count: the least recently used goes
-    assert store.get("a", b"key1") is None and store.get("c", b"key1").response == "C"
-    store.put("d", b"key1", [ChatMessage(role="user", content="y" * 95)], "D")  # over the characters
-    assert [k for k in "bcd" if store.get(k, b"key1")] == ["d"]
+    store.put("b", b"key1", said, {"id": "b"})
+    store.put("c", b"key1", said, {"id": "c"})  # over the count: the least recently used goes
+    assert store.get("a", b"key1") is None and store.get("c", b"key1") is not None
+
+
+def test_one_key_cannot_evict_anothers_responses():
+    store = ResponseStore()  # the server's bounds
+    said = [ChatMessage(role="user", content="x")]
+    store.put("a", b"key1", said, {})
+    for i in range(5000):
+        store.put(f"b{i}", b"key2", said, {})
+    assert store.get("a", b"key1") is not None and store.get("b0", b"key2") is None  # key2 lost its own oldest
+
+
+def test_every_stored_byte_counts_and_the_fullest_key_gives_way():
+    said = [ChatMessage(role="user", content="x")]
+    big = {"metadata": {f"k{i}": "v" * 512 for i in range(16)}, "instructions": "i" * 4000}  # ~12 KB
+    store = ResponseStore(key_bytes=30_000)
+    store.put("a", b"key1", said, big)
+    store.put("b", b"key1", said, big)
+    assert store.count == 2 and store.bytes > 2 * len(msgspec.json.encode(big))
+    store.put("c", b"key1", said, big)  # what the response keeps counts, not only the conversation
+    assert store.get("a", b"key1") is None and store.get("c", b"key1") is not None
+    # All keys together: past the total, the key holding the most gives up its oldest, not the others.
+    store = ResponseStore(key_bytes=30_000, max_bytes=35_000)
+    store.put("small", b"key1", said, {})
+    store.put("a", b"key2", said, big)
+    store.put("b", b"key2", said, big)  # within its own bound
+    store.put("d", b"key3", said, big)  # over the total: key2 holds the most
+    assert store.get("small", b"key1") is not None and store.get("d", b"key3") is not None
+    assert store.get("a", b"key2") is None and store.get("b", b"key2") is not None
+    assert store.count == 3 and store.bytes <= 35_000
+
+
+def test_metadata_is_echoed_as_sent(client, model):
+    metadata = {f"k{i}": "v" * 512 for i in range(15)} | {"k" * 64: "é"}  # OpenAI's limits, each reached
+    r = client.responses.create(model=model, input="Hi.", max_output_tokens=1, metadata=metadata)
+    assert r.metadata == metadata and client.responses.retrieve(r.id).metadata == metadata
