@@ -18,21 +18,17 @@ from gateway.protocol import (
     CompletionResponse, ModelCard, ModelList,
 )
 from gateway.responses_protocol import (
-    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, OutputItemEvent, ResponseEvent, ResponseObject,
-    ResponsesRequest, TextDeltaEvent, TextDoneEvent,
+    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, ErrorEvent, OutputItemEvent, ResponseEvent,
+    ResponseObject, ResponsesRequest, TextDeltaEvent, TextDoneEvent,
 )
 
 _REF = "#/components/schemas/{name}"
 _EVENTS = (ResponseEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent, ArgumentsDeltaEvent,
-           ArgumentsDoneEvent)
+           ArgumentsDoneEvent, ErrorEvent)
 _STRUCTS = (CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
             ChatCompletionChunk, ModelList, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
             DetokenizeResponse, ResponsesRequest, ResponseObject, *_EVENTS)
 # A Responses stream's failure: an `error` event.
-_ERROR_EVENT = {"type": "object", "required": ["type", "message"], "properties": {
-    "type": {"const": "error"}, "code": {"type": ["string", "null"]}, "message": {"type": "string"},
-    "param": {"type": ["string", "null"]}}}
-
 # Which error statuses each kind of route can answer, and why.
 _ERRORS = {
     400: "Invalid request: the body, a field, or a prompt longer than the context window.",
@@ -90,13 +86,13 @@ def _generate(summary: str, request: type, response: type, chunk: type | None, e
                      f"`data: <{chunk.__name__}>` events ending in `data: [DONE]`; a failure after the stream started "
                      "is one `data: <ErrorResponse>` event before `[DONE]`.")
     else:  # the Responses API: typed events, each under an `event:` line of its type, no [DONE]
-        events = {"anyOf": [*map(_ref, _EVENTS), _ERROR_EVENT]}
+        events = {"anyOf": list(map(_ref, _EVENTS))}
         stream = {"schema": {"type": "object", "required": ["event", "data"], "properties": {
             "event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json",
                                                   "contentSchema": events}}}}
         described = (f"The whole {response.__name__} (JSON), or with `stream: true` its typed events (`event: <type>`"
                      ", `data: <event>`), from response.created to response.completed or response.incomplete; a "
-                     "failure after the stream started is one `error` event.")
+                     "failure after the stream started is an `error` event, then response.failed.")
     op = {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {

@@ -472,7 +472,8 @@ class ModelList(Struct, kw_only=True):
 
 T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
 _decoders: dict[type, msgspec.json.Decoder] = {}
-_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+# msgspec names a bad dict key "`key` in `$.path`": the param is the dict's
+_AT = re.compile(r"^(?P<detail>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)
 _FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
 
 
@@ -499,7 +500,7 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         if param is None and detail.startswith("Expected `object`"):
             raise InvalidRequestError(f"The request body must be a JSON object ({detail})", None) from None
         where = f" at `{param}`" if param else ""
-        raise InvalidRequestError(f"Invalid value{where}: {detail}", param) from None
+        raise InvalidRequestError(f"Invalid {'key' if m['key'] else 'value'}{where}: {detail}", param) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter on invalid UTF-8
         raise InvalidRequestError(f"Invalid JSON: {e}", None) from None
     except RecursionError:  # arrays and objects nested some hundreds deep, in any field (unknown ones too)

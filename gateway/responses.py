@@ -18,13 +18,14 @@ from engine.core.sampling_params import InvalidRequestError
 from gateway import errors
 from gateway.auth import TENANT
 from gateway.chat import ChatRun, start_chat
+from gateway.engine_client import EngineUnavailableError
 from gateway.protocol import ChatMessage, decode_request
 from gateway.responses_protocol import (
-    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, FunctionCallItem, IncompleteDetails,
-    InputTokensDetails, OutputItemEvent, OutputMessage, OutputText, ResponseEvent, ResponseObject, ResponsesRequest,
-    ResponseUsage, TextConfig, TextDeltaEvent, TextDoneEvent,
+    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, ErrorEvent, FunctionCallItem, IncompleteDetails,
+    InputTokensDetails, OutputItemEvent, OutputMessage, OutputText, ResponseError, ResponseEvent, ResponseObject,
+    ResponsesRequest, ResponseUsage, TextConfig, TextDeltaEvent, TextDoneEvent,
 )
-from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
+from gateway.serving import ServerState, as_api_error, json_response, read_body, until_done_or_disconnect
 from gateway.tool_stream import ToolCallStream
 from gateway.tools import FunctionCall, ToolCall
 
@@ -40,8 +41,8 @@ async def create_response(request: Request, state: ServerState) -> Response:
     if req.previous_response_id is not None:
         previous = state.responses.get(req.previous_response_id, _owner(request))
         if previous is None:
-            raise InvalidRequestError(f"Previous response with id '{req.previous_response_id}' not found.",
-                                      "previous_response_id")
+            raise errors.invalid_request(f"Previous response with id '{req.previous_response_id}' not found.",
+                                         "previous_response_id", "previous_response_not_found")
         history = previous.messages
     chat = req.to_chat(history)
     run = await start_chat(chat, request, state)  # admitted from here: close() its generation
@@ -58,7 +59,7 @@ async def retrieve_response(request: Request, state: ServerState) -> Response:
     stored = state.responses.get(request.path_params["response_id"], _owner(request))
     if stored is None:
         raise _not_found(request.path_params["response_id"])
-    return json_response(stored.response)
+    return Response(stored.body, media_type="application/json")
 
 
 async def delete_response(request: Request, state: ServerState) -> Response:
@@ -66,6 +67,9 @@ async def delete_response(request: Request, state: ServerState) -> Response:
     if not state.responses.delete(response_id, _owner(request)):
         raise _not_found(response_id)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+_FAILURE_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}  # by HTTP status: a response's error codes
 
 
 def _not_found(response_id: str) -> errors.APIError:
@@ -81,10 +85,11 @@ class Turn:
         self.req, self.run, self.state, self.messages, self.owner = req, run, state, messages, owner
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.output: list[OutputMessage | FunctionCallItem] = []
+        self.current: OutputMessage | FunctionCallItem | None = None  # the item being filled; one at a time
         self.seq = 0
 
-    def response(self, status: str, finish: str | None = None) -> ResponseObject:
-        req = self.req
+    def response(self, status: str, finish: str | None = None, error: ResponseError | None = None) -> ResponseObject:
+        req, params = self.req, self.run.gen.params
         usage = None
         if status != "in_progress":
             prompt, completion, cached = self.run.gen.token_counts
@@ -93,8 +98,11 @@ class Turn:
         return ResponseObject(
             id=self.id, created_at=self.created, status=status, model=self.state.model_name, output=list(self.output),
             usage=usage, incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish == "length" else None,
-            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
-            previous_response_id=req.previous_response_id, temperature=req.temperature, top_p=req.top_p,
+            error=error, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            previous_response_id=req.previous_response_id,
+            # unset: the values sampled with, as OpenAI echoes its defaults
+            temperature=params.temperature if req.temperature is None else req.temperature,
+            top_p=params.top_p if req.top_p is None else req.top_p,
             tools=req.tools or [], tool_choice=req.tool_choice or "auto", parallel_tool_calls=self.run.parallel,
             text=req.text or TextConfig(), store=req.store, metadata=req.metadata or {})
 
@@ -131,12 +139,20 @@ class Turn:
         return self.seq - 1
 
     async def events(self):
-        """The stream: created, in_progress, each item added, filled and done, then completed or incomplete."""
+        """The stream: created, in_progress, each item added, filled and done before the next is added, then
+        completed or incomplete; a failure part-way is an `error` event, then response.failed."""
         yield ResponseEvent(type="response.created", sequence_number=self._next(), response=self.response("in_progress"))
         yield ResponseEvent(type="response.in_progress", sequence_number=self._next(),
                             response=self.response("in_progress"))
+        try:
+            async for e in self._items():
+                yield e
+        except (EngineUnavailableError, InvalidRequestError, errors.APIError) as error:
+            for e in self._fail(as_api_error(error)):
+                yield e
+
+    async def _items(self):
         calls = ToolCallStream(self.run.plan, self.run.parallel) if self.run.plan.active else None
-        message: OutputMessage | None = None
         open_calls: dict[int, FunctionCallItem] = {}  # by the call's index in the choice
         finish = None
         async for event in self.run.gen.events():
@@ -147,14 +163,10 @@ class Turn:
                     rest, more, _ = calls.finish(finish == "stop")
                     text, chunks = text + rest, chunks + more
             if text:
-                if message is None:
-                    message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
-                    for e in self._open(message):
+                if not isinstance(self.current, OutputMessage):
+                    for e in self._open_message():
                         yield e
-                    yield ContentPartEvent(type="response.content_part.added", sequence_number=self._next(),
-                                           item_id=message.id, output_index=self.output.index(message),
-                                           part=OutputText(text=""))
-                    message.content.append(OutputText(text=""))
+                message = self.current
                 message.content[0].text += text
                 yield TextDeltaEvent(sequence_number=self._next(), item_id=message.id,
                                      output_index=self.output.index(message), delta=text)
@@ -170,25 +182,53 @@ class Turn:
                     item.arguments += chunk.function.arguments
                     yield ArgumentsDeltaEvent(sequence_number=self._next(), item_id=item.id,
                                               output_index=self.output.index(item), delta=chunk.function.arguments)
-        status = "incomplete" if finish == "length" else "completed"
-        for item in list(self.output):
-            index = self.output.index(item)
-            item.status = status
-            if isinstance(item, OutputMessage):
-                yield TextDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
-                                    text=item.content[0].text)
-                yield ContentPartEvent(type="response.content_part.done", sequence_number=self._next(),
-                                       item_id=item.id, output_index=index, part=item.content[0])
-            else:
-                yield ArgumentsDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
-                                         name=item.name, arguments=item.arguments)
-            yield OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
-                                  item=item)
+        if not self.output:  # no text: one empty message, as the whole response has
+            for e in self._open_message():
+                yield e
+        for e in self._close("incomplete" if finish == "length" else "completed"):
+            yield e
         final = self.finish(finish)
         yield ResponseEvent(type=f"response.{final.status}", sequence_number=self._next(), response=final)
 
+    def _open_message(self):
+        message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+        yield from self._open(message)
+        yield ContentPartEvent(type="response.content_part.added", sequence_number=self._next(), item_id=message.id,
+                               output_index=self.output.index(message), part=OutputText(text=""))
+        message.content.append(OutputText(text=""))
+
     def _open(self, item: OutputMessage | FunctionCallItem):
         # Each event is encoded as it is yielded (gateway/serving.py's sse), so it shows the item as it is now.
+        yield from self._close("completed")
         self.output.append(item)
+        self.current = item
         yield OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
                               output_index=len(self.output) - 1, item=item)
+
+    def _close(self, status: str):
+        """The done events of the item being filled, if any: a new item comes only after them."""
+        item, self.current = self.current, None
+        if item is None:
+            return
+        index = self.output.index(item)
+        item.status = status
+        if isinstance(item, OutputMessage):
+            yield TextDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
+                                text=item.content[0].text)
+            yield ContentPartEvent(type="response.content_part.done", sequence_number=self._next(),
+                                   item_id=item.id, output_index=index, part=item.content[0])
+        else:
+            yield ArgumentsDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
+                                     name=item.name, arguments=item.arguments)
+        yield OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
+                              item=item)
+
+    def _fail(self, error: errors.APIError):
+        """An `error` event, then response.failed with what was made so far (not kept: it cannot be continued)."""
+        if self.current is not None:
+            self.current.status = "incomplete"
+        yield ErrorEvent(sequence_number=self._next(), code=error.code or error.type, message=error.message,
+                         param=error.param)
+        code = _FAILURE_CODES.get(error.status, "server_error")
+        yield ResponseEvent(type="response.failed", sequence_number=self._next(),
+                            response=self.response("failed", error=ResponseError(code=code, message=error.message)))

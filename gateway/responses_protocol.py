@@ -15,6 +15,9 @@ from gateway.protocol import (
 from gateway.tools import FunctionCall, FunctionDef, FunctionName, NamedToolChoice, Tool, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+# OpenAI's limits on `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+                     Meta(max_length=16)]
 
 
 class InputContent(Struct, kw_only=True):
@@ -94,7 +97,7 @@ class ResponsesRequest(Struct, kw_only=True):
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
 
     def input_messages(self) -> list[ChatMessage]:
@@ -184,6 +187,7 @@ class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_cal
 
 class InputTokensDetails(Struct, kw_only=True):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # OpenAI's explicit prompt caching, which this server does not bill
 
 
 class OutputTokensDetails(Struct, kw_only=True):
@@ -202,16 +206,23 @@ class IncompleteDetails(Struct, kw_only=True):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(Struct, kw_only=True):
+    """Why a response failed (status "failed"); `code` is one of OpenAI's for a response's error."""
+
+    code: Literal["server_error", "rate_limit_exceeded", "invalid_prompt"]
+    message: str
+
+
 class ResponseObject(Struct, kw_only=True):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
     output: list[OutputMessage | FunctionCallItem]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     previous_response_id: str | None = None
@@ -229,9 +240,20 @@ class ResponseObject(Struct, kw_only=True):
 
 # Stream events: each a `data:` line under an `event:` line of its `type`, numbered in order.
 class ResponseEvent(Struct, kw_only=True):
-    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
+                  "response.failed"]
     sequence_number: int
     response: ResponseObject
+
+
+class ErrorEvent(Struct, kw_only=True):
+    """A failure after the stream started; `response.failed` follows it."""
+
+    type: Literal["error"] = "error"
+    sequence_number: int
+    code: str | None
+    message: str
+    param: str | None
 
 
 class OutputItemEvent(Struct, kw_only=True):
@@ -281,4 +303,4 @@ class ArgumentsDoneEvent(_ItemEvent, kw_only=True):
 
 
 StreamEvent = (ResponseEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
-               | ArgumentsDeltaEvent | ArgumentsDoneEvent)
+               | ArgumentsDeltaEvent | ArgumentsDoneEvent | ErrorEvent)

@@ -194,7 +194,7 @@ def sse(events: AsyncIterator[object], on_close: Callable[[], None], drain_timeo
                 data = _json.encode(event).decode()
                 yield {"event": event.type, "data": data} if named else {"data": data}
         except (EngineUnavailableError, InvalidRequestError, errors.APIError) as e:
-            api = _as_api_error(e)
+            api = as_api_error(e)
             if named:
                 yield {"event": "error", "data": _json.encode({"type": "error", "code": api.code,
                                                                 "message": api.message, "param": api.param}).decode()}
@@ -225,10 +225,10 @@ async def until_done_or_disconnect(request: Request, work: Awaitable[Response]) 
     try:
         return task.result()
     except (EngineUnavailableError, InvalidRequestError) as e:
-        raise _as_api_error(e) from None
+        raise as_api_error(e) from None
 
 
-def _as_api_error(e: Exception) -> errors.APIError:
+def as_api_error(e: Exception) -> errors.APIError:
     if isinstance(e, errors.APIError):
         return e
     if isinstance(e, InvalidRequestError):

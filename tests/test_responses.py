@@ -2,21 +2,43 @@
 (tokens and usage), streamed as OpenAI's typed events in order, continued with `previous_response_id` (a function
 tool's call and its output included), kept and deleted per API key, and bad input is a 400 in OpenAI's shape."""
 
+import asyncio
 import json
+from types import SimpleNamespace
+from typing import get_args
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.protocol import ChatMessage
+from engine.core.sampling_params import SamplingParams
+from gateway import errors
+from gateway.chat import ChatRun
+from gateway.generation import ChoiceEvent
+from gateway.protocol import ChatMessage, decode_request
 from gateway.response_store import ResponseStore
+from gateway.responses import Turn
+from gateway.responses_protocol import ResponsesRequest
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                           "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24}}}}
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
 GREEDY = dict(temperature=0, max_output_tokens=12)
+# The official SDK's typed events, by their `type`: the models a client validates against.
+SDK_EVENTS = {get_args(m.model_fields["type"].annotation)[0]: m for m in get_args(get_args(ResponseStreamEvent)[0])}
+
+
+def sdk_events(events) -> list:
+    """Each streamed event (the SDK's as it received them, or ours) validated as the SDK's model of its type."""
+    out = []
+    for e in events:
+        data = e.to_dict() if hasattr(e, "to_dict") else msgspec.to_builtins(e)  # to_dict: the fields as sent
+        out.append(SDK_EVENTS[data["type"]].model_validate(data))
+    return out
 
 
 def chat(client, model, messages, **kw):
@@ -41,7 +63,7 @@ def test_a_response_is_the_chat_completion_of_its_messages(client, model):
 
 def test_streamed_events_come_in_order_and_add_up_to_the_response(client, model):
     whole = client.responses.create(model=model, input="Count to five.", **GREEDY)
-    events = list(client.responses.create(model=model, input="Count to five.", stream=True, **GREEDY))
+    events = sdk_events(client.responses.create(model=model, input="Count to five.", stream=True, **GREEDY))
     types = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [i for i, t in enumerate(types) if t == "response.output_text.delta"]
@@ -76,7 +98,7 @@ def test_a_function_tool_round_trip(client, model):
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     # streamed: the item opens with its name, the arguments come as deltas and add up to the same text
-    events = list(client.responses.create(**kw, tool_choice="required", stream=True))
+    events = sdk_events(client.responses.create(**kw, tool_choice="required", stream=True))
     added = next(e for e in events if e.type == "response.output_item.added")
     assert added.item.type == "function_call" and added.item.name == "get_weather"
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
@@ -117,7 +139,7 @@ def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model
         client.responses.retrieve(r.id)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=model, input="Hi.", previous_response_id=r.id)
-    assert e.value.body["param"] == "previous_response_id"
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
     unstored = client.responses.create(model=model, input="Hi.", store=False, **GREEDY)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
@@ -132,6 +154,9 @@ def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's limits: 16 pairs,
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # keys up to 64 characters,
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # values up to 512
 ])
 def test_bad_requests_are_400s_naming_the_field(server, body, param):
     r = httpx.post(f"{server}/v1/responses", json=body)
@@ -155,13 +180,122 @@ def test_langchain_on_the_responses_api(server, model):
 
 
 def test_the_store_keeps_each_keys_responses_apart_and_drops_the_oldest():
-    store = ResponseStore(max_responses=2, max_chars=100)
+    store = ResponseStore(key_responses=2)
     said = [ChatMessage(role="user", content="x" * 10)]
-    store.put("a", b"key1", said, "A")
-    assert store.get("a", b"key2") is None and store.get("a", b"key1").response == "A"
+    store.put("a", b"key1", said, {"id": "a"})
+    assert store.get("a", b"key2") is None and json.loads(store.get("a", b"key1").body) == {"id": "a"}
+    assert store.get("a", b"key1").messages == said
     assert not store.delete("a", b"key2")
-    store.put("b", b"key1", said, "B")
-    store.put("c", b"key1", said, "C")  # over the count: the least recently used goes
-    assert store.get("a", b"key1") is None and store.get("c", b"key1").response == "C"
-    store.put("d", b"key1", [ChatMessage(role="user", content="y" * 95)], "D")  # over the characters
-    assert [k for k in "bcd" if store.get(k, b"key1")] == ["d"]
+    store.put("b", b"key1", said, {"id": "b"})
+    store.put("c", b"key1", said, {"id": "c"})  # over the count: the least recently used goes
+    assert store.get("a", b"key1") is None and store.get("c", b"key1") is not None
+
+
+def test_one_key_cannot_evict_anothers_responses():
+    store = ResponseStore()  # the server's bounds
+    said = [ChatMessage(role="user", content="x")]
+    store.put("a", b"key1", said, {})
+    for i in range(5000):
+        store.put(f"b{i}", b"key2", said, {})
+    assert store.get("a", b"key1") is not None and store.get("b0", b"key2") is None  # key2 lost its own oldest
+
+
+def test_every_stored_byte_counts_and_the_fullest_key_gives_way():
+    said = [ChatMessage(role="user", content="x")]
+    big = {"metadata": {f"k{i}": "v" * 512 for i in range(16)}, "instructions": "i" * 4000}  # ~12 KB
+    store = ResponseStore(key_bytes=30_000)
+    store.put("a", b"key1", said, big)
+    store.put("b", b"key1", said, big)
+    assert store.count == 2 and store.bytes > 2 * len(msgspec.json.encode(big))
+    store.put("c", b"key1", said, big)  # what the response keeps counts, not only the conversation
+    assert store.get("a", b"key1") is None and store.get("c", b"key1") is not None
+    # All keys together: past the total, the key holding the most gives up its oldest, not the others.
+    store = ResponseStore(key_bytes=30_000, max_bytes=35_000)
+    store.put("small", b"key1", said, {})
+    store.put("a", b"key2", said, big)
+    store.put("b", b"key2", said, big)  # within its own bound
+    store.put("d", b"key3", said, big)  # over the total: key2 holds the most
+    assert store.get("small", b"key1") is not None and store.get("d", b"key3") is not None
+    assert store.get("a", b"key2") is None and store.get("b", b"key2") is not None
+    assert store.count == 3 and store.bytes <= 35_000
+
+
+def test_metadata_is_echoed_as_sent_and_unset_sampling_fields_echo_the_defaults_used(client, model):
+    metadata = {f"k{i}": "v" * 512 for i in range(15)} | {"k" * 64: "é"}  # OpenAI's limits, each reached
+    r = client.responses.create(model=model, input="Hi.", max_output_tokens=1, metadata=metadata)
+    assert r.metadata == metadata and client.responses.retrieve(r.id).metadata == metadata
+    assert (r.temperature, r.top_p) == (1.0, 1.0)  # SamplingParams' defaults, which the engine sampled with
+    assert (client.responses.create(model=model, input="Hi.", max_output_tokens=1, store=False, temperature=0.5,
+                                    top_p=0.25).top_p) == 0.25
+
+
+# Turn on a scripted generation: the stream's shape where the model would rarely go (parallel calls, no text, a
+# failure part-way), with no server.
+class ScriptedGeneration:
+    def __init__(self, texts: list[str], finish: str = "stop", error: Exception | None = None):
+        self.texts, self.finish, self.error = texts, finish, error
+        self.params, self.token_counts = SamplingParams(), (7, len(texts), 0)
+
+    async def events(self):
+        for i, text in enumerate(self.texts):
+            last = i == len(self.texts) - 1 and self.error is None
+            yield ChoiceEvent(0, text, [], [], [], self.finish if last else None)
+        if self.error is not None:
+            raise self.error
+
+
+def scripted_turn(texts: list[str], error: Exception | None = None, **body) -> Turn:
+    req = decode_request(json.dumps({"input": "Weather in Paris and Rome?", **body}).encode(), ResponsesRequest)
+    chat = req.to_chat([])
+    gen = ScriptedGeneration(texts, error=error)
+    run = ChatRun(gen, chat.tool_plan(), chat.parallel_tool_calls is not False, None)
+    return Turn(req, run, SimpleNamespace(model_name="m", responses=ResponseStore()), chat.messages, b"")
+
+
+def streamed(turn: Turn) -> list:
+    async def collect():
+        return [e async for e in turn.events()]
+
+    return sdk_events(asyncio.run(collect()))
+
+
+def whole(turn: Turn) -> Response:
+    return Response.model_validate_json(asyncio.run(turn.collect()).body)
+
+
+def test_parallel_calls_are_each_closed_before_the_next_is_added():
+    text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    events = streamed(scripted_turn(pieces, tools=[WEATHER]))
+    opened = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    assert opened == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                      ("response.output_item.added", 1), ("response.output_item.done", 1)]
+    after_first = [e for e in events[[e.type for e in events].index("response.output_item.done"):]]
+    assert all(getattr(e, "output_index", 1) == 1 for e in after_first[1:])  # nothing more about the first
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and [c.status for c in final.output] == ["completed"] * 2
+    assert [c.arguments for c in final.output] == ['{"city": "Paris"}', '{"city": "Rome"}']
+    assert [c.arguments for c in whole(scripted_turn(pieces, tools=[WEATHER])).output] == [
+        c.arguments for c in final.output]
+
+
+def test_an_empty_output_is_the_same_streamed_and_whole():
+    events = streamed(scripted_turn([""]))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    shape = [(o.type, o.status, [(c.type, c.text) for c in o.content]) for o in events[-1].response.output]
+    assert shape == [("message", "completed", [("output_text", "")])]
+    assert [(o.type, o.status, [(c.type, c.text) for c in o.content]) for o in whole(scripted_turn([""])).output] == shape
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
+    error = errors.APIError(500, "sampling failed", "server_error")
+    events = streamed(scripted_turn(["Sunny ", "and"], error=error, max_output_tokens=5))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
+    assert (events[-2].code, events[-2].message) == ("server_error", "sampling failed")
+    failed = events[-1].response
+    assert failed.status == "failed" and (failed.error.code, failed.error.message) == ("server_error", "sampling failed")
+    assert failed.output[0].content[0].text == "Sunny and" and failed.usage.output_tokens == 2
