@@ -125,6 +125,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """--api-key (repeated) and --api-key-file; neither given: $ORCINUS_API_KEY, if set."""
     from gateway.auth import check_key, read_keys_file
@@ -154,6 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
         special_tokens_in_content=args.special_tokens_in_content,
         shutdown_timeout=args.shutdown_timeout,
+        engine_unresponsive_timeout=args.engine_unresponsive_timeout,
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
         allowed_hosts=default_allowed_hosts(args.host) if args.allowed_hosts is None else tuple(args.allowed_hosts),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
@@ -263,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                           "limit is low)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM")
+    srv.add_argument("--engine-unresponsive-timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
+                     help="an engine process that sends not even a heartbeat this long is taken out of routing until "
+                          "it answers, and its requests with no token yet go to another replica (default 3)")
     srv.add_argument("--data-parallel-size", type=_positive, default=1, metavar="N",
                      help="engine replicas behind this gateway, each with its own KV cache and scheduler (and, on "
                           "GPUs, its own tensor x pipeline devices)")

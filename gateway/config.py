@@ -26,6 +26,7 @@ class GatewayConfig:
     special_tokens_in_content: Literal["allow", "escape"] = "allow"  # chat content's "<|im_start|>": special, or text
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
+    engine_unresponsive_timeout: float = 3.0  # an engine process without a heartbeat this long is out of routing
     allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
     allowed_hosts: tuple[str, ...] | None = None  # Host header values answered ("*.example.com", "*"); None = any
     url: str | None = None  # where clients reach the server, for the startup log (None: not logged)

@@ -1,10 +1,12 @@
 """The gateway's side of one engine replica: submit requests, route token deltas back, keep an engine running.
 
-A supervisor task watches the engine process. When it dies (crash, OOM kill, kill -9) every
-in-flight request fails at once with EngineUnavailableError, the dead engine's channels are
-unlinked, and a new engine is started on fresh ones; `healthy` is False until it is ready. An engine
-that sends nothing for `hang_timeout` seconds (it reports at least once a second) is killed and
-replaced the same way.
+A supervisor task watches the engine process. When it dies (crash, OOM kill, kill -9) its in-flight
+requests that have had no token yet go to `on_lost` (another replica), the others fail at once with
+EngineUnavailableError; the dead engine's channels are unlinked, and a new engine is started on fresh
+ones; `healthy` is False until it is ready. A process that sends not even a heartbeat for
+`unresponsive_timeout` seconds (stopped, swapped out, frozen) is out of routing until it answers again,
+and its requests with no token yet go to `on_lost` too. An engine whose step loop sends nothing for
+`hang_timeout` seconds (it reports at least once a second, and after every step) is killed and replaced.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.ipc.messages import (
     CacheEvents,
     EngineReady,
     EngineStats,
+    Heartbeat,
     PromptLogprobsPart,
     ReleaseGrammar,
     RequestError,
@@ -50,31 +53,43 @@ def _log_crash(task: asyncio.Task) -> None:
 class _Route:
     """Where a request's deltas go, and its tokens so far (prompt and output): its share of the replica's load."""
 
-    __slots__ = ("num_tokens", "queue")
+    __slots__ = ("num_tokens", "queue", "request", "started")
 
-    def __init__(self, queue: asyncio.Queue, num_tokens: int):
+    def __init__(self, queue: asyncio.Queue, request: AddRequest):
         self.queue = queue
-        self.num_tokens = num_tokens
+        self.request = request  # as sent: while nothing of it has come back, it can be sent elsewhere instead
+        self.num_tokens = len(request.prompt_token_ids)
+        self.started = False  # some of its output reached its queue: it can no longer move
+
+
+# Offered a request whose replica exited ("exited") or stopped answering ("unresponsive") before its first token:
+# True if another replica took it.
+OnLost = Callable[["EngineClient", AddRequest, asyncio.Queue, str], bool]
 
 
 class EngineClient:
     """Owns replica `index`'s current EngineProcess; one asyncio queue per request receives its deltas.
 
-    `on_cache` (cache-aware routing) gets the engine's CacheEvents, and None whenever a new engine starts empty."""
+    `on_cache` (cache-aware routing) gets the engine's CacheEvents, and None whenever a new engine starts empty;
+    `on_lost` is offered the requests the replica can no longer serve before their first token."""
 
     def __init__(self, config: EngineConfig, metrics: Metrics, hang_timeout: float = 60.0, index: int = 0,
                  on_cache: Callable[[int, CacheEvents | None], None] | None = None,
-                 devices: str | None = None):
+                 devices: str | None = None, unresponsive_timeout: float = 3.0, on_lost: OnLost | None = None):
         self.config = config
         self.metrics = metrics
         self.hang_timeout = hang_timeout
+        self.unresponsive_timeout = unresponsive_timeout
+        self.on_lost = on_lost
         self.index = index
         self.on_cache = on_cache
         self.devices = devices  # CUDA_VISIBLE_DEVICES for its engine; None: inherited
         self.engine: EngineProcess | None = None
         self.ready: EngineReady | None = None
         self.stats: EngineStats | None = None
-        self.last_heard = 0.0
+        self.last_heard = 0.0  # the last frame of the step loop: its progress
+        self.last_beat = 0.0  # the last frame of any kind, heartbeats included: the process answers
+        self.unresponsive = False  # found not answering, and not answered since
         self.routes: dict[str, _Route] = {}
         self.load = 0  # tokens of the requests in flight: the sum of their routes' num_tokens
         self.start_timeout = 300.0
@@ -125,7 +140,15 @@ class EngineClient:
             and self.engine is not None
             and self.engine.alive
             and time.monotonic() - self.last_heard < self.hang_timeout
+            and self.answering
         )
+
+    @property
+    def answering(self) -> bool:
+        """The engine process sent something, a heartbeat at least, within `unresponsive_timeout` (frames waiting
+        unread count: then the gateway is the one behind)."""
+        return (time.monotonic() - self.last_beat < self.unresponsive_timeout
+                or (self.engine is not None and self.engine.unread))
 
     async def _spawn(self) -> None:
         """Start an engine on fresh channels and wait until it is ready; clean up if it never is."""
@@ -152,14 +175,15 @@ class EngineClient:
             if died:
                 raise EngineUnavailableError(f"the engine process exited while loading the model (code {code})")
             raise EngineUnavailableError(f"the engine did not become ready in {self.start_timeout:.0f}s")
-        self.last_heard = time.monotonic()
+        self.last_heard = self.last_beat = time.monotonic()
+        self.unresponsive = False
 
     async def _supervise(self) -> None:
         while True:
             engine = self.engine
             code = await self._wait_exit_or_hang(engine)
             self.ready = None
-            self._fail_in_flight(EngineUnavailableError(f"the engine process exited (code {code})"))
+            self._lose_in_flight(EngineUnavailableError(f"the engine process exited (code {code})"))
             await engine.close()
             log.error("engine process %s (replica %d) exited with code %s; starting a new one", engine.pid,
                       self.index, code)
@@ -177,17 +201,45 @@ class EngineClient:
 
     async def _wait_exit_or_hang(self, engine: EngineProcess) -> int:
         exited = asyncio.ensure_future(engine.wait())
+        poll = min(1.0, self.unresponsive_timeout / 4)
         try:
             while True:
-                done, _ = await asyncio.wait({exited}, timeout=1.0)
+                done, _ = await asyncio.wait({exited}, timeout=poll)
                 if done:
                     return exited.result()
+                self._watch_answering(engine)
                 silent = time.monotonic() - self.last_heard
                 if silent > self.hang_timeout:
                     log.error("no word from engine process %s in %.0fs; killing it", engine.pid, silent)
                     engine.kill()
         finally:
             exited.cancel()
+
+    def _watch_answering(self, engine: EngineProcess) -> None:
+        """Out of routing while the process does not answer (`healthy` says so); its requests with no token yet are
+        offered elsewhere, and aborted here should it wake. Those streaming wait for it, or for the hang watchdog."""
+        if self.answering:
+            if self.unresponsive:
+                self.unresponsive = False
+                log.warning("engine process %s (replica %d) answers again; back in routing", engine.pid, self.index)
+            return
+        if not self.unresponsive:
+            self.unresponsive = True
+            log.error("engine process %s (replica %d) sent nothing in %.1fs; out of routing until it answers",
+                      engine.pid, self.index, time.monotonic() - self.last_beat)
+        if self.on_lost is None:
+            return
+        for request_id, route in list(self.routes.items()):
+            if not route.started and self.on_lost(self, route.request, route.queue, "unresponsive"):
+                self._drop(request_id)
+                self._send_abort(engine, request_id)
+
+    def _lose_in_flight(self, error: Exception) -> None:
+        """The engine exited: each request with no token yet is offered elsewhere; the rest fail with `error`."""
+        routes, self.routes, self.load = self.routes, {}, 0
+        for request_id, route in routes.items():
+            if route.started or self.on_lost is None or not self.on_lost(self, route.request, route.queue, "exited"):
+                route.queue.put_nowait((request_id, error))
 
     def _fail_in_flight(self, error: Exception) -> None:
         routes, self.routes, self.load = self.routes, {}, 0
@@ -208,10 +260,10 @@ class EngineClient:
         """Route `request_id`'s deltas (TokenDelta, or an exception) into `queue`, then submit it."""
         if not self.healthy:
             raise EngineUnavailableError("the engine is not available")
-        self.routes[request_id] = _Route(queue, len(prompt_token_ids))
+        msg = AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id, priority)
+        self.routes[request_id] = _Route(queue, msg)
         self.load += len(prompt_token_ids)
         try:
-            msg = AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id, priority)
             await self._send(self.engine, msg)
         except BaseException:
             self._drop(request_id)
@@ -232,11 +284,18 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and forget its route; frees its KV blocks at the engine's next iteration."""
-        if self._drop(request_id) is None or self.engine is None or not self.engine.alive:
-            return
+        if self._drop(request_id) is not None:
+            self.send_abort(request_id)
+
+    def send_abort(self, request_id: str) -> None:
+        """Send an Abort whether or not the request is routed here (an engine ignores one of a request it lacks)."""
+        if self.engine is not None and self.engine.alive:
+            self._send_abort(self.engine, request_id)
+
+    def _send_abort(self, engine: EngineProcess, request_id: str) -> None:
         # An abort that does not fit now is retried from a task rather than lost.
-        if not self.engine.try_send(Abort(request_id)):
-            asyncio.get_running_loop().create_task(self._send_quietly(self.engine, Abort(request_id)))
+        if not engine.try_send(Abort(request_id)):
+            asyncio.get_running_loop().create_task(self._send_quietly(engine, Abort(request_id)))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's route."""
@@ -263,10 +322,14 @@ class EngineClient:
     # ---------------------------------------------------------------- frames from the engine
 
     def _on_frame(self, msg) -> None:
-        self.last_heard = time.monotonic()
+        self.last_beat = now = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            return  # from the engine's own thread: it shows the process answers, not that its step loop goes on
+        self.last_heard = now
         if isinstance(msg, TokenDelta):
             route = self.routes.get(msg.request_id)
             if route is not None:
+                route.started = True
                 route.queue.put_nowait((msg.request_id, msg))
                 route.num_tokens += len(msg.token_ids)
                 self.load += len(msg.token_ids)
@@ -275,6 +338,7 @@ class EngineClient:
         elif isinstance(msg, PromptLogprobsPart):
             route = self.routes.get(msg.request_id)
             if route is not None:
+                route.started = True  # its client gathers the parts: sent again from elsewhere, they would repeat
                 route.queue.put_nowait((msg.request_id, msg))
         elif isinstance(msg, CacheEvents):
             if self.on_cache is not None:

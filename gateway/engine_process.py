@@ -120,6 +120,11 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and not self._closed
 
+    @property
+    def unread(self) -> bool:
+        """Frames it sent wait in the ring, not yet read: it answers, however long the gateway took to look."""
+        return not self._closed and self.from_engine is not None and self.from_engine.ring.used > 0
+
     def try_send(self, msg: object) -> bool:
         """Send without waiting; False when the ring is full now. Raises if the process is gone."""
         if not self.alive:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from engine.ipc.memory import this_process
@@ -57,6 +59,10 @@ class Metrics:
         self.routed = Counter("orcinus_routed_requests", "Sequences sent to each replica, by why: the prompt's prefix "
                               "cached there (cache), the fewest tokens in flight (load), the loads out of balance "
                               "(balance), or its turn", ["replica", "reason"], registry=r)
+        self.healthy = Gauge("orcinus_engine_healthy", "1 while the replica takes requests: its engine is running, "
+                             "ready and answering", REPLICA, registry=r)
+        self.rerouted = Counter("orcinus_rerouted_requests", "Sequences moved off a replica before their first token, "
+                                "by why: its engine exited or stopped answering", ["replica", "reason"], registry=r)
         self.engine_restarts = Counter("orcinus_engine_restarts", "Engine processes restarted after dying",
                                        REPLICA, registry=r)
         self.prompt_tokens = Counter("orcinus_prompt_tokens", "Prompt tokens received", registry=r)
@@ -103,9 +109,10 @@ class Metrics:
                                             "Time waiting for admission, by predicted length (short: < 64 tokens)",
                                             ["pool", "replica"], registry=r, buckets=_LATENCY_BUCKETS)
 
-    def add_replica(self, index: int) -> None:
-        """Show replica `index`'s engine series (at zero) before its first report."""
+    def add_replica(self, index: int, healthy: Callable[[], bool]) -> None:
+        """Show replica `index`'s engine series (at zero) before its first report; `healthy` is asked at each scrape."""
         label = str(index)
+        self.healthy.labels(label).set_function(lambda: float(healthy()))
         for metric in (self.running, self.waiting, self.kv_used, self.kv_free, self.preemptions, self.prefix_queried,
                        self.prefix_hits, self.kv_cached, self.iterations, self.engine_restarts, self.spec_drafted,
                        self.spec_accepted):

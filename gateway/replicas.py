@@ -1,8 +1,10 @@
 """Data-parallel engine replicas behind one gateway (`--data-parallel-size N`): each request goes to the replica the
 router picks; each replica is an EngineClient with its own engine process, channels, KV cache and scheduler.
 
-A replica that dies fails only its own in-flight requests and is restarted by its client while the others serve;
-the router sees only healthy replicas. With one replica this is a thin layer over its client.
+A replica that dies fails only its own in-flight requests that have streamed tokens and is restarted by its client
+while the others serve; those with no token yet are sent, once, to another healthy replica (their client sees one
+stream, as if nothing happened), and so are those of a replica that stops answering. The router sees only healthy
+replicas. With one replica this is a thin layer over its client.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import asyncio
 import dataclasses
 import os
 
+import msgspec
+
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.ipc.messages import EngineReady
+from engine.ipc.messages import AddRequest, EngineReady
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, EngineUnavailableError
 from gateway.engine_process import EngineProcess
@@ -43,7 +47,7 @@ class Replicas:
     """The engine clients and their router; the interface the endpoints use, whatever the number of replicas."""
 
     def __init__(self, config: EngineConfig, metrics: Metrics, hang_timeout: float = 60.0, size: int = 1,
-                 routing: RoutingPolicy = "cache-aware"):
+                 routing: RoutingPolicy = "cache-aware", unresponsive_timeout: float = 3.0):
         if size < 1:
             raise ValueError(f"--data-parallel-size must be 1 or more, got {size}")
         if size > 1 and config.external_stages:
@@ -55,18 +59,22 @@ class Replicas:
         self.router = make_router(routing if size > 1 else "round-robin", size, config.block_size)
         on_cache = self.router.cache_events if size > 1 and routing == "cache-aware" else None
         each = replica_config(config, size)
-        self.clients = [EngineClient(each, metrics, hang_timeout, i, on_cache, replica_devices(config, i, size))
-                        for i in range(size)]
+        self.clients = [EngineClient(each, metrics, hang_timeout, i, on_cache, replica_devices(config, i, size),
+                                     unresponsive_timeout, self._reroute) for i in range(size)]
         self.metrics = metrics
-        for i in range(size):
-            metrics.add_replica(i)
+        for c in self.clients:
+            metrics.add_replica(c.index, lambda c=c: c.healthy)
         self.where: dict[str, EngineClient] = {}  # request id -> the replica serving it
         self.grammars: dict[str, tuple[str, set[EngineProcess]]] = {}  # id -> grammar, engines it was sent to
+        self.constrained: dict[str, str] = {}  # request id -> its grammar, to send along should the request move
+        self.moved: set[str] = set()  # requests sent to a second replica: a second loss fails them
+        self._moving: set[asyncio.Task] = set()  # re-submissions under way
 
     @classmethod
     def for_server(cls, config: GatewayConfig) -> Replicas:
         """A server's replicas, with metrics of their own (raises ValueError for a combination they cannot run)."""
-        return cls(config.engine, Metrics(), config.engine_hang_timeout, config.data_parallel_size, config.routing)
+        return cls(config.engine, Metrics(), config.engine_hang_timeout, config.data_parallel_size, config.routing,
+                   config.engine_unresponsive_timeout)
 
     def launch(self) -> None:
         """Spawn every replica's first engine now (no event loop needed); start() adopts them."""
@@ -112,15 +120,82 @@ class Replicas:
             raise EngineUnavailableError("the engine is not available")
         client, reason = self.router.route(request_id, healthy, prompt_token_ids, cache_salt)
         self.where[request_id] = client
+        if grammar_id is not None:
+            self.constrained[request_id] = self.grammars[grammar_id][0]
         try:
-            if grammar_id is not None:
-                await self._send_grammar(client, grammar_id)
-            await client.add(request_id, prompt_token_ids, params, queue, cache_salt, grammar_id, priority)
+            try:
+                await self._submit(client, request_id, prompt_token_ids, params, queue, cache_salt, grammar_id,
+                                   priority)
+            except EngineUnavailableError:
+                if self.where.get(request_id) is not client:  # its replica's death, seen meanwhile, moved it
+                    self.metrics.routed.labels(str(client.index), reason).inc()
+                    return
+                # It died or stopped draining its ring between the choice and the send: another replica, once.
+                others = [c for c in self.clients if c.healthy and c is not client]
+                if not others:
+                    raise
+                self.router.done(request_id)
+                why = "unresponsive" if client.engine is not None and client.engine.alive else "exited"
+                self.metrics.rerouted.labels(str(client.index), why).inc()
+                client, reason = self.router.route(request_id, others, prompt_token_ids, cache_salt)
+                self.where[request_id] = client
+                self.moved.add(request_id)
+                await self._submit(client, request_id, prompt_token_ids, params, queue, cache_salt, grammar_id,
+                                   priority)
         except BaseException:
             del self.where[request_id]
             self.router.done(request_id)
+            self._forget(request_id)
             raise
         self.metrics.routed.labels(str(client.index), reason).inc()
+
+    async def _submit(self, client: EngineClient, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, queue: asyncio.Queue, cache_salt: bytes, grammar_id: str | None,
+                      priority: int) -> None:
+        if grammar_id is not None:
+            await self._send_grammar(client, grammar_id)
+        await client.add(request_id, prompt_token_ids, params, queue, cache_salt, grammar_id, priority)
+
+    def _reroute(self, lost_on: EngineClient, msg: AddRequest, queue: asyncio.Queue, why: str) -> bool:
+        """`lost_on` exited or stopped answering before `msg`'s request got a token: send it to another healthy
+        replica, unless it was moved once already or there is none. True if it goes elsewhere."""
+        request_id = msg.request_id
+        others = [c for c in self.clients if c.healthy and c is not lost_on]
+        if request_id in self.moved or not others or self.where.get(request_id) is not lost_on:
+            return False
+        self.router.done(request_id)
+        client, reason = self.router.route(request_id, others, msg.prompt_token_ids, msg.cache_salt)
+        self.where[request_id] = client
+        self.moved.add(request_id)
+        self.metrics.rerouted.labels(str(lost_on.index), why).inc()
+        self.metrics.routed.labels(str(client.index), reason).inc()
+        task = asyncio.get_running_loop().create_task(self._resubmit(client, msg, queue))
+        self._moving.add(task)
+        task.add_done_callback(self._moving.discard)
+        return True
+
+    async def _resubmit(self, client: EngineClient, msg: AddRequest, queue: asyncio.Queue) -> None:
+        request_id = msg.request_id
+        if self.where.get(request_id) is not client:
+            return  # aborted before it could be sent
+        grammar = self.constrained.get(request_id)
+        if grammar is not None:
+            # Under an id of its own: the engine may hold the first id still, with its own requests waiting on it.
+            msg = msgspec.structs.replace(msg, grammar_id=f"{msg.grammar_id}/{request_id}")
+        try:
+            if grammar is not None:
+                await client.add_grammar(msg.grammar_id, grammar)
+            try:
+                await client.add(request_id, msg.prompt_token_ids, msg.params, queue, msg.cache_salt,
+                                 msg.grammar_id, msg.priority)
+            finally:
+                if grammar is not None:
+                    client.release_grammar(msg.grammar_id)
+        except EngineUnavailableError as e:
+            queue.put_nowait((request_id, e))
+            return
+        if self.where.get(request_id) is not client:
+            client.send_abort(request_id)  # aborted while it was being sent: an Abort that overtook it was lost
 
     async def add_grammar(self, grammar_id: str, grammar: str) -> None:
         """Keep a grammar for the requests that name it; each replica gets it once, with the first of them it serves."""
@@ -147,6 +222,7 @@ class Replicas:
         if client is not None:
             client.abort(request_id)
             self.router.done(request_id)
+            self._forget(request_id)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
@@ -154,3 +230,8 @@ class Replicas:
         if client is not None:
             client.release(request_id)
             self.router.done(request_id)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.constrained.pop(request_id, None)
+        self.moved.discard(request_id)

@@ -1,11 +1,13 @@
 """Data-parallel replicas behind one gateway (`--data-parallel-size 2`), on live servers with the served defaults:
 greedy tokens identical to one engine under every routing policy, per-replica metrics, cache-aware routing finding
-a conversation's prefix, and a replica killed mid-load (its in-flight requests fail cleanly, no other request is
-lost, new ones go to the survivor, and it comes back)."""
+a conversation's prefix, a replica killed mid-load (its in-flight requests fail cleanly, no other request is
+lost, new ones go to the survivor, and it comes back), and a replica that stops answering or dies before its requests'
+first tokens (they move to the other replica, and their clients never know)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -14,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import parse_metrics
-from test_hardening import cmdline, gateway_pid, metrics, sse_lines_to_events
+from test_hardening import cmdline, gateway_pid, metrics, sse_lines_to_events, wait_for_metrics
 
 SHARED = ("You are a careful assistant for a shipping company. You answer questions about parcels, routes, "
           "delivery times, customs forms and lost items, briefly and politely, and you never invent tracking numbers. ")
@@ -50,6 +52,23 @@ def engines(url: str) -> list[int]:
     return sorted(int(c) for c in children if "engine.ipc.worker" in cmdline(int(c)))
 
 
+def series(m: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s series with these labels (in whatever order /metrics writes them)."""
+    return sum(v for k, v in m.items()
+               if k.startswith(name + "{") and all(f'{label}="{value}"' in k for label, value in labels.items()))
+
+
+def healthy(m: dict[str, float]) -> dict[str, float]:
+    return {i: m[f'orcinus_engine_healthy{{replica="{i}"}}'] for i in ("0", "1")}
+
+
+@pytest.fixture(scope="module")
+def round_robin_pair(server_factory):
+    """Two replicas taking requests in turn: a stopped one gets its share until the gateway finds it out."""
+    with server_factory("--data-parallel-size", "2", "--routing", "round-robin") as url:
+        yield url
+
+
 @pytest.fixture(scope="module")
 def reference(server) -> list[list[int]]:
     """Greedy tokens of one engine (the shared server), each prompt alone."""
@@ -70,10 +89,86 @@ def check_greedy_tokens_of_one_engine(url: str, reference: list[list[int]], fini
 
 
 # cache-aware, the default, is checked in the test after this one (a server start less).
-@pytest.mark.parametrize("routing", ["round-robin", "least-loaded"])
-def test_every_routing_policy_gives_one_engine_s_greedy_tokens(server_factory, reference, routing):
-    with server_factory("--data-parallel-size", "2", "--routing", routing) as url:
+def test_round_robin_gives_one_engine_s_greedy_tokens(round_robin_pair, reference):
+    check_greedy_tokens_of_one_engine(round_robin_pair, reference)
+
+
+def test_least_loaded_gives_one_engine_s_greedy_tokens(server_factory, reference):
+    with server_factory("--data-parallel-size", "2", "--routing", "least-loaded") as url:
         check_greedy_tokens_of_one_engine(url, reference)
+
+
+def test_a_stopped_replica_leaves_routing_and_its_requests_with_no_token_move(round_robin_pair, reference):
+    url = round_robin_pair
+    start = metrics(url)
+    victim = engines(url)[0]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        # Sent at once, half are routed to the stopped replica before the gateway finds it out: they move.
+        first = asyncio.run(complete_all(url, PROMPTS[:4], logprobs=0))
+        assert [c["logprobs"]["tokens"] for c in first] == reference[:4]
+        m = wait_for_metrics(url, lambda m: sorted(healthy(m).values()) == [0.0, 1.0], 60,
+                             "the stopped replica out of routing")
+        [down] = [i for i, up in healthy(m).items() if not up]
+        # Found out, it gets nothing more; the other serves everything.
+        later = asyncio.run(complete_all(url, PROMPTS[4:], logprobs=0))
+        assert [c["logprobs"]["tokens"] for c in later] == reference[4:]
+        end = metrics(url)
+        routed = series(end, "orcinus_routed_requests_total", replica=down) - series(
+            start, "orcinus_routed_requests_total", replica=down)
+        assert series(end, "orcinus_routed_requests_total", replica=down) == series(
+            m, "orcinus_routed_requests_total", replica=down)
+        moved = series(end, "orcinus_rerouted_requests_total", replica=down, reason="unresponsive") - series(
+            start, "orcinus_rerouted_requests_total", replica=down, reason="unresponsive")
+        assert moved == routed, (moved, routed)  # each request it had got: none had a token
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+    wait_for_metrics(url, lambda m: set(healthy(m).values()) == {1.0}, 60, "the replica back once it answers")
+    wait_idle(url)
+
+
+def test_requests_sent_to_a_replica_that_dies_before_their_first_token_go_to_the_other(round_robin_pair, reference):
+    url = round_robin_pair
+    start = metrics(url)
+    victim = engines(url)[0]
+
+    async def send_and_kill() -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as ac:
+            async def one(prompt: str) -> dict:
+                r = await ac.post("/v1/completions", json={"prompt": prompt, **GREEDY, "logprobs": 0})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
+
+            os.kill(victim, signal.SIGSTOP)  # what is sent to it now gets no token before it dies
+            try:
+                tasks = [asyncio.create_task(one(p)) for p in PROMPTS]
+                deadline = time.monotonic() + 60
+                while True:  # every request sent to a replica (half of them to the stopped one), then it dies
+                    m = parse_metrics((await ac.get("/metrics")).text)
+                    routed = series(m, "orcinus_routed_requests_total") - series(start, "orcinus_routed_requests_total")
+                    if routed >= len(PROMPTS):
+                        break
+                    assert time.monotonic() < deadline, routed
+                    await asyncio.sleep(0.02)
+            finally:
+                os.kill(victim, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    got = asyncio.run(send_and_kill())
+    assert [c["logprobs"]["tokens"] for c in got] == reference
+    m = wait_for_metrics(url, lambda m: m["orcinus_engine_restarts_total"] > start["orcinus_engine_restarts_total"],
+                         60, "the death seen")
+    [dead] = [i for i in ("0", "1") if m[f'orcinus_engine_restarts_total{{replica="{i}"}}']
+              > start[f'orcinus_engine_restarts_total{{replica="{i}"}}']]
+    routed = series(m, "orcinus_routed_requests_total", replica=dead) - series(
+        start, "orcinus_routed_requests_total", replica=dead)
+    moved = series(m, "orcinus_rerouted_requests_total", replica=dead) - series(
+        start, "orcinus_rerouted_requests_total", replica=dead)
+    assert moved == routed, (moved, routed)
+    survivor = "1" if dead == "0" else "0"
+    wait_for_metrics(url, lambda m: m[f'orcinus_kv_blocks_used{{replica="{survivor}"}}'] == 0, 60, "blocks freed")
 
 
 def test_cache_aware_routing_follows_a_conversation_and_a_killed_replica_loses_only_its_own(server_factory,

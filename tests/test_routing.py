@@ -134,3 +134,117 @@ def test_without_prefix_caching_cache_aware_routing_is_least_loaded():
     assert type(replicas.router) is LeastLoaded and all(c.on_cache is None for c in replicas.clients)
     replicas = Replicas(EngineConfig(), Metrics(), size=2)
     assert type(replicas.router) is CacheAware and all(c.on_cache is not None for c in replicas.clients)
+
+
+class FakeEngine:
+    """An engine process as its client sees it, without one: what was sent to it."""
+
+    def __init__(self):
+        self.sent: list = []
+        self.alive = True
+        self.unread = False  # frames of its waiting unread
+        self.pid = 0
+
+    def try_send(self, msg) -> bool:
+        self.sent.append(msg)
+        return True
+
+
+def live_replicas(size: int):
+    """Replicas taking requests in turn, each client with a FakeEngine that is ready and answering."""
+    import time
+
+    from gateway.metrics import Metrics
+    from gateway.replicas import Replicas
+
+    replicas = Replicas(EngineConfig(), Metrics(), size=size, routing="round-robin")
+    for c in replicas.clients:
+        c.engine, c.ready = FakeEngine(), "ready"
+        c.last_heard = c.last_beat = time.monotonic()
+    return replicas
+
+
+def drain(queue) -> list:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
+
+
+def test_a_request_with_no_token_yet_moves_once_from_a_dead_replica_one_that_streamed_fails():
+    import asyncio
+
+    from engine.ipc.messages import AddRequest, TokenDelta
+    from gateway.engine_client import EngineUnavailableError
+
+    async def scenario():
+        replicas = live_replicas(3)
+        a, b, c = replicas.clients
+        queue = asyncio.Queue()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        for i in range(4):  # in turn: r0 and r3 on a, r1 on b, r2 on c
+            await replicas.add(f"r{i}", [1, 2, 3, i], params, queue)
+        a._on_frame(TokenDelta("r0", [7], None))  # r0 has streamed a token; r3 has nothing yet
+
+        def dies(client) -> list:
+            client.ready = None  # as its supervisor does when the process exits
+            client._lose_in_flight(EngineUnavailableError("the engine process exited (code -9)"))
+            return drain(queue)
+
+        got = dies(a)
+        assert [(rid, type(m).__name__) for rid, m in got] == [("r0", "TokenDelta"), ("r0", "EngineUnavailableError")]
+        await asyncio.sleep(0)  # the re-submission's task
+        [to] = [x for x in (b, c) if "r3" in x.routes]
+        assert to.engine.sent[-1] == AddRequest("r3", [1, 2, 3, 3], params)  # as it was first sent
+        assert replicas.where["r3"] is to and a.routes == {} and a.load == 0
+        # Moved once: where it went dies too, and it fails; that replica's own request moves to the last one.
+        other = c if to is b else b
+        got = dies(to)
+        assert [(rid, type(m).__name__) for rid, m in got] == [("r3", "EngineUnavailableError")]
+        await asyncio.sleep(0)
+        assert set(other.routes) == {"r1", "r2"}
+        # No replica left: nothing moves, everything fails as before.
+        assert sorted(rid for rid, m in dies(other) if isinstance(m, EngineUnavailableError)) == ["r1", "r2"]
+        m = replicas.metrics.registry
+        assert [m.get_sample_value("orcinus_engine_healthy", {"replica": i}) for i in "012"] == [0.0, 0.0, 0.0]
+        assert m.get_sample_value("orcinus_rerouted_requests_total", {"replica": "0", "reason": "exited"}) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_stops_answering_leaves_routing_and_its_requests_with_no_token_move():
+    import asyncio
+
+    from engine.ipc.messages import Abort, AddGrammar, AddRequest, Heartbeat, ReleaseGrammar, TokenDelta
+
+    async def scenario():
+        replicas = live_replicas(2)
+        a, b = replicas.clients
+        queue = asyncio.Queue()
+        params = SamplingParams(max_tokens=4)
+        await replicas.add_grammar("g", "start: /[0-9]+/")
+        for i in range(4):  # in turn: r0 and r2 on a, r1 and r3 on b; r2 constrained
+            await replicas.add(f"r{i}", [5, i], params, queue, grammar_id="g" if i == 2 else None)
+        replicas.release_grammar("g")
+        a._on_frame(TokenDelta("r0", [7], None))
+        a.last_beat -= 60  # not even a heartbeat since
+        assert not a.healthy and b.healthy
+        a.engine.unread = True  # ...but frames wait unread: the gateway is the one behind
+        assert a.healthy
+        a.engine.unread = False
+        a._watch_answering(a.engine)
+        await asyncio.sleep(0)
+        # r2 moves, with its grammar under an id of its own (b may still hold "g" for requests of its own); should a
+        # wake, it does not run r2 too. r0 streamed: it stays and waits.
+        assert b.engine.sent[-3:] == [AddGrammar("g/r2", "start: /[0-9]+/"),
+                                      AddRequest("r2", [5, 2], params, grammar_id="g/r2"), ReleaseGrammar("g/r2")]
+        assert a.engine.sent[-1] == Abort("r2") and set(a.routes) == {"r0"} and set(b.routes) == {"r1", "r2", "r3"}
+        assert [rid for rid, _ in drain(queue)] == ["r0"]  # its token, no error
+        await replicas.add("r4", [5, 4], params, queue)
+        assert replicas.where["r4"] is b  # out of routing
+        assert replicas.metrics.registry.get_sample_value("orcinus_engine_healthy", {"replica": "0"}) == 0
+        a._on_frame(Heartbeat())
+        a._watch_answering(a.engine)
+        assert a.healthy and not a.unresponsive
+
+    asyncio.run(scenario())

@@ -122,6 +122,11 @@ class EngineStats(msgspec.Struct, tag=True, array_like=True):
     step_paths: dict[str, int] = {}  # steps since start by how they ran: whole-step graph, piecewise graphs, eager
 
 
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """The engine process answers: sent by a thread of its own, whatever its step loop is doing (a long step sends
+    nothing else), so the gateway tells a stopped process from a busy one."""
+
+
 class CacheEvents(msgspec.Struct, tag=True, array_like=True):
     """Prefix-cache blocks named and evicted in a step, as routing keys (`cache_key` of their names), in order: what
     a cache-aware router needs to know which replica holds which prefix. Sent only where the gateway asks."""
@@ -136,4 +141,4 @@ def cache_key(name: bytes) -> int:
 
 
 ToEngine = Union[AddGrammar, ReleaseGrammar, AddRequest, Abort, Shutdown]
-FromEngine = Union[EngineReady, PromptLogprobsPart, TokenDelta, RequestError, EngineStats, CacheEvents]
+FromEngine = Union[EngineReady, PromptLogprobsPart, TokenDelta, RequestError, EngineStats, CacheEvents, Heartbeat]

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -32,6 +33,7 @@ from engine.ipc.messages import (
     EngineStats,
     EngineSummary,
     FromEngine,
+    Heartbeat,
     PromptLogprobsPart,
     ReleaseGrammar,
     RequestError,
@@ -44,6 +46,7 @@ from engine.ipc.messages import (
 PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
+HEARTBEAT_INTERVAL = 0.25  # seconds between Heartbeats: the gateway's sign that this process answers
 
 
 class WorkerSpec(msgspec.Struct):
@@ -83,6 +86,8 @@ class EngineWorker:
         if self.cache_events:
             e.scheduler.kv.record_events()
         self.outbox.send(EngineReady(e.model_name, e.limits, summary))
+        self._stop_beating = threading.Event()
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.memory, self.memory_sampled_at = Memory(0, 0), 0.0
@@ -101,6 +106,12 @@ class EngineWorker:
                 self.step()
             elif not self.inbox.wait(timeout=IDLE_STATS_INTERVAL):
                 self.publish_stats(0.0)
+
+    def _beat(self) -> None:
+        # Its own thread, so a long step cannot silence it: the step's torch ops and the C++ ops it calls hold the GIL
+        # for one op at a time at most, and the interpreter hands it over between them.
+        while not self._stop_beating.wait(HEARTBEAT_INTERVAL):
+            self.outbox.try_send(Heartbeat())  # a full ring: the gateway is behind and sees the other frames first
 
     def handle(self, msg: AddGrammar | ReleaseGrammar | AddRequest | Abort) -> None:
         if isinstance(msg, Abort):
@@ -200,6 +211,7 @@ class EngineWorker:
         return self.memory
 
     def close(self) -> None:
+        self._stop_beating.set()
         if self.grammars is not None:
             self.grammars.close()
         self.engine.close()  # pipeline stages, if any, are stopped with it
