@@ -134,14 +134,18 @@ class EngineClient:
         self._fail_in_flight(EngineUnavailableError("the server is shutting down"))
 
     @property
-    def healthy(self) -> bool:
+    def serving(self) -> bool:
+        """Up and not yet judged hung: it may take requests, which wait while it does not answer."""
         return (
             self.ready is not None
             and self.engine is not None
             and self.engine.alive
             and time.monotonic() - self.last_heard < self.hang_timeout
-            and self.answering
         )
+
+    @property
+    def healthy(self) -> bool:
+        return self.serving and self.answering
 
     @property
     def answering(self) -> bool:
@@ -258,7 +262,7 @@ class EngineClient:
                   queue: asyncio.Queue, cache_salt: bytes = b"", grammar_id: str | None = None,
                   priority: int = 0) -> None:
         """Route `request_id`'s deltas (TokenDelta, or an exception) into `queue`, then submit it."""
-        if not self.healthy:
+        if not self.serving:
             raise EngineUnavailableError("the engine is not available")
         msg = AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id, priority)
         self.routes[request_id] = _Route(queue, msg)
@@ -271,7 +275,7 @@ class EngineClient:
 
     async def add_grammar(self, grammar_id: str, grammar: str) -> None:
         """Send a grammar once for the requests that name it (each starts with its own copy of its matcher)."""
-        if not self.healthy:
+        if not self.serving:
             raise EngineUnavailableError("the engine is not available")
         await self._send(self.engine, AddGrammar(grammar_id, grammar))
 

@@ -115,10 +115,12 @@ class Replicas:
                   queue: asyncio.Queue, cache_salt: bytes = b"", grammar_id: str | None = None,
                   priority: int = 0) -> None:
         """Route `request_id` to a replica and submit it there; its deltas (or an exception) arrive in `queue`."""
-        healthy = [c for c in self.clients if c.healthy]
-        if not healthy:
+        # Where no replica answers but some still serve, a stall is likelier than a death: the request waits there
+        # (until it answers, or the hang watchdog restarts it) rather than fail at once.
+        candidates = [c for c in self.clients if c.healthy] or [c for c in self.clients if c.serving]
+        if not candidates:
             raise EngineUnavailableError("the engine is not available")
-        client, reason = self.router.route(request_id, healthy, prompt_token_ids, cache_salt)
+        client, reason = self.router.route(request_id, candidates, prompt_token_ids, cache_salt)
         self.where[request_id] = client
         if grammar_id is not None:
             self.constrained[request_id] = self.grammars[grammar_id][0]
@@ -199,7 +201,7 @@ class Replicas:
 
     async def add_grammar(self, grammar_id: str, grammar: str) -> None:
         """Keep a grammar for the requests that name it; each replica gets it once, with the first of them it serves."""
-        if not self.healthy:
+        if not any(c.serving for c in self.clients):
             raise EngineUnavailableError("the engine is not available")
         self.grammars[grammar_id] = (grammar, set())
 

@@ -248,3 +248,27 @@ def test_a_replica_that_stops_answering_leaves_routing_and_its_requests_with_no_
         assert a.healthy and not a.unresponsive
 
     asyncio.run(scenario())
+
+
+def test_where_no_replica_answers_a_request_waits_on_one_that_still_serves():
+    """A stall (every replica silent, none exited or judged hung) queues requests as before; none is a 503."""
+    import asyncio
+
+    from gateway.engine_client import EngineUnavailableError
+
+    async def scenario():
+        replicas = live_replicas(1)
+        [a] = replicas.clients
+        a.last_beat -= 60
+        assert not a.healthy and a.serving and not replicas.healthy  # /health says so
+        await replicas.add("r0", [5, 1], SamplingParams(max_tokens=4), asyncio.Queue())
+        assert replicas.where["r0"] is a and "r0" in a.routes
+        a.ready = None  # exited: now there is nowhere to wait
+        try:
+            await replicas.add("r1", [5, 2], SamplingParams(max_tokens=4), asyncio.Queue())
+        except EngineUnavailableError:
+            pass
+        else:
+            raise AssertionError("a request was routed to an engine that exited")
+
+    asyncio.run(scenario())
