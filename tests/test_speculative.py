@@ -317,6 +317,41 @@ def test_a_new_request_starts_from_what_recent_drafts_earned():
     assert spec.draft(later, 16, spec.new_step(4)) == []  # beside 3 others a draft token must be accepted one time in two
 
 
+
+def test_drafts_take_only_the_blocks_left_after_every_running_requests_next_token():
+    """Three decoding requests whose next tokens each start a new block, in a cache with those three blocks free (and
+    then one more): nobody is preempted, and the drafts get only the slots left over (the rest of each new block,
+    and then the spare block)."""
+    for spare, drafts in ((0, [3, 3, 3]), (1, [6, 3, 3])):
+        config = EngineConfig(block_size=4, max_num_batched_tokens=64)
+        spec = Speculation(FixedDrafts([50, 51, 52, 53, 54, 55]), max_tokens=6, row_cost=0.0)
+        s = Scheduler(config, num_blocks=3 + 3 + spare, max_model_len=64, speculation=spec)
+        for i, rid in enumerate("abc"):
+            s.add(Request(rid, [10 * i + t for t in range(1, 5)], SamplingParams(max_tokens=20, temperature=0.0)))
+        batch = s.schedule()  # three prompts of a block each
+        s.update(batch, {sr.request_id: SampledTokens([9]) for sr in batch.requests})
+        batch = s.schedule()  # each one's next token (position 4) needs a new block
+        assert s.num_preemptions == 0
+        assert [(sr.request_id, sr.token_ids[0], sr.num_draft) for sr in batch.requests] == [
+            ("a", 9, drafts[0]), ("b", 9, drafts[1]), ("c", 9, drafts[2])]
+        assert s.kv.num_free_blocks == 0
+
+
+
+def test_drafts_take_only_the_token_budget_left_after_every_running_requests_tokens():
+    """A decoding request before one whose prompt is half computed: the prompt's next chunk takes the budget the
+    decode's own token leaves, and the draft only what is left after that (here nothing)."""
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8)
+    spec = Speculation(FixedDrafts([50, 51, 52, 53, 54, 55]), max_tokens=6, row_cost=0.0)
+    s = Scheduler(config, num_blocks=32, max_model_len=64, speculation=spec)
+    s.add(Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=20, temperature=0.0)))
+    s.add(Request("b", list(range(20, 32)), SamplingParams(max_tokens=20, temperature=0.0)))
+    batch = s.schedule()  # a's prompt and b's first 4 tokens
+    s.update(batch, {"a": SampledTokens([9])})
+    batch = s.schedule()
+    assert [(sr.request_id, len(sr.token_ids), sr.num_draft) for sr in batch.requests] == [("a", 1, 0), ("b", 7, 0)]
+
+
 class TwoDrafters:
     """An own drafter proposing on even-length contexts only, and a shared one proposing always."""
 
