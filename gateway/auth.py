@@ -65,7 +65,8 @@ class CacheSalts:
     """The opaque salt the engine mixes into a request's first block name (engine/core/kv_cache.py).
 
     Scope `key`: each API key's requests share cached prefixes only among themselves, so one key cannot learn
-    from timings or /metrics what another's prompts were (vLLM's CVE-2025-46570). `global`: keys share the cache.
+    from timings or /metrics what another's prompts were (vLLM's CVE-2025-46570), nor from the tokens a step drafts
+    what another's answers were (engine/spec/pools.py). `global`: keys share the cache and the drafts' outputs.
     A request's `cache_salt` (vLLM's field) splits its key's cache further. The salt is an HMAC under a secret
     made at startup: the engine never sees a key, and the salt of a known key and salt cannot be computed.
     """

@@ -54,8 +54,8 @@ _ENGINE_FLAGS = {
                              "(default auto: ngram on the CPU, off on a GPU)"),
     "num_speculative_tokens": dict(type=int, help="most draft tokens per request per step (default 11)"),
     "speculative_shared": dict(action=argparse.BooleanOptionalAction,
-                               help="draft also from other requests' recent outputs, where a request's own context has "
-                                    "no match (default: on)"),
+                               help="draft also from the recent outputs of requests with the same cache salt (API "
+                                    "key), where a request's own context has no match (default: on)"),
     "speculative_row_cost": dict(type=float, help="one more row's cost as a share of a step's fixed cost: drafts are "
                                  "scheduled only where likely to pay for their rows (default: measured from the engine's "
                                  "own steps, starting at 0.25; 0 drafts always)"),
@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--metrics-need-key", action=argparse.BooleanOptionalAction, default=True,
                      help="with API keys, /metrics needs one too (default; --no-metrics-need-key opens it)")
     srv.add_argument("--prefix-cache-scope", choices=["key", "global"], default="key",
-                     help="with API keys: each key finds only its own cached prompt prefixes (default), or all keys "
-                          "share them")
+                     help="with API keys: each key finds only its own cached prompt prefixes and drafts only from "
+                          "its own recent outputs (default), or all keys share them")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
     srv.add_argument("--max-waiting", type=_non_negative, default=None,
                      help="sequences queued beyond the batch before new requests get 429 (default 4096)")

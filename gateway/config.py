@@ -22,7 +22,8 @@ class GatewayConfig:
     max_waiting: int | None = None  # sequences queued beyond the engine's batch; None: admission's default (4096)
     max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS  # prompt tokens admitted at once (each choice counts its own)
     metrics_need_key: bool = True  # with API keys, /metrics needs one too (its prefix-cache counters tell of prompts)
-    prefix_cache_scope: Literal["key", "global"] = "key"  # with API keys: each key's cached prefixes its own, or shared
+    # with API keys: each key's cached prefixes, and the recent outputs its drafts come from, its own; or all shared
+    prefix_cache_scope: Literal["key", "global"] = "key"
     special_tokens_in_content: Literal["allow", "escape"] = "allow"  # chat content's "<|im_start|>": special, or text
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted

@@ -47,7 +47,7 @@ def test_recent_outputs_are_a_drafter_shared_by_all_requests():
     source.finished([40, 41, 42, 43, 44, 45])
     source.finished([50, 41, 42, 60, 61])  # the later "41 42" wins
     own, recent = source.new_drafters()
-    assert recent is source.recent and own is not source.new_drafters()[0]  # one shared, one own per request
+    assert own is not source.new_drafters()[0]  # one own per request, the recent outputs shared
 
     def propose(tokens, k):
         return own.propose(tokens, k) or recent.propose(tokens, k)  # as engine/core/speculation.py tries them
@@ -152,10 +152,35 @@ def test_a_drafter_grown_a_token_at_a_time_equals_one_built_at_once():
 
 
 def test_recent_outputs_of_other_requests_draft_for_a_new_one_until_they_age_out():
-    shared = SuffixTree(depth=8)
-    recent = RecentOutputs(shared, capacity=1)
+    recent = RecentOutputs(depth=8, capacity=1)
     recent.add([5, 6, 7, 8])
-    assert SuffixDrafter(shared).propose([1, 5, 6], 3) == [7, 8]  # a 2-token match drafts 2
+    assert SuffixDrafter(recent).propose([1, 5, 6], 3) == [7, 8]  # a 2-token match drafts 2
     recent.add([1, 2])  # the first output ages out
-    assert SuffixDrafter(shared).propose([1, 5, 6], 3) == []
-    assert tree_counts(shared) == substring_counts([[1, 2]], 8)
+    assert SuffixDrafter(recent).propose([1, 5, 6], 3) == []
+    assert tree_counts(recent.tree()) == substring_counts([[1, 2]], 8)
+
+
+def test_recent_outputs_are_kept_apart_by_salt_under_one_bound():
+    """Each salt's requests draft from their own salt's outputs only; the oldest output leaves first whoever's it is,
+    so the pools of many salts hold no more than one pool did."""
+    recent = RecentNgrams(2, 2, capacity=12)
+    for salt in (b"a", b"b", b"c"):
+        recent.add([salt[0], 1, 2, 3], salt)  # 4 tokens each: 12 held
+    assert [recent.drafter(salt).propose([1, 2], 2) for salt in (b"a", b"b", b"c", b"")] == [[3], [3], [3], []]
+    assert recent.drafter(b"a").propose([ord("a"), 1], 2) == [2, 3]
+    assert recent.drafter(b"b").propose([ord("a"), 1], 2) == []
+    drafter = recent.drafter(b"a")  # made before its salt's pool goes, used after another comes
+    recent.add([7, 8, 9], b"d")  # the oldest, a's, leaves
+    assert drafter.propose([1, 2], 2) == [] and recent.drafter(b"d").propose([7, 8], 1) == [9]
+    assert len(recent) == 2 + 2 + 1  # b's and c's two n-grams with a continuation, and d's one
+    recent.add([4, 5, 6], b"a")  # b's leaves
+    assert drafter.propose([4, 5], 2) == [6] and recent.drafter(b"b").propose([1, 2], 2) == []
+    outputs = RecentOutputs(depth=4, capacity=2)
+    trees = SuffixDrafter(outputs, b"a"), SuffixDrafter(outputs, b"b")
+    outputs.add([1, 2, 3], b"a")
+    outputs.add([1, 2, 4], b"b")
+    assert [t.propose([1, 2], 2) for t in trees] == [[3], [4]]
+    outputs.add([1, 2, 5], b"c")  # a's leaves: its tree goes with it
+    assert outputs.tree(b"a") is None and trees[0].propose([1, 2], 2) == [] and trees[1].propose([1, 2], 2) == [4]
+    outputs.add([1, 2, 6], b"a")
+    assert trees[0].propose([1, 2], 2) == [6]  # the drafter finds its salt's new tree

@@ -20,6 +20,7 @@ from engine.ipc.messages import EngineStats
 from engine.model.sampling import sampler as sampler_module
 from engine.model.sampling.sampler import Sampler
 from engine.model.sampling.state import SamplingState
+from engine.spec import DRAFT_SOURCES
 from gateway.metrics import Metrics
 from gateway.structured import json_schema_grammar
 
@@ -222,13 +223,13 @@ class FixedDrafts:
     def __init__(self, draft):
         self.draft = draft
 
-    def new_drafters(self):
+    def new_drafters(self, salt):
         return [self]
 
     def propose(self, tokens, k):
         return self.draft[:k]
 
-    def finished(self, output_token_ids):
+    def finished(self, output_token_ids, salt):
         pass
 
 
@@ -317,6 +318,70 @@ def test_a_new_request_starts_from_what_recent_drafts_earned():
     assert spec.draft(later, 16, spec.new_step(4)) == []  # beside 3 others a draft token must be accepted one time in two
 
 
+
+def test_drafts_take_only_the_blocks_left_after_every_running_requests_next_token():
+    """Three decoding requests whose next tokens each start a new block, in a cache with those three blocks free (and
+    then one more): nobody is preempted, and the drafts get only the slots left over (the rest of each new block,
+    and then the spare block)."""
+    for spare, drafts in ((0, [3, 3, 3]), (1, [6, 3, 3])):
+        config = EngineConfig(block_size=4, max_num_batched_tokens=64)
+        spec = Speculation(FixedDrafts([50, 51, 52, 53, 54, 55]), max_tokens=6, row_cost=0.0)
+        s = Scheduler(config, num_blocks=3 + 3 + spare, max_model_len=64, speculation=spec)
+        for i, rid in enumerate("abc"):
+            s.add(Request(rid, [10 * i + t for t in range(1, 5)], SamplingParams(max_tokens=20, temperature=0.0)))
+        batch = s.schedule()  # three prompts of a block each
+        s.update(batch, {sr.request_id: SampledTokens([9]) for sr in batch.requests})
+        batch = s.schedule()  # each one's next token (position 4) needs a new block
+        assert s.num_preemptions == 0
+        assert [(sr.request_id, sr.token_ids[0], sr.num_draft) for sr in batch.requests] == [
+            ("a", 9, drafts[0]), ("b", 9, drafts[1]), ("c", 9, drafts[2])]
+        assert s.kv.num_free_blocks == 0
+
+
+
+def test_drafts_take_only_the_token_budget_left_after_every_running_requests_tokens():
+    """A decoding request before one whose prompt is half computed: the prompt's next chunk takes the budget the
+    decode's own token leaves, and the draft only what is left after that (here nothing)."""
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8)
+    spec = Speculation(FixedDrafts([50, 51, 52, 53, 54, 55]), max_tokens=6, row_cost=0.0)
+    s = Scheduler(config, num_blocks=32, max_model_len=64, speculation=spec)
+    s.add(Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=20, temperature=0.0)))
+    s.add(Request("b", list(range(20, 32)), SamplingParams(max_tokens=20, temperature=0.0)))
+    batch = s.schedule()  # a's prompt and b's first 4 tokens
+    s.update(batch, {"a": SampledTokens([9])})
+    batch = s.schedule()
+    assert [(sr.request_id, len(sr.token_ids), sr.num_draft) for sr in batch.requests] == [("a", 1, 0), ("b", 7, 0)]
+
+
+
+@pytest.mark.parametrize("owner, other", [(b"alice", b"bob"), (b"alice", b""), (b"", b"alice")])
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_request_drafts_only_from_the_outputs_of_requests_with_its_salt(method, owner, other):
+    """An answer in the pool of recent outputs drafts for the next request with its salt (an API key's, or none)
+    whose context runs into it, never for one with another salt (a step of several tokens would tell that client how
+    the answer went on)."""
+    spec = Speculation(DRAFT_SOURCES[method](), max_tokens=4, row_cost=0.0)
+    s = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=64), num_blocks=64, max_model_len=256,
+                  speculation=spec)
+
+    def drafts(rid, salt, prompt, outputs):
+        """Each step's draft, the model answering `outputs` a token a step (rejecting every draft)."""
+        req = Request(rid, prompt, SamplingParams(max_tokens=len(outputs), temperature=0.0), cache_salt=salt)
+        s.add(req)
+        out = []
+        while not req.status.finished:
+            batch = s.schedule()
+            [sr] = batch.requests
+            out.append(sr.draft_token_ids)
+            s.update(batch, {rid: SampledTokens([outputs[req.num_output_tokens]])})
+        return out
+
+    assert drafts("first", owner, [1, 2, 3], [70, 71, 72, 73, 74, 75, 76, 77]) == [[]] * 8
+    following = [72, 73, 74, 75, 76, 77]  # after "70 71", as the answer went on
+    assert drafts("another's", other, [5, 6, 70, 71], following) == [[]] * 6
+    assert drafts("the same salt's", owner, [5, 6, 70, 71], following)[1][:3] == [73, 74, 75]
+
+
 class TwoDrafters:
     """An own drafter proposing on even-length contexts only, and a shared one proposing always."""
 
@@ -329,10 +394,10 @@ class TwoDrafters:
     def __init__(self):
         self.shared = FixedDrafts(list(range(200, 220)))
 
-    def new_drafters(self):
+    def new_drafters(self, salt):
         return [self.Own(), self.shared]
 
-    def finished(self, output_token_ids):
+    def finished(self, output_token_ids, salt):
         pass
 
 

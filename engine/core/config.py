@@ -146,7 +146,7 @@ class EngineConfig:
     # benchmarks/speculative.json measured best there), off on a GPU (not measured there yet)
     speculative: Literal["auto", "off", "ngram", "suffix"] = "auto"
     num_speculative_tokens: int = 11  # most draft tokens per request per step (each request drafts as it earns)
-    speculative_shared: bool = True  # drafts may also come from other requests' recent outputs (off: own context only)
+    speculative_shared: bool = True  # drafts also from recent outputs of requests with the same cache salt (off: none)
     # one more row's cost as a share of a step's fixed cost; draft tokens are scheduled only where they are likely
     # enough to pay for their rows (engine/core/speculation.py); None: measured from the engine's own steps
     speculative_row_cost: float | None = None

@@ -184,22 +184,19 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int) -> int:
-        """Running requests in order, until `scheduled` holds `max_seqs`; preempts where blocks run out. Returns
-        the budget left."""
-        i = 0
-        # Each request's drafts are weighed against the rows of those scheduled before it (theirs included).
+        """Running requests in order, until `scheduled` holds `max_seqs`; preempts where blocks run out, then gives
+        the decoding ones drafts from what is left. Returns the budget left."""
+        # Every running request's tokens first: a draft takes only the budget and blocks they leave, so it never
+        # makes a later request preempt itself or wait.
+        first = len(scheduled)
         step = self.speculation.new_step(len(self.running)) if self.speculation is not None else None
+        i = 0
         while i < len(self.running) and len(scheduled) < max_seqs:
             req = self.running[i]
             num_new = min(self._num_schedulable(req), budget)
             if num_new == 0:
                 i += 1
                 continue
-            draft = self._draft(req, budget, step) if num_new == 1 and step is not None else []
-            if draft and not self.kv.allocate(req, num_new + len(draft)):
-                draft = []  # no blocks for them: drafts never preempt anybody
-            if draft:
-                self.speculation.join(req, draft, step)
             while not self.kv.allocate(req, num_new):
                 victim = self._preempt({r.request_id for r, _, _ in scheduled})
                 if victim is None:  # every newer request is in flight: wait for one to come back
@@ -208,10 +205,28 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, num_new, draft))
-                budget -= num_new + len(draft)
+                scheduled.append((req, num_new, []))
+                budget -= num_new
                 i += 1
+        if step is None:
+            return budget
+        # Each request's drafts are weighed against the rows of those scheduled before it (theirs included).
+        for j in range(first, len(scheduled)):
+            req, num_new, _ = scheduled[j]
+            draft = self._fit_draft(req, self._draft(req, budget, step)) if num_new == 1 else []
+            if draft:
+                self.speculation.join(req, draft, step)
+                scheduled[j] = (req, num_new, draft)
+                budget -= len(draft)
         return budget
+
+    def _fit_draft(self, req: Request, draft: list[int]) -> list[int]:
+        """As much of `req`'s draft as the slots of its blocks and the free ones hold, allocated (after its token)."""
+        if not draft or self.kv.allocate(req, 1 + len(draft)):
+            return draft
+        room = (len(req.block_table) + self.kv.num_free_blocks) * self.kv.block_size - req.num_scheduled_tokens - 1
+        draft = draft[:max(0, room)]
+        return draft if draft and self.kv.allocate(req, 1 + len(draft)) else []
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int,
                        num_running_at_start: int) -> int:
@@ -266,13 +281,13 @@ class Scheduler:
         return max_seqs - sum(waiting for _, waiting in sorted(ready + newcomers)[:max_seqs])
 
     def _draft(self, req: Request, budget: int, step: StepDrafts) -> list[int]:
-        """Draft tokens for a request about to decode one token, if speculation is on and it is not running ahead:
-        never more than its max_tokens, the context window or the step's token budget leave room for."""
+        """Draft tokens for a request scheduled to decode one token, if speculation is on and it is not running ahead:
+        never more than its max_tokens, the context window or what the step's token budget has left (`budget`)."""
         if self.speculation is None or req.request_id in self.in_flight or req.num_output_tokens == 0:
             return []
         if req.params.seed is not None and not req.params.greedy:
             return []  # its draws would follow its drafts, which follow the batch: a seed gives the same tokens anywhere
-        limit = min(budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+        limit = min(budget, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
         return self.speculation.draft(req, limit, step)
 

@@ -35,12 +35,13 @@ class Drafter(Protocol):
 
 
 class DraftSource(Protocol):
-    """Makes each request's drafters (engine/spec/sources.py) and learns from finished outputs."""
+    """Makes each request's drafters (engine/spec/sources.py) and learns from finished outputs; a request's drafters
+    see only the outputs of requests with its cache salt, so one API key's drafts never show another's answers."""
 
-    def new_drafters(self) -> list[Drafter]:
+    def new_drafters(self, salt: bytes) -> list[Drafter]:
         """A request's drafters, tried in order: the first with a proposal drafts, judged by its own record."""
 
-    def finished(self, output_token_ids: Sequence[int]) -> None: ...
+    def finished(self, output_token_ids: Sequence[int], salt: bytes) -> None: ...
 
 
 # A draft's kind: its drafter, the context suffix it matched (capped), and whether its request's last draft was
@@ -238,7 +239,7 @@ class Speculation:
         Once they are scheduled (their blocks allocated), `join` counts them in the step."""
         state = req.speculation
         if state is None:
-            drafters = self.source.new_drafters()
+            drafters = self.source.new_drafters(req.cache_salt)
             self.priors += [self.PRIOR] * (len(drafters) - len(self.priors))
             state = req.speculation = RequestSpeculation(drafters, self.priors[:len(drafters)])
         limit = min(limit, self.max_tokens)
@@ -310,7 +311,7 @@ class Speculation:
 
     def finished(self, req: Request) -> None:
         if req.speculation is not None:
-            self.source.finished(req.output_token_ids)
+            self.source.finished(req.output_token_ids, req.cache_salt)
 
     def drain_accepted_lengths(self) -> list[int]:
         lengths, self.accepted_lengths = self.accepted_lengths, []

@@ -1,10 +1,11 @@
 """Prompt lookup: draft the tokens that followed the latest earlier occurrence of the context's last n tokens, in
-the request's own context (NgramDrafter) or in other requests' recent outputs (RecentNgrams)."""
+the request's own context (NgramDrafter) or in the recent outputs of requests with its cache salt (RecentNgrams)."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+
+from engine.spec.pools import SaltedPools
 
 
 def _check_sizes(min_n: int, max_n: int) -> None:
@@ -30,11 +31,38 @@ def _longest_suffix(index: dict, tokens: Sequence[int], min_n: int, max_n: int):
     return None, 0
 
 
+class _OutputNgrams:
+    """One salt's recent outputs' n-grams, each pointing at its latest occurrence; an output's n-grams leave with it
+    unless a later output has them too."""
+
+    __slots__ = ("min_n", "max_n", "latest")
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.latest: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}  # n-gram -> (serial, output, end)
+
+    def _ngrams(self, output: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], int]]:
+        # Only n-grams with a token after them: a draft needs a continuation.
+        return _ngrams_ending(output, range(self.min_n, len(output)), self.min_n, self.max_n)
+
+    def add(self, numbered: tuple[int, tuple[int, ...]]) -> None:
+        serial, output = numbered
+        for ngram, end in self._ngrams(output):
+            self.latest[ngram] = (serial, output, end)
+
+    def remove(self, numbered: tuple[int, tuple[int, ...]]) -> None:
+        serial, output = numbered
+        for ngram, _ in self._ngrams(output):
+            entry = self.latest.get(ngram)
+            if entry is not None and entry[0] == serial:
+                del self.latest[ngram]
+
+
 class RecentNgrams:
-    """The n-grams of the latest finished outputs (at most `capacity` tokens of them), each pointing at its latest
-    occurrence; an output's n-grams leave with it unless a later output has them too. One is shared by all requests
-    as a drafter: answers to similar requests share their structure (a JSON record's keys, a docstring's sections, a
-    list's phrasing), which a request's own context holds only from its second occurrence on."""
+    """The n-grams of the latest finished outputs (at most `capacity` tokens of them, all salts together), apart per
+    cache salt (engine/spec/pools.py). Shared by the requests of a salt as a drafter (`drafter`): answers to similar
+    requests share their structure (a JSON record's keys, a docstring's sections, a list's phrasing), which a
+    request's own context holds only from its second occurrence on."""
 
     # An output's first tokens only: indexing (and forgetting as many older tokens) takes ~2.5 us a token here, in the
     # engine's step loop, and a 32k-token answer indexed whole would hold every running request for ~80 ms.
@@ -43,41 +71,46 @@ class RecentNgrams:
     def __init__(self, min_n: int = 2, max_n: int = 4, capacity: int = 32768):
         _check_sizes(min_n, max_n)
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
-        self._latest: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}  # n-gram -> (serial, output, end)
-        self._outputs: deque[tuple[int, tuple[int, ...]]] = deque()  # (serial number, tokens), oldest first
-        self._num_tokens = 0
-        self._serial = 0
+        self._pools = SaltedPools(lambda: _OutputNgrams(min_n, max_n), capacity)
+        self._serial = 0  # outputs added: numbers them, so one leaving takes only the n-grams that still point at it
         self.matched = 0  # the context suffix the latest proposal matched, in tokens (0: none)
 
-    def _ngrams(self, output: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], int]]:
-        # Only n-grams with a token after them: a draft needs a continuation.
-        return _ngrams_ending(output, range(self.min_n, len(output)), self.min_n, self.max_n)
-
-    def add(self, output: Sequence[int]) -> None:
+    def add(self, output: Sequence[int], salt: bytes = b"") -> None:
         tokens = tuple(output[:min(self.capacity, self.MAX_OUTPUT_TOKENS)])
-        self._serial += 1
-        self._outputs.append((self._serial, tokens))
-        self._num_tokens += len(tokens)
-        for ngram, end in self._ngrams(tokens):
-            self._latest[ngram] = (self._serial, tokens, end)
-        while self._num_tokens > self.capacity:
-            serial, old = self._outputs.popleft()
-            self._num_tokens -= len(old)
-            for ngram, _ in self._ngrams(old):
-                entry = self._latest.get(ngram)
-                if entry is not None and entry[0] == serial:
-                    del self._latest[ngram]
+        if tokens:  # an empty one has no n-gram, and outputs of no size would pile up under the bound
+            self._serial += 1
+            self._pools.add(salt, (self._serial, tokens), len(tokens))
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest of the context's last n-grams in a recent output."""
-        entry, self.matched = _longest_suffix(self._latest, tokens, self.min_n, self.max_n)
+    def propose(self, tokens: Sequence[int], k: int, salt: bytes = b"") -> list[int]:
+        """Up to k tokens that followed the longest of the context's last n-grams in a recent output of `salt`'s."""
+        pool = self._pools.get(salt)
+        if pool is None:
+            self.matched = 0
+            return []
+        entry, self.matched = _longest_suffix(pool.latest, tokens, self.min_n, self.max_n)
         if entry is None:
             return []
         _, output, end = entry
         return list(output[end:end + k])
 
+    def drafter(self, salt: bytes = b"") -> SaltedNgrams:
+        return SaltedNgrams(self, salt)
+
     def __len__(self) -> int:
-        return len(self._latest)
+        return sum(len(pool.latest) for pool in self._pools.pools())
+
+
+class SaltedNgrams:
+    """A request's drafter over the recent outputs of the requests with its salt."""
+
+    def __init__(self, recent: RecentNgrams, salt: bytes):
+        self.recent, self.salt = recent, salt
+        self.matched = 0  # the context suffix the latest proposal matched, in tokens (0: none)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        draft = self.recent.propose(tokens, k, self.salt)
+        self.matched = self.recent.matched
+        return draft
 
 
 class NgramDrafter:

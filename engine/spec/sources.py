@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.spec.ngram import NgramDrafter, RecentNgrams
-from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
+from engine.spec.ngram import NgramDrafter, RecentNgrams, SaltedNgrams
+from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter
 
 
 class NgramSource:
     """Prompt lookup: each request drafts from its own context, and where that has no match, from the n-grams of
-    recent outputs of all requests (each judged by its own acceptance)."""
+    recent outputs of the requests with its cache salt (each judged by its own acceptance)."""
 
     # Matches of up to 8 tokens: on copy-heavy answers (benchmarks/speculative.json's grounded workload) 0.82 of the
     # draft tokens were accepted against 0.78 with n <= 4, in 254 steps against 271. Recent outputs' matches of up
@@ -20,30 +20,29 @@ class NgramSource:
         self.min_n, self.max_n = min_n, max_n
         self.recent = RecentNgrams(min_n, shared_max_n, shared_capacity) if shared else None
 
-    def new_drafters(self) -> list[NgramDrafter | RecentNgrams]:
+    def new_drafters(self, salt: bytes = b"") -> list[NgramDrafter | SaltedNgrams]:
         own = NgramDrafter(self.min_n, self.max_n)
-        return [own] if self.recent is None else [own, self.recent]
+        return [own] if self.recent is None else [own, self.recent.drafter(salt)]
 
-    def finished(self, output_token_ids: Sequence[int]) -> None:
+    def finished(self, output_token_ids: Sequence[int], salt: bytes = b"") -> None:
         if self.recent is not None:
-            self.recent.add(output_token_ids)
+            self.recent.add(output_token_ids, salt)
 
 
 class SuffixSource:
-    """Suffix trees: each request's own context, and (`shared`) a tree shared by all over the last `capacity`
-    outputs."""
+    """Suffix trees: each request's own context, and (`shared`) a tree per cache salt over the recent outputs of the
+    requests with that salt, the last `capacity` outputs of all salts together."""
 
     def __init__(self, shared: bool = True, capacity: int = 256, depth: int = 24):
         self.depth = depth
-        self.shared = SuffixTree(depth) if shared else None
-        self.recent = RecentOutputs(self.shared, capacity) if shared else None
+        self.recent = RecentOutputs(depth, capacity) if shared else None
 
-    def new_drafters(self) -> list[SuffixDrafter]:
-        return [SuffixDrafter(self.shared, self.depth)]
+    def new_drafters(self, salt: bytes = b"") -> list[SuffixDrafter]:
+        return [SuffixDrafter(self.recent, salt, self.depth)]
 
-    def finished(self, output_token_ids: Sequence[int]) -> None:
+    def finished(self, output_token_ids: Sequence[int], salt: bytes = b"") -> None:
         if self.recent is not None:
-            self.recent.add(output_token_ids)
+            self.recent.add(output_token_ids, salt)
 
 
 DRAFT_SOURCES = {"ngram": NgramSource, "suffix": SuffixSource}

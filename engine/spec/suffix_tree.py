@@ -11,8 +11,9 @@ occurrences of its path, so a token appended to a sequence updates `depth` nodes
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
+
+from engine.spec.pools import SaltedPools
 
 
 class _Node:
@@ -102,14 +103,15 @@ def follow(node: _Node, k: int, min_probability: float) -> tuple[list[int], floa
 
 
 class SuffixDrafter:
-    """One request's drafter: a tree over its own context, grown as the context grows, and optionally a tree shared
-    by all requests over recent outputs; the draft with more expected accepted tokens wins. A draft is at most
-    `max_spec_factor` times the matched suffix's length (a one-token match drafts little)."""
+    """One request's drafter: a tree over its own context, grown as the context grows, and optionally the tree over
+    the recent outputs of requests with its cache salt (`recent`, `salt`); the draft with more expected accepted
+    tokens wins. A draft is at most `max_spec_factor` times the matched suffix's length (a one-token match drafts
+    little)."""
 
-    def __init__(self, shared: SuffixTree | None = None, depth: int = 24, min_probability: float = 0.1,
-                 max_spec_factor: float = 1.0):
+    def __init__(self, recent: RecentOutputs | None = None, salt: bytes = b"", depth: int = 24,
+                 min_probability: float = 0.1, max_spec_factor: float = 1.0):
         self.own = SuffixTree(depth)
-        self.shared = shared
+        self.recent, self.salt = recent, salt
         self.min_probability = min_probability
         self.max_spec_factor = max_spec_factor
         self._active: list[_Node] = []
@@ -127,7 +129,9 @@ class SuffixDrafter:
         # continuation is the longest that occurred before.
         own = next(((i + 1, node) for i, node in reversed(list(enumerate(self._active))) if node.children), (0, None))
         best: tuple[float, list[int], int] = (0.0, [], 0)
-        for n, node in (own, self.shared.match(tokens) if self.shared is not None else (0, None)):
+        # Looked up at each proposal: the salt's tree goes with its last output, and a new one comes with the next.
+        shared = self.recent.tree(self.salt) if self.recent is not None else None
+        for n, node in (own, shared.match(tokens) if shared is not None else (0, None)):
             if node is None:
                 continue
             limit = min(k, max(1, int(self.max_spec_factor * n)))
@@ -139,15 +143,16 @@ class SuffixDrafter:
 
 
 class RecentOutputs:
-    """The shared tree's contents: the last `capacity` finished outputs, the oldest taken back as a new one comes."""
+    """The last `capacity` finished outputs (all salts together), in a tree per cache salt (engine/spec/pools.py);
+    the oldest is taken back as a new one comes."""
 
-    def __init__(self, tree: SuffixTree, capacity: int = 256):
-        self.tree = tree
+    def __init__(self, depth: int = 24, capacity: int = 256):
         self.capacity = capacity
-        self._outputs: deque[tuple[int, ...]] = deque()
+        self._trees = SaltedPools(lambda: SuffixTree(depth), capacity)
 
-    def add(self, output: Sequence[int]) -> None:
-        self._outputs.append(tuple(output))
-        self.tree.add(output)
-        while len(self._outputs) > self.capacity:
-            self.tree.remove(self._outputs.popleft())
+    def add(self, output: Sequence[int], salt: bytes = b"") -> None:
+        self._trees.add(salt, tuple(output), 1)
+
+    def tree(self, salt: bytes = b"") -> SuffixTree | None:
+        """The tree over the recent outputs of requests with `salt`; None while they have none."""
+        return self._trees.get(salt)
