@@ -24,6 +24,7 @@ class GatewayConfig:
     metrics_need_key: bool = True  # with API keys, /metrics needs one too (its prefix-cache counters tell of prompts)
     prefix_cache_scope: Literal["key", "global"] = "key"  # with API keys: each key's cached prefixes its own, or shared
     special_tokens_in_content: Literal["allow", "escape"] = "allow"  # chat content's "<|im_start|>": special, or text
+    chat_template: str | None = None  # a Jinja file or a shipped template's name, over the model's own template
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
     allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
