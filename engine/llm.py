@@ -73,9 +73,10 @@ class LLM:
         return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
 
     def _completion(self, req: Request) -> Completion:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        outputs = [] if req.params.prompt_only else list(req.output_token_ids)  # the prompt's scores only
+        text = self.tokenizer.decode(outputs, skip_special_tokens=True) if self.tokenizer else ""
         return Completion(
-            req.prompt_token_ids, list(req.output_token_ids), text, req.finish_reason,
-            list(req.output_logprobs) if req.params.logprobs is not None else None,
+            req.prompt_token_ids, outputs, text, req.finish_reason,
+            list(req.output_logprobs)[:len(outputs)] if req.params.logprobs is not None else None,
             [None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None,
         )

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from engine.model.tokenizer.chat_template import load_chat_template
 from gateway import errors
 from gateway.admission import Admission
 from gateway.auth import APIKeyMiddleware, CacheSalts
@@ -67,6 +68,8 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
     admission = Admission(config.engine.max_num_seqs * config.data_parallel_size, config.max_waiting, metrics,
                           config.max_queued_tokens)
     tokenizer = load_gateway_tokenizer(config.engine.model)
+    if tokenizer is not None and config.chat_template is not None:
+        tokenizer.chat_template = load_chat_template(config.chat_template)
     content_tokens = None if tokenizer is None else ContentTokens(tokenizer, config.special_tokens_in_content)
     state = ServerState(client, tokenizer, metrics, served_name(config), admission,
                         CacheSalts(config.prefix_cache_scope), GrammarCompiler(), content_tokens, config.shutdown_timeout)

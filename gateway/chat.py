@@ -37,7 +37,6 @@ async def start_chat(req: ChatCompletionRequest, request: Request, state: Server
     state.check_model(req.model)
     if state.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
-    limits = state.engine_limits()
     grammar = await state.grammar(req)  # first: the tools' schemas are checked (depth included) before rendering
     plan = req.tool_plan()
     tok = state.tokenizer
@@ -47,6 +46,7 @@ async def start_chat(req: ChatCompletionRequest, request: Request, state: Server
         messages, tools = req.template_messages(plan), None
     prompt = await state.encode_chat(lambda: tok.apply_chat_template(messages, tools=tools),
                                      [m["content"] for m in messages])
+    limits = state.engine_limits()
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
     salt = state.cache_salt(request, req.cache_salt)

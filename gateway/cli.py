@@ -147,11 +147,14 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.model.tokenizer.chat_template import load_chat_template
     from gateway.config import GatewayConfig
     from gateway.guards import default_allowed_hosts
 
     try:
         keys = api_keys(args)
+        if args.chat_template is not None:
+            load_chat_template(args.chat_template)  # a bad one stops the server before the engines start
     except (OSError, ValueError) as e:
         sys.exit(f"orcinus serve: {e}")
     config = GatewayConfig(
@@ -160,6 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_tokens=args.max_queued_tokens,
         metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
         special_tokens_in_content=args.special_tokens_in_content,
+        chat_template=args.chat_template,
         shutdown_timeout=args.shutdown_timeout,
         engine_unresponsive_timeout=args.engine_unresponsive_timeout,
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
@@ -258,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--special-tokens-in-content", choices=["allow", "escape"], default="allow",
                      help="special-token text in chat messages (e.g. <|im_start|>): allow = it becomes the special "
                           "token (default, as vLLM and llama.cpp), escape = it stays text")
+    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_NAME",
+                     help="render chat prompts with this Jinja file, or a shipped template (chatml, gemma, llama3, "
+                          "mistral-v1, mistral-v3, phi3), over the model's own (default: the model's, else the shipped "
+                          "one of its architecture)")
     srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                      help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
                           "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any")

@@ -47,8 +47,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         if top_n is not None:
             logprobs = _logprobs(state, event, top_n, len(prompt_echo))
             if req.echo and event.prompt_logprobs is not None:
-                logprobs = _join(_echoed_logprobs(state, req.prompts[p], prompts[p], event.prompt_logprobs, top_n),
-                                 logprobs)
+                echoed = _echoed_logprobs(state, req.prompts[p], prompt_echo, prompts[p], event.prompt_logprobs, top_n)
+                logprobs = _join(echoed, logprobs)
         c = CompletionChoice(index=event.index, text=prefix + event.text, logprobs=logprobs,
                              finish_reason=event.finish_reason)
         if req.prompt_logprobs is not None and event.prompt_logprobs is not None:
@@ -113,30 +113,47 @@ def _join(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogp
     return first
 
 
-def _echoed_logprobs(state: ServerState, sent: str | list[int], ids: list[int], rows: list[TokenLogprobs],
+def _echoed_logprobs(state: ServerState, sent: str | list[int], echo: str, ids: list[int], rows: list[TokenLogprobs],
                      top_n: int) -> CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: its first token's logprob and alternatives null (nothing
-    predicts it), offsets into the echoed text."""
+    predicts it), each token's text as the echo shows it and its offset there."""
     tok = state.tokenizer
     text = (lambda i: token_text(tok, i)) if tok is not None else str
+    tokens, offsets = _echoed_tokens(tok, sent, echo, ids)
     return CompletionLogprobs(
-        tokens=[text(t) for t in ids],
+        tokens=tokens,
         token_logprobs=[None, *(row.logprob for row in rows)],
         top_logprobs=[None, *({text(i): v for i, v in row.top[:top_n]} for row in rows)],
-        text_offset=_prompt_offsets(tok, sent, ids),
+        text_offset=offsets,
     )
 
 
-def _prompt_offsets(tok, sent: str | list[int], ids: list[int]) -> list[int]:
-    """Where each prompt token's text starts in the echo: the text as sent, or the ids' text (special tokens shown).
-    A BOS the tokenizer put before a text prompt is not in the echo: it starts at 0."""
+def _echoed_tokens(tok, sent: str | list[int], echo: str, ids: list[int]) -> tuple[list[str], list[int]]:
+    """Each prompt token's text as `echo` (the text as sent, or the ids' decoded text) shows it, and its offset there:
+    the slice from it to the next token's offset (a BOS added before a text prompt is listed at 0)."""
     if tok is None:
-        return [0] * len(ids)
+        return [str(i) for i in ids], [0] * len(ids)
     added = isinstance(sent, str) and tok.add_bos_token and ids[:1] == [tok.bos_token_id] and not sent.startswith(
         tok.bos_token)
+    body = ids[1:] if added else ids
     detok = IncrementalDetokenizer(tok, (), skip_special_tokens=False)
-    detok.push(ids[1:] if added else ids)
-    return [0] * added + detok.token_offsets
+    detok.push(body)
+    decoded = detok.text + detok.flush()
+    starts = detok.token_offsets
+    spaced = echo.replace("\u2581", " ")  # SentencePiece reads a sent "▁" as the space it spells
+    tokens, offsets, pos = [token_text(tok, tok.bos_token_id)] * added, [0] * added, 0
+    for i, start, end in zip(body, starts, [*starts[1:], len(decoded)]):
+        piece, shown = decoded[start:end].replace("\u2581", " "), token_text(tok, i)
+        # The space SentencePiece puts before a text (and llama.cpp before each stretch after a special token) is in
+        # no echo: not in the text as sent, and decode() drops it at the start.
+        if not spaced.startswith(piece, pos) and piece.startswith(" ") and spaced.startswith(piece[1:], pos):
+            piece = piece[1:]
+        if spaced.startswith(piece, pos) and not shown.startswith("bytes:"):
+            shown = echo[pos:pos + len(piece)]
+        tokens.append(shown)
+        offsets.append(min(pos, len(echo)))
+        pos += len(piece)
+    return tokens, offsets
 
 
 def _vllm_prompt_logprobs(state: ServerState, rows: list[TokenLogprobs], top_n: int) -> list[dict[int, PromptLogprob] | None]:

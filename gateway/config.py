@@ -25,6 +25,7 @@ class GatewayConfig:
     # with API keys: each key's cached prefixes, and the recent outputs its drafts come from, its own; or all shared
     prefix_cache_scope: Literal["key", "global"] = "key"
     special_tokens_in_content: Literal["allow", "escape"] = "allow"  # chat content's "<|im_start|>": special, or text
+    chat_template: str | None = None  # a Jinja file or a shipped template's name, over the model's own template
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     engine_hang_timeout: float = 60.0  # an engine silent this long is killed and restarted
     engine_unresponsive_timeout: float = 3.0  # an engine process without a heartbeat this long is out of routing

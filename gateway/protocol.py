@@ -192,6 +192,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         """`default_max_tokens` stands in for `max_tokens: null` (the gateway passes the room left in the
         context window); without it SamplingParams' default applies. `grammar`: output_schema()'s, compiled."""
         params = self._sampling(1 if self.prompt_only else self.max_tokens, self.logprobs, default_max_tokens, grammar)
+        if self.prompt_only:  # a prompt that fills the context window can still be scored
+            params = msgspec.structs.replace(params, prompt_only=True)
         prompt = self.num_prompt_logprobs
         return params if prompt is None else msgspec.structs.replace(params, prompt_logprobs=prompt)
 

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
+from engine.model.tokenizer.chat_template import SHIPPED, NoChatTemplateError
 from gateway import errors
 from gateway.admission import Admission
 from gateway.auth import TENANT, CacheSalts
@@ -29,6 +30,8 @@ from gateway.structured import GrammarCompiler
 from gateway.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
 
 _json = msgspec.json.Encoder()
+NO_CHAT_TEMPLATE = ("the model has no chat template, and none shipped fits its architecture: pass --chat-template "
+                    f"FILE_OR_NAME (names: {', '.join(SHIPPED)}) to orcinus serve")
 THREADED_ENCODE_CHARS = 1 << 14  # a request with more text is tokenized off the event loop (tokenizers free the GIL)
 
 
@@ -87,6 +90,8 @@ class ServerState:
                 prompt = render()
             except jinja2.TemplateError as e:  # a template's raise_exception(): it refuses these messages
                 raise InvalidRequestError(f"the model's chat template refused the messages: {e}", "messages") from None
+            except NoChatTemplateError:
+                raise InvalidRequestError(NO_CHAT_TEMPLATE, "messages") from None
             return self.content_tokens.encode(prompt, contents)
 
         return await _off_loop(work, sum(map(len, contents)))

@@ -259,3 +259,16 @@ def test_no_tokenizer_gives_no_text_but_counts_every_token():
     assert detok.push([8]) == ""
     assert detok.flush() == ""
     assert detok.text == "" and detok.token_offsets == [0, 0, 0, 0] and not detok.stopped
+
+
+def test_echoed_prompt_offsets_slice_the_echo(tok):
+    """Byte-level (SmolLM2): each echoed prompt token's text is the echo's slice at its offset (issue 60 checks
+    SentencePiece's in test_sentencepiece_tokenizer.py)."""
+    from tokenizer_texts import assert_echo_slices, varied_texts
+
+    for t in varied_texts(["<|im_start|>", "<|im_end|>", "<|endoftext|>"], 600, seed=60):
+        ids = tok.encode(t, add_special_tokens=True)
+        if not ids or tok.decode(ids) != t:
+            continue  # bytes the vocabulary has no token for are dropped: not in the ids, so in no token's text
+        assert_echo_slices(tok, t, ids, t)
+        assert_echo_slices(tok, ids, ids, tok.decode(ids))

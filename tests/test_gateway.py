@@ -236,6 +236,19 @@ def test_echo(client):
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + plain
 
 
+def test_echo_offsets_index_the_returned_text(http, llm):
+    """Each token's text_offset is where its text starts in the echoed choice's text, prompt and generated tokens
+    alike, one-shot and streamed (issue 60; SentencePiece's in test_sentencepiece_serving.py)."""
+    for prompt in (PROMPT, llm.tokenizer.encode(PROMPT)):
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1, "ignore_eos": True}
+        c = complete(http, **body)["choices"][0]
+        tokens, offsets = c["logprobs"]["tokens"], c["logprobs"]["text_offset"]
+        assert "".join(tokens) == c["text"]
+        assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+        events = stream(http, **body)
+        assert [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]] == offsets
+
+
 def test_echo_with_logprobs_scores_the_prompt(http, llm):
     """lm-eval's loglikelihood request: the prompt's logprobs from the prefill, the first one null, equal to the
     engine's own prompt logprobs; max_tokens 0 scores without generating; vLLM's prompt_logprobs shape too."""

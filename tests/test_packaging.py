@@ -1,11 +1,14 @@
-"""A plain (non-editable) `pip install .` ships the C++/CUDA sources inside the package, and the engine looks for them
-there: before, it looked for the repository's cuda/ folder and silently fell back to the slow paths. (Building the ops
-from the installed copy is left to the suite's other tests: a second source path would make torch rebuild them.)"""
+"""A plain (non-editable) `pip install .` ships the C++/CUDA sources (and the chat templates) inside the package, and
+the engine looks for them there: before, it looked for the repository's cuda/ folder and silently fell back to the
+slow paths. (Building the ops from the installed copy is left to the suite's other tests: a second source path would
+make torch rebuild them.)"""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from engine.model.tokenizer.chat_template import SHIPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,6 +24,8 @@ def test_a_plain_install_carries_the_kernel_sources_and_the_engine_finds_them(tm
     assert {p.name for p in (site / "engine" / "kernels").iterdir()} >= {
         "paged_decode_attention.cu", "rope_write_kv.cu", "rms_norm.cu", "convert.cuh", "paged_decode_attention_cpu.cpp",
         "token_ops_cpu.cpp", "block_matmul_cpu.cpp", "int16_matmul_cpu.cpp", "sampling_cpu.cpp"}
+    templates = site / "engine" / "model" / "tokenizer" / "templates"
+    assert {p.name for p in templates.iterdir()} == {f"{name}.jinja" for name in SHIPPED}  # issue 60
     check = (
         "import sys, pathlib\n"
         "import engine.attention.cpp_extension as c, engine.attention.cupy_backend as cuda\n"

@@ -8,6 +8,7 @@ import pytest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.protocol import (
@@ -185,6 +186,22 @@ def test_completion_to_sampling_params():
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={15: -100.0, 7: 2.5},
         stop_token_ids=(2, 3), ignore_eos=True, logprobs=5, prompt_logprobs=5,  # echo: the prompt's logprobs too
     )
+
+
+def test_max_tokens_0_scores_a_prompt_that_fills_the_context_window():
+    """lm-eval scores full-length contexts with echo, logprobs and max_tokens 0 (issue 60): the token the engine
+    samples after the prompt needs no room, so max_model_len prompt tokens fit and one more does not."""
+    params = decode_request(cmpl('"max_tokens": 0, "echo": true, "logprobs": 1'), CMPL).to_sampling_params()
+    limits = RequestLimits(max_model_len=64, vocab_size=100, num_kv_blocks=4, block_size=16)
+    limits.check([7] * 64, params)
+    with pytest.raises(InvalidRequestError) as e:
+        limits.check([7] * 65, params)
+    assert (str(e.value), e.value.param) == (
+        "This model's maximum context length is 64 tokens. However, you requested 65 tokens (65 in the prompt, 0 for "
+        "the completion). Please reduce the prompt or max_tokens.", "prompt")
+    one = decode_request(cmpl('"max_tokens": 1'), CMPL).to_sampling_params()
+    with pytest.raises(InvalidRequestError, match=r"you requested 65 tokens \(64 in the prompt, 1 for the completion\)"):
+        limits.check([7] * 64, one)
 
 
 def test_nulls_mean_defaults():

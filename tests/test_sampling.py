@@ -121,6 +121,26 @@ def test_engine_rejects_what_can_never_run(llm):
     assert not engine.has_unfinished()
 
 
+def test_a_prompt_that_fills_the_context_window_is_scored(checkpoint, llm):
+    """A prompt-only request (the API's max_tokens 0) of exactly max_model_len tokens runs: its prompt logprobs are
+    the ones a roomier engine gives, it outputs nothing, and every block is free after (issue 60)."""
+    small = LLM(checkpoint=checkpoint, dtype="float32", max_model_len=32)
+    ids = small.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:32]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, prompt_only=True)
+    [scored] = small.generate([ids], params)
+    [ref] = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    assert scored.finish_reason == "length" and scored.token_ids == [] and len(scored.prompt_logprobs) == 32
+    assert [t.token_id for t in scored.prompt_logprobs[1:]] == ids[1:]
+    assert [t.logprob for t in scored.prompt_logprobs[1:]] == pytest.approx([t.logprob for t in ref.prompt_logprobs[1:]],
+                                                                            abs=1e-4)
+    kv = small.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        small.engine.add_request(ids + [ids[1]], params)
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        small.engine.add_request(ids, SamplingParams(max_tokens=1))
+
+
 @pytest.mark.parametrize(
     "params",
     [

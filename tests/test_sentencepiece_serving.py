@@ -70,3 +70,24 @@ def test_streamed_text_equals_the_one_shot_text(served):
     whole = served.completions.create(**kwargs).choices[0].text
     streamed = "".join(c.choices[0].text for c in served.completions.create(stream=True, **kwargs) if c.choices)
     assert streamed == whole and whole
+
+
+def test_echo_offsets_index_the_returned_text(served, checkpoint):
+    """lm-eval's echo with logprobs (issue 60): each token's text_offset is where its text starts in the returned
+    text, the prompt's and the generated tokens' alike; the "▁" SentencePiece put before the prompt is not there."""
+    tok = load_tokenizer(checkpoint)
+    model = served.models.list().data[0].id
+    prompt = "Hello world, once upon a time"
+    for sent in (prompt, tok.encode(prompt)):
+        out = served.completions.create(model=model, prompt=sent, max_tokens=6, temperature=0, echo=True, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        c = out.choices[0]
+        tokens, offsets = c.logprobs.tokens, c.logprobs.text_offset
+        assert len(tokens) == out.usage.prompt_tokens + out.usage.completion_tokens == len(offsets)
+        first = 1 if isinstance(sent, str) else 0  # the BOS the tokenizer added: not in the echo, at offset 0
+        assert offsets[:first + 2] == [0] * first + [0, 5]
+        assert tokens[:first + 2] == ["<s>"] * first + ["Hello", " world"]
+        ends = [*offsets[1:], len(c.text)]
+        for k in range(first, len(tokens)):
+            if not tokens[k].startswith("bytes:"):
+                assert c.text[offsets[k]:ends[k]] == tokens[k], (k, tokens, offsets, c.text)

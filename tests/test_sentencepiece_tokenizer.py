@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from tokenizer_texts import varied_texts
+from tokenizer_texts import assert_echo_slices, varied_texts
 from tokenizers import Tokenizer as Backend
 
 from engine.model.tokenizer import SentencePieceBPE, load_tokenizer
@@ -23,6 +23,7 @@ from engine.model.tokenizer.sentencepiece_model import (
     SentencePieceVocab,
     read_sentencepiece_model,
 )
+from gateway.completions import _echoed_tokens
 from gateway.detokenizer import IncrementalDetokenizer
 
 sentencepiece = pytest.importorskip("sentencepiece")
@@ -188,6 +189,32 @@ def test_a_texts_first_space_is_dropped_by_decode_not_by_streaming():
     d = IncrementalDetokenizer(tok)
     assert d.push(ids) + d.flush() == " Hello world"  # after a prompt, the space is the model's
     assert tok.decode(tok.encode(" Hello")) == " Hello"  # only the one space the encoder put there
+
+
+def test_echoed_prompt_offsets_slice_the_echo(loaded, texts):
+    """Issue 60: the "▁" SentencePiece puts before a text is in no echo, so no offset may count it."""
+    tok, _, _ = loaded
+    for t in texts[:1000]:
+        ids = tok.encode(t, add_special_tokens=True)
+        assert_echo_slices(tok, t, ids, t)  # a text prompt echoes as sent
+        if ids[1:]:
+            assert_echo_slices(tok, ids[1:], ids[1:], tok.decode(ids[1:]))  # token ids echo as their decoded text
+
+
+def test_echoed_offsets_of_mistral_and_gemma_layouts():
+    """The offsets themselves: Mistral's (a space before each text) and Gemma's (none: nothing to take away)."""
+    vocab = read_sentencepiece_model(DATA / V1)
+    mistral = _load(DATA / V1)
+    gemma = SentencePieceBPE.from_pieces(vocab.pieces, vocab.scores, vocab.types, add_dummy_prefix=False,
+                                         bos_token_id=1, eos_token_id=2)
+    ids = mistral.encode("Hello world", add_special_tokens=True)
+    assert _echoed_tokens(mistral, "Hello world", "Hello world", ids) == (["<s>", "Hello", " world"], [0, 0, 5])
+    assert _echoed_tokens(mistral, ids[1:], "Hello world", ids[1:]) == (["Hello", " world"], [0, 5])
+    ids = gemma.encode("Hello world", add_special_tokens=True)
+    assert [gemma.decode([i]) for i in ids[1:]] == ["Hello", " world"]
+    assert _echoed_tokens(gemma, "Hello world", "Hello world", ids) == (["<s>", "Hello", " world"], [0, 0, 5])
+    for t in varied_texts(["<s>", "</s>"], 300, seed=60):
+        assert_echo_slices(gemma, t, gemma.encode(t, add_special_tokens=True), t)
 
 
 def test_bos_for_completions_prompts(tmp_path):

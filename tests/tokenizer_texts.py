@@ -1,9 +1,11 @@
 """Varied texts for comparing tokenizers with their reference libraries: prose, code, digits, many scripts, emoji,
-whitespace runs, control characters and special-token text."""
+whitespace runs, control characters and special-token text; and the check of an echoed prompt's tokens on them."""
 
 from __future__ import annotations
 
 import random
+
+from gateway.completions import _echoed_tokens
 
 FRAGMENTS = [
     # prose and contractions
@@ -91,3 +93,17 @@ def varied_texts(special: list[str], n: int, seed: int) -> list[str]:
             texts.append(rng.choice(["", " ", "  ", "\n", "\t", " " * rng.randint(3, 40)]) + rng.choice(pieces)
                          + rng.choice(_GLUE))
     return texts
+
+
+def assert_echo_slices(tok, sent: str | list[int], ids: list[int], echo: str) -> None:
+    """An echoed prompt's tokens and offsets (completions' echo with logprobs): each token's text is the echo's slice
+    from its offset to the next one's, and the slices cover the echo. Exempt: the BOS the tokenizer added (not in
+    the echo, at 0) and a token ending inside a character (shown as bytes)."""
+    tokens, offsets = _echoed_tokens(tok, sent, echo, ids)
+    assert len(tokens) == len(offsets) == len(ids)
+    added = isinstance(sent, str) and ids[:1] == [tok.bos_token_id] and not sent.startswith(tok.bos_token)
+    assert offsets == sorted(offsets) and offsets[:1] == [0]
+    ends = [*offsets[1:], len(echo)]
+    for k, (token, start, end) in enumerate(zip(tokens, offsets, ends)):
+        if not (k == 0 and added) and not token.startswith("bytes:"):
+            assert echo[start:end] == token, (sent, k, tokens, offsets)

@@ -128,8 +128,8 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        """Tokens this request can ever hold: its prompt plus max_tokens."""
-        return self.num_prompt_tokens + self.params.max_tokens
+        """Tokens this request can ever hold: its prompt plus max_tokens (none for a prompt-only request)."""
+        return self.num_prompt_tokens + self.params.output_room
 
     @property
     def finish_reason(self) -> str | None:

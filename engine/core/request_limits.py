@@ -23,11 +23,11 @@ class RequestLimits(msgspec.Struct, frozen=True, array_like=True):
             raise InvalidRequestError("the prompt is empty", param)
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt has token ids outside [0, {self.vocab_size})", param)
-        total = n + params.max_tokens
+        total = n + params.output_room
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
+                f"{total} tokens ({n} in the prompt, {params.output_room} for the completion). "
                 "Please reduce the prompt or max_tokens.", param)
         held = min(total, self.max_held_tokens) if self.max_held_tokens else total
         if -(-held // self.block_size) > self.num_kv_blocks:

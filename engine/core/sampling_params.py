@@ -35,10 +35,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # return this many top logprobs per token (and the chosen one's)
     prompt_logprobs: int | None = None  # each prompt token's logprob (the first has none) and this many top ones
     grammar: str | None = None  # an llguidance grammar the output must match (from a JSON schema, Lark or a regex)
+    prompt_only: bool = False  # the API's max_tokens 0: score the prompt; its one sampled token is no output
 
     def __post_init__(self) -> None:
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (not self.prompt_only or self.max_tokens == 1, "max_tokens", "must be 1 for a prompt-only request"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens"),
             (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
             (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),
@@ -66,6 +68,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(f"{param} {message}", param)
+
+    @property
+    def output_room(self) -> int:
+        """Tokens the context window must hold after the prompt: max_tokens, none for a prompt-only request (the
+        token sampled after the prompt is never computed)."""
+        return 0 if self.prompt_only else self.max_tokens
 
     @property
     def greedy(self) -> bool:

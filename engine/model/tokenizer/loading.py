@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as Backend
 
 from engine.model.model_files import GGUFReader
 from engine.model.tokenizer.byte_level import ByteLevelBPE, gguf_pretokenizer_pattern
-from engine.model.tokenizer.chat_template import pick_template
+from engine.model.tokenizer.chat_template import pick_template, template_for
 from engine.model.tokenizer.protocol import Tokenizer
 from engine.model.tokenizer.sentencepiece_bpe import SentencePieceBPE, is_sentencepiece_json
 from engine.model.tokenizer.sentencepiece_model import read_sentencepiece_model
@@ -20,10 +20,24 @@ from engine.model.tokenizer.tekken import read_tekken
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The tokenizer of a GGUF file, or of a checkpoint directory: its tokenizer.json, else tekken.json, else
-    tokenizer.model (None when it has none)."""
+    tokenizer.model (None when it has none). A model that carries no chat template gets the shipped one of its
+    architecture (model_type) where one fits."""
     path = Path(path)
     if not path.is_dir():
         return tokenizer_from_gguf(GGUFReader(path))
+    tok = _from_directory(path)
+    if tok is not None and tok.chat_template is None:
+        config = path / "config.json"
+        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        tok.chat_template = _shipped_template(tok, model_type)
+    return tok
+
+
+def _shipped_template(tok: Tokenizer, architecture: str | None) -> str | None:
+    return template_for(architecture, lambda text: len(tok.encode(text)) == 1)
+
+
+def _from_directory(path: Path) -> Tokenizer | None:
     config = TokenizerConfig.read(path)
     if (path / "tokenizer.json").is_file():
         return _from_tokenizer_json(path / "tokenizer.json", config)
@@ -45,7 +59,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     """The tokenizer in an open GGUF (shared with the weight loader): byte-level BPE ("gpt2") or SentencePiece
-    ("llama")."""
+    ("llama"); without a chat template, the shipped one of its general.architecture where one fits."""
+    tok = _gguf_tokenizer(reader)
+    if tok.chat_template is None:
+        arch = reader.fields.get("general.architecture")
+        tok.chat_template = _shipped_template(tok, None if arch is None else str(arch.contents()))
+    return tok
+
+
+def _gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     def field(key: str, default=None):
         value = reader.fields.get(key)
         return default if value is None else value.contents()

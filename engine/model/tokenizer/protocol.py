@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 
 import jinja2
 
-from engine.model.tokenizer.chat_template import compile_template
+from engine.model.tokenizer.chat_template import NoChatTemplateError, compile_template
 
 
 class Tokenizer(ABC):
@@ -32,7 +32,6 @@ class Tokenizer(ABC):
         self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token text such as "<s>" becomes its id. add_special_tokens=True (a
@@ -68,12 +67,22 @@ class Tokenizer(ABC):
     def eos_token(self) -> str:
         return self._token_bytes[self.eos_token_id].decode("utf-8", errors="replace")
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja source prompts are rendered with (None: the model has none)."""
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, source: str | None) -> None:
+        self._chat_template = source
+        self._template: jinja2.Template | None = None  # compiled on first use
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """Render `messages` (and `tools`, for templates that take them) with the model's chat template, as
         transformers' apply_chat_template(tokenize=False)."""
         if self.chat_template is None:
-            raise ValueError("the model has no chat template")
+            raise NoChatTemplateError("the model has no chat template")
         if self._template is None:
             self._template = compile_template(self.chat_template)
         return self._template.render(
