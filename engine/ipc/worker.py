@@ -5,7 +5,8 @@ the process boundary as pickle: the spec is JSON, every frame after it msgspec.
 
 The gateway owns this process's lifetime: it drains requests on SIGTERM and then sends Shutdown, so
 SIGINT and SIGTERM (which a terminal or a service manager may send to the whole process group) are
-ignored here. If the gateway itself dies, the engine notices it was orphaned and exits.
+ignored here. If the gateway itself dies, at any moment (the model's load included), the engine notices it was
+orphaned and exits within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -44,6 +46,7 @@ from engine.ipc.messages import (
 PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
+PARENT_POLL = 0.2  # seconds between looks at whether the gateway is still there
 
 
 class WorkerSpec(msgspec.Struct):
@@ -206,10 +209,21 @@ class EngineWorker:
         self.outbox.close()
 
 
+def exit_when_orphaned(parent: int) -> None:
+    """An engine whose gateway died has nobody to serve, and may be in the middle of a load that lasts minutes (or
+    waits on something that never comes): it exits, whatever the main thread is doing. Its pipeline stages, if any,
+    follow it the same way."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL)
+    print(f"orcinus engine: its gateway (pid {parent}) exited; exiting", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()  # first thing: the gateway may die while the model loads
+    threading.Thread(target=exit_when_orphaned, args=(parent,), name="orcinus-orphan-watch", daemon=True).start()
     # uvicorn's format, so the engine's start-up lines (graph capture time and memory) read like the gateway's.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine] %(message)s")
     spec = msgspec.json.decode(argv[1], type=WorkerSpec)
