@@ -69,7 +69,7 @@ class EngineWorker:
     """Glues an EngineCore to the two channels."""
 
     def __init__(self, spec: WorkerSpec, parent: int):
-        from engine.launch import build_engine, grammar_compiler
+        from engine.launch import build_engine, cpp_ops_origin, grammar_compiler
 
         self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(spec.to_engine, ToEngine)
@@ -79,7 +79,7 @@ class EngineWorker:
         c = e.config  # resolved: the device and dtype are what "auto" became
         summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
                                 c.prefix_caching, c.pipeline_stages, c.tensor_parallel_size,
-                                getattr(e.executor, "describe", lambda: "")())
+                                getattr(e.executor, "describe", lambda: "")(), cpp_ops_origin())
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
         self.cache_events = spec.cache_events and c.prefix_caching
