@@ -328,23 +328,34 @@ def test_kill_9_of_the_gateway_leaves_no_ring_or_doorbell_and_its_engine_exits(t
     assert not rings_of(gateway.pid) and not any(b.exists() for b in bells)
 
 
-GATEWAY_LAUNCHING = """import sys, time
+GATEWAY_LAUNCHING = """import os, signal, sys, time
 from engine.core.config import EngineConfig
 from gateway.engine_process import EngineProcess
 engine = EngineProcess(EngineConfig(model=sys.argv[1], num_threads=1), lambda frame: None)
 engine.launch()
+if sys.argv[2] == "stopped":  # held before its first line of Python: it will look for its gateway too late
+    os.kill(engine.pid, signal.SIGSTOP)
+    # And its rings outlive this process, as when the engine attaches before this one's resource tracker, which
+    # unlinks them once it is gone, has got to them (else the engine fails to attach, and exits all the same).
+    from multiprocessing import resource_tracker
+    for channel in (engine.to_engine, engine.from_engine):
+        resource_tracker.unregister("/" + channel.handle().shm_name, "shared_memory")
 print(engine.pid, flush=True)
 time.sleep(600)
 """
 
 
-def test_kill_9_of_the_gateway_while_the_model_loads_ends_its_engine_too(tmp_path):
+@pytest.mark.parametrize("when", ["while_it_loads", "before_it_looks"])
+def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp_path, when):
     """Before, the engine looked for its gateway only once loaded: a load that lasts (or waits on something that
-    never comes, as this one's config.json, a FIFO nobody writes) kept it alive for as long, its gateway long gone."""
+    never comes, as this one's config.json, a FIFO nobody writes) kept it alive for as long, its gateway long gone. And
+    a gateway dead before the engine first asked for its parent passed for alive: the engine took init for it."""
     model = tmp_path / "model"
     model.mkdir()
     os.mkfifo(model / "config.json")
-    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_LAUNCHING, str(model)], stdout=subprocess.PIPE, text=True)
+    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_LAUNCHING, str(model),
+                                "stopped" if when == "before_it_looks" else "running"],
+                               stdout=subprocess.PIPE, text=True)
     engine, writer = int(gateway.stdout.readline()), None
     spec = json.loads(cmdline(engine)[-1])
     bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
@@ -359,14 +370,15 @@ def test_kill_9_of_the_gateway_while_the_model_loads_ends_its_engine_too(tmp_pat
             return True
 
         deadline = time.monotonic() + 120
-        while not loading():
+        while when == "while_it_loads" and not loading():
             assert running(engine) and time.monotonic() < deadline, "the engine never began to load the model"
             time.sleep(0.05)
         gateway.kill()
         gateway.wait()
+        os.kill(engine, signal.SIGCONT)
         deadline = time.monotonic() + 30
         while running(engine):
-            assert time.monotonic() < deadline, "the engine outlived its gateway while loading the model"
+            assert time.monotonic() < deadline, "the engine outlived its gateway"
             time.sleep(0.1)
     finally:
         gateway.kill()

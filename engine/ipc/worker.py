@@ -54,6 +54,9 @@ class WorkerSpec(msgspec.Struct):
     to_engine: ChannelHandle
     from_engine: ChannelHandle
     cache_events: bool = False  # send CacheEvents after each step that named or evicted blocks (cache-aware routing)
+    # The gateway's pid: the engine exits once its parent is another process (a gateway that died before this one
+    # could look at its parent would otherwise pass for alive). None: whichever process is the parent at start.
+    gateway_pid: int | None = None
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
@@ -222,11 +225,11 @@ def exit_when_orphaned(parent: int) -> None:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()  # first thing: the gateway may die while the model loads
+    spec = msgspec.json.decode(argv[1], type=WorkerSpec)
+    parent = spec.gateway_pid or os.getppid()  # first thing: the gateway may die while the model loads
     threading.Thread(target=exit_when_orphaned, args=(parent,), name="orcinus-orphan-watch", daemon=True).start()
     # uvicorn's format, so the engine's start-up lines (graph capture time and memory) read like the gateway's.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine] %(message)s")
-    spec = msgspec.json.decode(argv[1], type=WorkerSpec)
     worker = EngineWorker(spec, parent)
     try:
         worker.run()
