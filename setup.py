@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from setuptools import setup
@@ -39,6 +40,7 @@ def op_builder(ops):
             self.force = True  # whether an op compiles is decided by its stamp (build_extension), not by file times
             self.parallel = self.parallel or len(self.extensions)  # each op is one file: as long as the longest
             self.stamps = {}
+            self.in_place = set()  # ops whose build is the one already beside the source: nothing to copy back
 
         def build_extensions(self):
             # The run-time build's flags exactly: none of those Python itself was built with (-g, -fwrapv, -DNDEBUG).
@@ -58,19 +60,30 @@ def op_builder(ops):
             # This build folder's, or the one an editable install left beside the source (a wheel built after it).
             fresh = [so for so in (target, ops.prebuilt_path(name, KERNELS))
                      if so.is_file() and ops.read_stamp(so) == stamp]
-            if fresh:
-                if fresh[0] != target:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(fresh[0], target)
-            else:
+            if ops.prebuilt_path(name, KERNELS) in fresh:
+                self.in_place.add(ext.name)
+            if fresh and fresh[0] != target:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(fresh[0], target)
+            elif not fresh:
+                ops.stamp_path(target).unlink(missing_ok=True)  # a build stopped midway must leave no stamp behind
                 super().build_extension(ext)
             ops.stamp_path(target).write_text(json.dumps(stamp, indent=1) + "\n")
             self.stamps[ext.name] = ops.stamp_path(target)
 
         def copy_extensions_to_source(self):
-            super().copy_extensions_to_source()  # an editable install: the modules into the checkout, and their stamps
-            for ext in self.extensions:
-                shutil.copyfile(self.stamps[ext.name], ops.stamp_path(Path(self.get_ext_fullpath(ext.name))))
+            """An editable install: the modules into the checkout, then their stamps (none while a copy is partial).
+            One already there is not rewritten: a server running from the checkout has it mapped."""
+            every, self.extensions = self.extensions, [e for e in self.extensions if e.name not in self.in_place]
+            try:
+                stamps = [ops.stamp_path(Path(self.get_ext_fullpath(ext.name))) for ext in self.extensions]
+                for stamp in stamps:
+                    stamp.unlink(missing_ok=True)
+                super().copy_extensions_to_source()
+                for ext, stamp in zip(self.extensions, stamps):
+                    shutil.copyfile(self.stamps[ext.name], stamp)
+            finally:
+                self.extensions = every
 
     return BuildOps.with_options(use_ninja=False)  # ninja would share one build file between the side-by-side builds
 
@@ -79,6 +92,7 @@ def ext_modules():
     """The ops and their builder where torch is importable and the sources are in place; else none."""
     if importlib.util.find_spec("torch") is None or not KERNELS.is_dir():
         return {}
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch without numpy, which pip installs later
     from torch.utils.cpp_extension import CppExtension
 
     ops = load_ops()

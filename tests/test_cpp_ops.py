@@ -127,6 +127,11 @@ def test_a_prebuilt_op_is_used_while_its_stamp_matches_and_built_at_run_time_onc
         f"the prebuilt C++ op {so} is out of date (its source changed since it was built); building it at run time",
     ]
     caplog.clear()
+    ops.stamp_path(so).unlink()  # as a copy stopped midway leaves it
+    assert ops.load_prebuilt(so, source, ["-O0"]) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the prebuilt C++ op {so} has no stamp of what it was built from; building it at run time"]
+    caplog.clear()
     assert ops.load_prebuilt(tmp_path / "absent.so", source, ["-O0"]) is None
     assert not caplog.records  # nothing was built: nothing to say
 

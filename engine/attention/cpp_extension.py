@@ -143,6 +143,9 @@ def load_prebuilt(so: Path, source: Path, flags: list[str]):
         return None
     built, now = read_stamp(so), build_stamp(source, flags)
     changed = [key for key in now if built.get(key) != now[key]]
+    if not built:
+        log.warning("the prebuilt C++ op %s has no stamp of what it was built from; building it at run time", so)
+        return None
     if changed:
         log.warning("the prebuilt C++ op %s is out of date (its %s changed since it was built); building it at run "
                     "time", so, " and ".join(changed))
