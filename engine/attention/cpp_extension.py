@@ -50,6 +50,8 @@ CPU_EXTENSIONS = {
 }
 
 _ORIGINS: dict[str, str] = {}  # op -> where this process got it, for the startup block
+# Read once here: sysconfig fills its variables on first use, and threads that race there may read None.
+EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
 
 
 def cflags(name: str, march: str = "native") -> list[str]:
@@ -79,6 +81,8 @@ def ops_origin() -> str:
 def _builds() -> dict[str, Future]:
     """Every CPU extension's load, started together on the first use of any: a run-time build compiles one file per
     op, so side by side they take about the longest one's time instead of the sum (a CPU engine uses them all)."""
+    import torch  # noqa: F401 - imported here, not first by the loads side by side
+
     pool = ThreadPoolExecutor(len(CPU_EXTENSIONS), thread_name_prefix="orcinus-cpp-build")
     builds = {name: pool.submit(_load, name) for name in CPU_EXTENSIONS}
     pool.shutdown(wait=False)
@@ -98,7 +102,7 @@ def _load(name: str):
 
 def prebuilt_path(name: str, directory: Path = SOURCES) -> Path:
     """Where an install puts op `name`: beside its source, named as Python imports it."""
-    return directory / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    return directory / f"{name}{EXT_SUFFIX}"
 
 
 def stamp_path(so: Path) -> Path:
