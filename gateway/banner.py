@@ -26,6 +26,8 @@ def startup_block(ready: EngineReady, model_name: str, url: str | None, api_key:
     ]
     if s.kernels:
         lines.append(f"  kernels         {s.kernels}")
+    if s.cpp_ops:
+        lines.append(f"  C++ ops         {s.cpp_ops}")
     if url is not None:
         lines += [f"  API             {url}/v1{' (API key required)' if api_key else ''}", f"  chat page       {url}/"]
     return "\n".join(lines)

@@ -64,7 +64,8 @@ class EngineProcess:
         """Create the channels and spawn the engine process."""
         self.to_engine = Channel.create(ToEngine)
         self.from_engine = Channel.create(FromEngine)
-        spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events)
+        spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events,
+                          os.getpid())
         env = engine_env()
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices

@@ -1,5 +1,7 @@
 """Seconds from `orcinus serve` to a healthy /health: first on a machine that has never built the C++ ops (a fresh
-TORCH_EXTENSIONS_DIR), then again with them cached. Each checkout given is timed in turn, interleaved per round.
+TORCH_EXTENSIONS_DIR), then again with them cached. Each checkout given is timed in turn, interleaved per round. A
+checkout whose install built the ops (`make install`) compiles nothing at either start: time such trees to compare
+installs, and trees without the ops built in place to compare run-time builds.
 
     python loadtest/bench_first_start.py --trees . /tmp/old-checkout --rounds 2 --out benchmarks/first_start.json
 """

@@ -6,10 +6,14 @@ memory), and SIGTERM (in-flight requests finish, then the process exits clean). 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -322,6 +326,72 @@ def test_kill_9_of_the_gateway_leaves_no_ring_or_doorbell_and_its_engine_exits(t
         assert time.monotonic() < deadline, "the engine outlived its gateway"
         time.sleep(0.1)
     assert not rings_of(gateway.pid) and not any(b.exists() for b in bells)
+
+
+GATEWAY_LAUNCHING = """import os, signal, sys, time
+from engine.core.config import EngineConfig
+from gateway.engine_process import EngineProcess
+engine = EngineProcess(EngineConfig(model=sys.argv[1], num_threads=1), lambda frame: None)
+engine.launch()
+if sys.argv[2] == "stopped":  # held before its first line of Python: it will look for its gateway too late
+    os.kill(engine.pid, signal.SIGSTOP)
+    # And its rings outlive this process, as when the engine attaches before this one's resource tracker, which
+    # unlinks them once it is gone, has got to them (else the engine fails to attach, and exits all the same).
+    from multiprocessing import resource_tracker
+    for channel in (engine.to_engine, engine.from_engine):
+        resource_tracker.unregister("/" + channel.handle().shm_name, "shared_memory")
+print(engine.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("when", ["while_it_loads", "before_it_looks"])
+def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp_path, when):
+    """Before, the engine looked for its gateway only once loaded: a load that lasts (or waits on something that
+    never comes, as this one's config.json, a FIFO nobody writes) kept it alive for as long, its gateway long gone. And
+    a gateway dead before the engine first asked for its parent passed for alive: the engine took init for it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_LAUNCHING, str(model),
+                                "stopped" if when == "before_it_looks" else "running"],
+                               stdout=subprocess.PIPE, text=True)
+    engine, writer = int(gateway.stdout.readline()), None
+    spec = json.loads(cmdline(engine)[-1])
+    bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
+    try:
+
+        def loading() -> bool:  # the engine has config.json open: it is reading the model
+            nonlocal writer
+            try:
+                writer = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                return False
+            return True
+
+        deadline = time.monotonic() + 120
+        while when == "while_it_loads" and not loading():
+            assert running(engine) and time.monotonic() < deadline, "the engine never began to load the model"
+            time.sleep(0.05)
+        gateway.kill()
+        gateway.wait()
+        os.kill(engine, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while running(engine):
+            assert time.monotonic() < deadline, "the engine outlived its gateway"
+            time.sleep(0.1)
+    finally:
+        gateway.kill()
+        if running(engine):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)
+        if writer is not None:
+            os.close(writer)
+        # Its rings were never unlinked: the gateway does that once the engine is up.
+        for ring in rings_of(gateway.pid):
+            (Path("/dev/shm") / ring).unlink(missing_ok=True)
+        for bell in bells:
+            shutil.rmtree(bell, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- graceful shutdown

@@ -58,6 +58,7 @@ class EngineSummary(msgspec.Struct, frozen=True, array_like=True):
     pipeline_stages: int
     tensor_parallel_size: int = 1
     kernels: str = ""  # what the executor built (attention, linear layers, token ops, graphs); "" when not known
+    cpp_ops: str = ""  # where the engine's C++ ops came from (prebuilt by the install, or built at run time); "" if none
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

@@ -5,7 +5,8 @@ the process boundary as pickle: the spec is JSON, every frame after it msgspec.
 
 The gateway owns this process's lifetime: it drains requests on SIGTERM and then sends Shutdown, so
 SIGINT and SIGTERM (which a terminal or a service manager may send to the whole process group) are
-ignored here. If the gateway itself dies, the engine notices it was orphaned and exits.
+ignored here. If the gateway itself dies, at any moment (the model's load included), the engine notices it was
+orphaned and exits within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives 
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
 HEARTBEAT_INTERVAL = 0.25  # seconds between Heartbeats: the gateway's sign that this process answers
+PARENT_POLL = 0.2  # seconds between looks at whether the gateway is still there
 
 
 class WorkerSpec(msgspec.Struct):
@@ -54,6 +56,9 @@ class WorkerSpec(msgspec.Struct):
     to_engine: ChannelHandle
     from_engine: ChannelHandle
     cache_events: bool = False  # send CacheEvents after each step that named or evicted blocks (cache-aware routing)
+    # The gateway's pid: the engine exits once its parent is another process (a gateway that died before this one
+    # could look at its parent would otherwise pass for alive). None: whichever process is the parent at start.
+    gateway_pid: int | None = None
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
@@ -69,7 +74,7 @@ class EngineWorker:
     """Glues an EngineCore to the two channels."""
 
     def __init__(self, spec: WorkerSpec, parent: int):
-        from engine.launch import build_engine, grammar_compiler
+        from engine.launch import build_engine, cpp_ops_origin, grammar_compiler
 
         self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(spec.to_engine, ToEngine)
@@ -79,7 +84,7 @@ class EngineWorker:
         c = e.config  # resolved: the device and dtype are what "auto" became
         summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
                                 c.prefix_caching, c.pipeline_stages, c.tensor_parallel_size,
-                                getattr(e.executor, "describe", lambda: "")())
+                                getattr(e.executor, "describe", lambda: "")(), cpp_ops_origin())
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
         self.cache_events = spec.cache_events and c.prefix_caching
@@ -219,13 +224,24 @@ class EngineWorker:
         self.outbox.close()
 
 
+def exit_when_orphaned(parent: int) -> None:
+    """An engine whose gateway died has nobody to serve, and may be in the middle of a load that lasts minutes (or
+    waits on something that never comes): it exits, whatever the main thread is doing. Its pipeline stages, if any,
+    follow it the same way."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL)
+    print(f"orcinus engine: its gateway (pid {parent}) exited; exiting", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()  # first thing: the gateway may die while the model loads
+    spec = msgspec.json.decode(argv[1], type=WorkerSpec)
+    parent = spec.gateway_pid or os.getppid()  # first thing: the gateway may die while the model loads
+    threading.Thread(target=exit_when_orphaned, args=(parent,), name="orcinus-orphan-watch", daemon=True).start()
     # uvicorn's format, so the engine's start-up lines (graph capture time and memory) read like the gateway's.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine] %(message)s")
-    spec = msgspec.json.decode(argv[1], type=WorkerSpec)
     worker = EngineWorker(spec, parent)
     try:
         worker.run()
