@@ -285,3 +285,28 @@ def _fields(params: SamplingParams) -> dict:
     import msgspec
 
     return msgspec.structs.asdict(params)
+
+
+def test_a_failing_matcher_beside_a_drafting_one_leaves_that_one_where_its_step_began(tokenizer):
+    """A grammar error in one row rolls the other rows' matchers back from their drafts, so the request-by-request
+    retry (the executor's, after a failed batch) masks each from where its step began."""
+    import torch
+
+    from engine.model.sampling.grammar import GrammarCompiler, GrammarError
+    from engine.model.sampling.sampler import Sampler
+    from engine.model.sampling.state import SamplingState
+
+    ids = tokenizer.encode('"yes sir"')  # '"', 'yes', ' sir', '"'
+    grammar = json_schema_grammar({"enum": ["yes sir"]})
+    sampler = Sampler(tokenizer=tokenizer)
+    drafting = SamplingState("drafting", [1], SamplingParams(temperature=0.0, grammar=grammar), frozenset())
+    broken = SamplingState("broken", [1], SamplingParams(temperature=0.0, grammar="not a grammar"), frozenset(),
+                           matcher=GrammarCompiler(tokenizer).compile("this is not a grammar"))
+    sampler.add(drafting)
+    sampler.add(broken)
+    logits = torch.zeros(3, tokenizer.vocab_size)
+    logits[[0, 1, 2], ids[:3]] = 10.0  # each row's likeliest token: the drafts, then ' sir'
+    with pytest.raises(GrammarError):
+        sampler.sample(torch.cat([logits, torch.zeros(1, tokenizer.vocab_size)]), ["drafting", "broken"],
+                       [ids[:2], []])
+    assert sampler(logits, ["drafting"], [ids[:2]])["drafting"].token_ids == ids[:3]

@@ -3,9 +3,10 @@ keeps the target's distribution, checked by a chi-square test on a model whose d
 
 import itertools
 
+import pytest
 import torch
 
-from engine.model.sampling.verification import verify_greedy, verify_sampled
+from engine.model.sampling.verification import draft_acceptance, verify_greedy, verify_sampled
 
 # 8,000 samples: the wrong rule below scores p = 0.0 already at 5,000 (20,000 took 16 s of the suite).
 V, LENGTH, SAMPLES = 4, 3, 8_000
@@ -76,3 +77,12 @@ def test_a_certain_draft_is_always_accepted_and_an_impossible_one_never():
     for _ in range(200):
         out = verify_sampled(probs, [1, 1], g)
         assert out[0] == 1 and len(out) == 2 and out[1] != 1  # p(1) = 1 accepted; p(1) = 0 at step 2 rejected
+
+
+def test_a_draft_is_accepted_with_its_share_of_its_rows_mass():
+    """min_p leaves a row's weights summing below 1, and the draw reads them as weights: p = [.5, .3, .2] with
+    min_p = .5 is [.5, .3, 0], which draws token 0 with .625, so a drafted 0 is accepted for u below .625."""
+    probs = torch.tensor([[0.5, 0.3, 0.0]] * 3)
+    accepted, residual = draft_acceptance(probs, torch.tensor([0, 0, 0]), torch.tensor([0.55, 0.62, 0.63]))
+    assert accepted.tolist() == [True, True, False]
+    assert residual[0].tolist() == pytest.approx([0.0, 0.3, 0.0])  # rejected: token 1 alone

@@ -92,20 +92,22 @@ class GrammarMasks:
         # decorator: 2.2 s of every engine start.)
         bitmask = torch.full((len(rows), (self._tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)
         consumed: dict[int, int] = {}  # per request (by id()): draft tokens its matcher took to mask the rows after
-        for j, (_, row) in enumerate(rows):
-            req = row.request
-            matcher = self._matcher(req)
-            if matcher.is_error():  # the executor samples the others alone, and this one fails with the reason
-                raise GrammarError(f"request {req.request_id}'s grammar failed: {matcher.get_error().strip()[:500]}")
-            if consumed.get(id(req), 0) < len(row.drafted):
-                continue  # a draft token before this row is not allowed: it is rejected there, this row never counts
-            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)
-            if row.draft_id >= 0:
-                consumed[id(req)] = consumed.get(id(req), 0) + matcher.try_consume_tokens([row.draft_id])
-        for _, row in rows:  # back to where the step started: finish() advances by the accepted
-            n = consumed.pop(id(row.request), 0)
-            if n:
-                row.request.matcher.rollback(n)
+        try:
+            for j, (_, row) in enumerate(rows):
+                req = row.request
+                matcher = self._matcher(req)
+                if matcher.is_error():  # the executor samples the others alone, and this one fails with the reason
+                    raise GrammarError(f"request {req.request_id}'s grammar failed: {matcher.get_error().strip()[:500]}")
+                if consumed.get(id(req), 0) < len(row.drafted):
+                    continue  # a draft token before this row is not allowed: it is rejected there, this row never counts
+                matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)
+                if row.draft_id >= 0:
+                    consumed[id(req)] = consumed.get(id(req), 0) + matcher.try_consume_tokens([row.draft_id])
+        finally:  # back to where the step started, raised or not: finish() (or a retry alone) takes it from there
+            for _, row in rows:
+                n = consumed.pop(id(row.request), 0)
+                if n:
+                    row.request.matcher.rollback(n)
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[1]].bool()
         if allowed.shape[1] < logits.shape[1]:  # ids past the tokenizer's vocabulary are never allowed
             allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))

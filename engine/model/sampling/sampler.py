@@ -240,8 +240,9 @@ class Sampler:
 
     def _probs(self, logits: torch.Tensor, requests: list[SamplingState], best: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """Each row's sampling distribution (unnormalized after min_p); `best`, each row's most likely token (computed
-        when not given), is the whole of a row that has no usable distribution."""
+        """Each row's sampling distribution, as weights (unnormalized after min_p), which the draw and the verdicts
+        on drafts both read; `best`, each row's most likely token (computed when not given), is the whole of a row
+        that has no usable distribution."""
         if best is None:
             best = logits.max(dim=-1).indices
         logits = logits / self._tensor([r.params.temperature for r in requests], torch.float32).unsqueeze(1)

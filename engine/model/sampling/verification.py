@@ -29,7 +29,9 @@ def draft_acceptance(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: tor
     has = draft_ids >= 0
     ids = draft_ids.clamp(min=0)[:, None]
     p_x = probs.gather(1, ids)[:, 0]
-    accepted = has & (uniforms < p_x)
+    # A row is weights, as `exponential_race` reads it (min_p leaves a row's mass below 1): p(x) is its share of the
+    # row's mass, or a draft would be accepted against another distribution than the one its row draws from.
+    accepted = has & (uniforms < p_x / probs.sum(dim=-1))  # a certain draft: p_x / its own sum is exactly 1
     residual = probs.scatter(1, ids, torch.where(has, torch.zeros_like(p_x), p_x)[:, None])
     # p(x) = 1 leaves nothing: that row always accepts, and what it would draw is never used.
     return accepted, torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
