@@ -122,22 +122,11 @@ def test_llama3_gemma_and_phi3_render_their_families_turns():
 def write_vocab_gguf(path: Path, model_file: Path) -> Path:
     """A vocabulary-only Llama GGUF of a SentencePiece tokenizer.model, as llama.cpp's converter writes one (no
     chat template)."""
-    import gguf
+    from test_sentencepiece_tokenizer import write_gguf
 
     from engine.model.tokenizer.sentencepiece_model import read_sentencepiece_model
 
-    vocab = read_sentencepiece_model(model_file)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(vocab.pieces)
-    w.add_token_scores(vocab.scores)
-    w.add_token_types(vocab.types)
-    w.add_bos_token_id(vocab.bos_id)
-    w.add_eos_token_id(vocab.eos_id)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(path, read_sentencepiece_model(model_file))
     return path
 
 
