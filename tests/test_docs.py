@@ -10,9 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-EXTERNAL = re.compile(r"^(https?|mailto):", re.I)
+EXTERNAL = re.compile(r"^(https?|mailto):", re.IGNORECASE)
 
 
 def links(page: Path) -> list[str]:
