@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
 import os
 import sys
+import textwrap
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,65 +16,98 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
-from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS
+from gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
     from gateway.replicas import Replicas
 
-# Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields.
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each dataclass field's attribute docstring (the string on the line after it), its whitespace collapsed."""
+    [node] = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    return {field.target.id: " ".join(doc.value.value.split())
+            for field, doc in zip(node.body, node.body[1:])
+            if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+
+
+def _with_default(text: str, default) -> str:
+    """Help text that states its default, when there is one to state (unset and off go without saying)."""
+    if default is None or default is False:
+        return text
+    return f"{text} (default: {'on' if default is True else default})"
+
+
+def field_help(cls: type, name: str, cli: str = "") -> str:
+    """A flag's help from its config field: the docstring (as a help phrase), what only the CLI adds, the default."""
+    doc = field_docs(cls)[name].removesuffix(".")
+    if not doc[1:2].isupper():  # "GGUF file ..." keeps its capitals
+        doc = doc[0].lower() + doc[1:]
+    default = next(f.default for f in fields(cls) if f.name == name)
+    return _with_default("; ".join(filter(None, [doc, cli])), default).replace("%", "%%")
+
+
+# Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields (`flag` where the
+# flag's name says it better than the field's, `deprecated`: old spellings that still parse, with a warning).
 _ENGINE_FLAGS = {
-    "model": dict(default=None, help="GGUF file, HF checkpoint dir, or dummy:NAME (default: bundled SmolLM2-135M)"),
-    "device": dict(help="cuda|cpu (default: cuda when torch sees a GPU, else cpu)"),
-    "dtype": dict(choices=["auto", "bfloat16", "float16", "float32"], help="activations (default: bfloat16 on a GPU, float32 on the CPU)"),
-    "weights": dict(choices=["auto", "dense", "gguf"], help="gguf: multiply by the GGUF file's quantized blocks as stored, CPU only (default: gguf on the CPU where the file has them)"),
-    "block_activations": dict(choices=["auto", "int16", "float32"], help="the GGUF block matmuls' inputs: int16, rounded per 32 values (AVX-512 VNNI or AVX2), or float32 exactly (default: int16 where the CPU has either)"),
-    "batch_invariant": dict(action="store_true", help="a request's tokens do not depend on the rest of the batch (CPU only)"),
-    "gpu_memory_utilization": dict(type=float, help="share of GPU memory for weights, KV cache and activations (default 0.9)"),
-    "enforce_eager": dict(action="store_true", help="never replay CUDA graphs"),
-    "cuda_graph_max_tokens": dict(type=int, help="largest token bucket of the piecewise CUDA graphs (default: the token budget)"),
-    "compile": dict(choices=["auto", "on", "off"],
-                    help="torch.compile the token-wise ops inside the CUDA graphs (default auto: on where graphs run)"),
-    "block_size": dict(type=int, help="tokens per KV cache block"),
-    "kv_cache_memory": dict(type=int, help="bytes for the KV cache (default: 512 MiB on CPU, what is free on GPU)"),
-    "max_num_seqs": dict(type=int, help="most requests in one iteration"),
-    "max_num_batched_tokens": dict(type=int, help="per-iteration token budget (default: 2048 on a GPU, 512 on the CPU)"),
-    "max_model_len": dict(type=int, help="context window cap"),
-    "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
-    "scheduling_policy": dict(choices=["fcfs", "priority", "predicted", "oracle"],
-                              help="who runs first: arrival order (default), the requests' `priority` field (lower "
-                                   "first), or the shortest remaining output predicted from the model's hidden state "
-                                   "(oracle: `priority` carries the real length, a benchmark's ceiling)"),
-    "length_predictor": dict(metavar="PATH", help="--scheduling-policy predicted: the file its length predictor starts "
-                                                  "from and saves to as it learns (default: start afresh)"),
-    "async_scheduling": dict(choices=["auto", "on", "off"],
-                             help="schedule the next step while the device runs this one (default: on for one GPU)"),
-    "kv_policy": dict(choices=["paged", "orca-reserve"], help="grow KV blocks on demand, or reserve max_tokens up front"),
-    "prefix_caching": dict(action=argparse.BooleanOptionalAction,
-                           help="reuse the cached K/V of prompt prefixes shared with earlier requests (default: on)"),
-    "attention_backend": dict(choices=["auto", "torch", "cpu", "cuda"], help="attention backend: auto|torch|cpu|cuda"),
-    "speculative": dict(choices=["auto", "off", "ngram", "suffix"],
-                        help="speculative decoding: draft from prompt lookup (ngram) or suffix trees, verify in one step "
-                             "(default auto: ngram on the CPU, off on a GPU)"),
-    "num_speculative_tokens": dict(type=int, help="most draft tokens per request per step (default 11)"),
-    "speculative_shared": dict(action=argparse.BooleanOptionalAction,
-                               help="draft also from the recent outputs of requests with the same cache salt (API "
-                                    "key), where a request's own context has no match (default: on)"),
-    "speculative_row_cost": dict(type=float, help="one more row's cost as a share of a step's fixed cost: drafts are "
-                                 "scheduled only where likely to pay for their rows (default: measured from the engine's "
-                                 "own steps, starting at 0.25; 0 drafts always)"),
-    "num_threads": dict(type=int, help="torch CPU threads (per stage process when pipelined)"),
-    "pipeline_stages": dict(type=int, help="split the layers over N stage processes, N batches in flight"),
-    "tensor_parallel_size": dict(type=int, help="split every layer over N processes (per pipeline stage)"),
-    "external_stages": dict(action="store_true", help="stages are started elsewhere (MASTER_ADDR/MASTER_PORT)"),
+    "model": {},
+    "device": {},
+    "dtype": {"choices": ["auto", "bfloat16", "float16", "float32"]},
+    "weights": {"choices": ["auto", "dense", "gguf"]},
+    "block_activations": {"choices": ["auto", "int16", "float32"]},
+    "batch_invariant": {"action": "store_true"},
+    "gpu_memory_utilization": {"type": float},
+    "enforce_eager": {"action": "store_true"},
+    "cuda_graph_max_tokens": {"type": int},
+    "compile": {"choices": ["auto", "on", "off"]},
+    "block_size": {"type": int},
+    "kv_cache_memory": {"type": int, "metavar": "BYTES"},
+    "max_num_seqs": {"type": int},
+    "max_num_batched_tokens": {"type": int},
+    "max_model_len": {"type": int},
+    "scheduling": {"choices": ["iteration", "request"], "flag": "scheduling_level", "deprecated": ["--scheduling"]},
+    "scheduling_policy": {"choices": ["fcfs", "priority", "predicted", "oracle"]},
+    "length_predictor": {"metavar": "PATH"},
+    "async_scheduling": {"choices": ["auto", "on", "off"]},
+    "kv_policy": {"choices": ["paged", "orca-reserve"]},
+    "prefix_caching": {"action": argparse.BooleanOptionalAction},
+    "attention_backend": {"choices": ["auto", "torch", "cpu", "cuda"]},
+    "speculative": {"choices": ["auto", "off", "ngram", "suffix"]},
+    "num_speculative_tokens": {"type": int},
+    "speculative_shared": {"action": argparse.BooleanOptionalAction},
+    "speculative_row_cost": {"type": float},
+    "num_threads": {"type": int},
+    "pipeline_stages": {"type": int, "metavar": "N"},
+    "tensor_parallel_size": {"type": int, "metavar": "N"},
+    "external_stages": {"action": "store_true"},
     # Tests only, hidden from --help: failures to inject, as a FaultPlan in JSON.
-    "faults": dict(type=lambda text: msgspec.json.decode(text, type=FaultPlan), help=argparse.SUPPRESS),
+    "faults": {"type": lambda text: msgspec.json.decode(text, type=FaultPlan), "help": argparse.SUPPRESS},
 }
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a renamed flag: it parses as the new one did, and says (on stderr) what replaced it."""
+
+    def __init__(self, option_strings, dest, replacement: str, **kw):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated; use {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for name, kw in _ENGINE_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, **{"default": None, **kw})
+        kw = dict(kw)
+        flag = "--" + kw.pop("flag", name).replace("_", "-")
+        deprecated = kw.pop("deprecated", [])
+        kw.setdefault("help", field_help(EngineConfig, name))
+        p.add_argument(flag, dest=name, **{"default": None, **kw})
+        for old in deprecated:
+            value = {k: v for k, v in kw.items() if k in ("choices", "type", "metavar")}
+            p.add_argument(old, dest=name, action=DeprecatedAlias, replacement=flag, default=None,
+                           help=argparse.SUPPRESS, **value)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -148,7 +185,6 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine.model.tokenizer.chat_template import load_chat_template
-    from gateway.config import GatewayConfig
     from gateway.guards import default_allowed_hosts
 
     try:
@@ -223,80 +259,128 @@ def run_server(app, *, host: str, port: int, shutdown_timeout: float, header_tim
                           timeout_graceful_shutdown=shutdown_timeout)).run()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _gateway_flag(p: argparse.ArgumentParser, name: str, cli: str = "", **kw) -> None:
+    """A serve flag that sets GatewayConfig's field `name`: its help and default come from the field."""
+    default = next(f.default for f in fields(GatewayConfig) if f.name == name)
+    p.add_argument("--" + name.replace("_", "-"), default=default, help=field_help(GatewayConfig, name, cli), **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orcinus", description="Orca-style LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline from one prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=32, help=_with_default("most tokens to generate", 32))
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help=_with_default("nucleus sampling's probability mass", 1.0))
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default: 0, all)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling draws (unset: unseeded)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you mean otherwise)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1",
+                     help=_with_default("bind address (loopback unless you mean otherwise)", "127.0.0.1"))
+    srv.add_argument("--port", type=int, default=8000, help=_with_default("TCP port", 8000))
     srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help="require `Authorization: Bearer KEY` on /v1 routes; repeat for several keys (visible in "
                           "`ps`: prefer $ORCINUS_API_KEY or --api-key-file)")
     srv.add_argument("--api-key-file", action="append", default=None, metavar="PATH",
                      help="API keys, one per line (# comments); with neither flag, $ORCINUS_API_KEY is the key")
-    srv.add_argument("--metrics-need-key", action=argparse.BooleanOptionalAction, default=True,
-                     help="with API keys, /metrics needs one too (default; --no-metrics-need-key opens it)")
-    srv.add_argument("--prefix-cache-scope", choices=["key", "global"], default="key",
-                     help="with API keys: each key finds only its own cached prompt prefixes and drafts only from "
-                          "its own recent outputs (default), or all keys share them")
-    srv.add_argument("--served-model-name", default=None, help="the model name clients send")
-    srv.add_argument("--max-waiting", type=_non_negative, default=None,
-                     help="sequences queued beyond the batch before new requests get 429 (default 4096)")
-    srv.add_argument("--max-queued-tokens", type=_positive, default=DEFAULT_MAX_QUEUED_TOKENS,
-                     help="prompt tokens of the admitted sequences before new requests get 429 (default 4M)")
-    srv.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
-                     help="browser origins that may call the API, e.g. https://chat.example.com, or * for any "
-                          "(default: http://localhost:* and http://127.0.0.1:*; the flag alone: none)")
-    srv.add_argument("--special-tokens-in-content", choices=["allow", "escape"], default="allow",
-                     help="special-token text in chat messages (e.g. <|im_start|>): allow = it becomes the special "
-                          "token (default, as vLLM and llama.cpp), escape = it stays text")
-    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_NAME",
-                     help="render chat prompts with this Jinja file, or a shipped template (chatml, gemma, llama3, "
-                          "mistral-v1, mistral-v3, phi3), over the model's own (default: the model's, else the shipped "
-                          "one of its architecture)")
+    _gateway_flag(srv, "metrics_need_key", action=argparse.BooleanOptionalAction)
+    _gateway_flag(srv, "prefix_cache_scope", choices=["key", "global"])
+    _gateway_flag(srv, "served_model_name")
+    _gateway_flag(srv, "max_waiting", type=_non_negative, metavar="N")
+    _gateway_flag(srv, "max_queued_tokens", type=_positive, metavar="N")
+    _gateway_flag(srv, "allowed_origins", "the flag alone: none", nargs="*", metavar="ORIGIN")
+    _gateway_flag(srv, "special_tokens_in_content", choices=["allow", "escape"])
+    _gateway_flag(srv, "chat_template", metavar="FILE_OR_NAME")
+    # The server's default is not the field's: bound to loopback, it answers only loopback names.
     srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                      help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
                           "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any")
     srv.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                     help="a request's headers must arrive within this, or the connection is closed (default 10)")
+                     help=_with_default("a request's headers must arrive within this, or the connection is closed",
+                                        10.0))
     srv.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
-                     help="a client that reads nothing of a response this long is disconnected, its requests "
-                          "aborted (default 30)")
+                     help=_with_default("a client that reads nothing of a response this long is disconnected, its "
+                                        "requests aborted", 30.0))
     srv.add_argument("--max-connections", type=int, default=None, metavar="N",
                      help="open connections beyond this get 503 at once (default: 4096, fewer if the open-files "
                           "limit is low)")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests may take to finish after SIGTERM")
-    srv.add_argument("--engine-unresponsive-timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
-                     help="an engine process that sends not even a heartbeat this long is taken out of routing until "
-                          "it answers, and its requests with no token yet go to another replica (default 3)")
-    srv.add_argument("--data-parallel-size", type=_positive, default=1, metavar="N",
-                     help="engine replicas behind this gateway, each with its own KV cache and scheduler (and, on "
-                          "GPUs, its own tensor x pipeline devices)")
-    srv.add_argument("--routing", choices=["cache-aware", "least-loaded", "round-robin"], default="cache-aware",
-                     help="which replica serves a request: the one holding the longest cached prefix of its prompt, "
-                          "balanced against load (default), the one with the fewest tokens in flight, or in turn")
+    _gateway_flag(srv, "shutdown_timeout", type=float, metavar="SECONDS")
+    _gateway_flag(srv, "engine_unresponsive_timeout", type=_positive_seconds, metavar="SECONDS")
+    _gateway_flag(srv, "data_parallel_size", type=_positive, metavar="N")
+    _gateway_flag(srv, "routing", choices=["cache-aware", "least-loaded", "round-robin"])
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     export = sub.add_parser("export-tokenizer", help="write the model's tokenizer as Hugging Face files into DIR")
-    export.add_argument("dir")
-    export.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M)")
+    export.add_argument("dir", help="the directory to write into")
+    export.add_argument("--model", default=None, help=field_help(EngineConfig, "model"))
     export.set_defaults(func=cmd_export_tokenizer)
 
-    args = parser.parse_args(argv)
+    flags = sub.add_parser("flags", help="print the reference of every flag as Markdown (docs/flags.md)")
+    flags.set_defaults(func=cmd_flags)
+    return parser
+
+
+def _invocation(action: argparse.Action) -> str:
+    """How a flag is typed: each spelling with its value (choices, metavar, or the dest)."""
+    if not action.option_strings:
+        return action.metavar or action.dest.upper()
+    if action.nargs == 0:
+        return ", ".join(action.option_strings)
+    value = action.metavar or ("{" + ",".join(action.choices) + "}" if action.choices else action.dest.upper())
+    value += {"*": " [...]", "+": " [...]"}.get(action.nargs, "")
+    return ", ".join(f"{o} {value}" for o in action.option_strings)
+
+
+REGENERATE = "python -m gateway.cli flags > docs/flags.md"
+
+
+def flag_reference() -> str:
+    """Every subcommand's flags as Markdown: the text of docs/flags.md, generated from the parser."""
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {a.dest: a.help for a in commands._choices_actions}
+    out = ["# Command-line flags", "",
+           ("Generated from the parser in `gateway/cli.py`, whose help for each configuration flag is the docstring "
+            "of its field in `engine/core/config.py` (`EngineConfig`) or `gateway/config.py` (`GatewayConfig`). Do "
+            "not edit by hand; regenerate with:"),
+           "", "```sh", REGENERATE, "```", "",
+           ("`orcinus generate` and `orcinus serve` take the same engine flags; the offline `LLM(...)` takes them as "
+            "keywords named after the fields (`--max-num-seqs` is `max_num_seqs`, `--scheduling-level` is "
+            "`scheduling`).")]
+    deprecated = []
+    for name, sub in commands.choices.items():
+        if name == "flags":
+            continue
+        out += ["", f"## `orcinus {name}`", "", helps[name][0].upper() + helps[name][1:] + ".", ""]
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            if isinstance(action, DeprecatedAlias):
+                deprecated.append((name, action))
+                continue
+            if action.help == argparse.SUPPRESS:
+                continue
+            out.append(f"- `{_invocation(action)}`: {action.help.replace('%%', '%')}")
+    out += ["", "## Deprecated spellings", "",
+            "Still accepted; each use prints a line saying what replaced it.", ""]
+    out += sorted({f"- `{', '.join(a.option_strings)}`: use `{a.replacement}`" for _, a in deprecated})
+    return "\n".join(out) + "\n"
+
+
+def cmd_flags(args: argparse.Namespace) -> int:
+    print(flag_reference(), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

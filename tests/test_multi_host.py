@@ -1,5 +1,5 @@
 """Pipeline ranks on other "hosts": network namespaces joined by veth pairs, each with its own address, running the
-server and the stage ranks exactly as the README's several-host lines say (env rendezvous, gloo over the links).
+server and the stage ranks exactly as docs/scaling-out.md's several-host lines say (env rendezvous, gloo over the links).
 Two pipeline stages or two tensor-parallel ranks, one per host: greedy tokens equal one process's; a rank killed (its host gone) makes the server answer 503 until the ranks come
 back; a rank whose driver goes away exits with one line and status 0. Ranks also start under torchrun.
 

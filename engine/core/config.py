@@ -10,32 +10,52 @@ from typing import Literal
 class ModelShape:
     """Dimensions of a decoder, and the small ways its families differ."""
 
-    family: str = "llama"  # the engine/model/families module that builds it (its registry key)
-    vocab_size: int = 49152  # rows of the embedding and the LM head
-    hidden_size: int = 576  # width of the residual stream
-    intermediate_size: int = 1536  # width of the SwiGLU MLP
-    num_layers: int = 30  # decoder blocks
-    num_heads: int = 9  # query heads
-    num_kv_heads: int = 3  # key/value heads (grouped-query attention)
-    head_dim: int = 64  # per-head width
-    rope_theta: float = 100000.0  # RoPE base frequency
-    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
-    max_position: int = 8192  # context window the model was trained for
-    tie_word_embeddings: bool = True  # LM head shares the embedding matrix
-    qkv_bias: bool = False  # Qwen2: biases on the Q, K and V projections
-    # Llama 3.1 and later: each RoPE frequency's divisor (a GGUF's rope_freqs, or from config.json's rope_scaling)
+    family: str = "llama"
+    """The engine/model/families module that builds it (its registry key)."""
+    vocab_size: int = 49152
+    """Rows of the embedding and the LM head."""
+    hidden_size: int = 576
+    """Width of the residual stream."""
+    intermediate_size: int = 1536
+    """Width of the SwiGLU MLP."""
+    num_layers: int = 30
+    """Decoder blocks."""
+    num_heads: int = 9
+    """Query heads."""
+    num_kv_heads: int = 3
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = 64
+    """Per-head width."""
+    rope_theta: float = 100000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    max_position: int = 8192
+    """Context window the model was trained for."""
+    tie_word_embeddings: bool = True
+    """LM head shares the embedding matrix."""
+    qkv_bias: bool = False
+    """Qwen2: biases on the Q, K and V projections."""
     rope_freq_factors: tuple[float, ...] | None = None
-    sliding_window: int | None = None  # keys a windowed layer's query sees, its own included (Mistral, Gemma)
-    sliding_layers: tuple[bool, ...] | None = None  # which layers are windowed; None: all, when there is a window
-    attn_scale: float | None = None  # multiplies q.k; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
-    attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap) (Gemma 2)
-    final_logit_softcap: float | None = None  # the logits likewise (Gemma 2)
-    rope_local_theta: float | None = None  # the windowed layers' RoPE base (Gemma 3); None: rope_theta
-    # LongRoPE (Phi-3's long-context models): from position rope_long_from on the divisors are these, not
-    # rope_freq_factors (the short ones); every cos and sin is multiplied by rope_attention_factor
+    """Llama 3.1 and later: each RoPE frequency's divisor (a GGUF's rope_freqs, or config.json's rope_scaling)."""
+    sliding_window: int | None = None
+    """Keys a windowed layer's query sees, its own included (Mistral, Gemma)."""
+    sliding_layers: tuple[bool, ...] | None = None
+    """Which layers are windowed; None: all, when there is a window."""
+    attn_scale: float | None = None
+    """Multiplies q.k; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_logit_softcap: float | None = None
+    """Attention scores become cap * tanh(score / cap) (Gemma 2)."""
+    final_logit_softcap: float | None = None
+    """The logits likewise (Gemma 2)."""
+    rope_local_theta: float | None = None
+    """The windowed layers' RoPE base (Gemma 3); None: rope_theta."""
     rope_long_factors: tuple[float, ...] | None = None
+    """LongRoPE (Phi-3's long-context models): the divisors from rope_long_from on, not rope_freq_factors."""
     rope_long_from: int | None = None
+    """LongRoPE: the first position that takes rope_long_factors (the pretrained context)."""
     rope_attention_factor: float = 1.0
+    """LongRoPE: multiplies every cos and sin."""
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and (self.sliding_layers is None or self.sliding_layers[layer])
@@ -83,9 +103,12 @@ class InjectedFault(RuntimeError):
 class FaultPlan:
     """Failures a test injects into a running engine, to check that each fails only what it should."""
 
-    sampler_token: int | None = None  # sampling raises for any request whose prompt holds this token id
-    runner_iterations: tuple[int, ...] = ()  # the forward pass raises on these iterations (1 = the first)
-    publish_token: int | None = None  # the engine process raises publishing any request whose prompt holds this id
+    sampler_token: int | None = None
+    """Sampling raises for any request whose prompt holds this token id."""
+    runner_iterations: tuple[int, ...] = ()
+    """The forward pass raises on these iterations (1 = the first)."""
+    publish_token: int | None = None
+    """The engine process raises publishing any request whose prompt holds this id."""
 
     # One check per injection point, called there; with no plan (FaultPlan()) each is a no-op.
     def at_forward(self, iteration: int) -> None:
@@ -105,57 +128,78 @@ class FaultPlan:
 class EngineConfig:
     """Everything the engine needs to know before it loads a model."""
 
-    model: str | None = None  # GGUF file, HF checkpoint dir, or "dummy:NAME"; None = bundled default
-    device: str = "auto"  # torch device the model runs on; "auto" = cuda when torch sees a GPU, else cpu
-    dtype: str = "auto"  # compute dtype of weights and activations; "auto" = bfloat16 on a GPU, float32 on the CPU
-    block_size: int = 16  # tokens per KV cache block
-    # "gguf": the projections multiply by a GGUF file's quantized blocks as stored (CPU only; exactly the float32
-    # model's weights); "dense": by float weights in the compute dtype; auto = gguf on the CPU where the file has them
+    model: str | None = None
+    """GGUF file, HF checkpoint dir, or dummy:NAME; unset: the bundled SmolLM2-135M."""
+    device: str = "auto"
+    """Torch device the model runs on: cuda|cpu; auto: cuda when torch sees a GPU, else cpu."""
+    dtype: str = "auto"
+    """Compute dtype of weights and activations; auto: bfloat16 on a GPU, float32 on the CPU."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
     weights: Literal["auto", "dense", "gguf"] = "auto"
-    # what those block matmuls multiply Q4_0/Q4_1/Q8_0 blocks by: the activations rounded to int16 per 32 inputs
-    # (integer sums, AVX-512 VNNI or AVX2), or float32 exactly; auto = int16 where the CPU has either
+    """gguf: multiply by the GGUF file's quantized blocks as stored (CPU only, the float32 model's weights exactly);
+    dense: by float weights in the compute dtype; auto: gguf on the CPU where the file has them."""
     block_activations: Literal["auto", "int16", "float32"] = "auto"
-    # a request's tokens and logprobs do not depend on what else is in the batch: one GEMM path for every row count
-    # and attention one query at a time (CPU only)
+    """The GGUF block matmuls' inputs: int16, rounded per 32 values (AVX-512 VNNI or AVX2), or float32 exactly;
+    auto: int16 where the CPU has either."""
     batch_invariant: bool = False
-    kv_cache_memory: int | None = None  # bytes for the KV cache; None = 512 MiB on CPU, sized from free memory on GPU
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
-    enforce_eager: bool = False  # never replay CUDA graphs (they are only ever used on a GPU)
-    cuda_graph_max_tokens: int | None = None  # largest piecewise-graph token bucket; None = the token budget
-    # torch.compile (Inductor) of the token-wise segments inside the CUDA graphs; auto = where graphs run, eager ops
-    # (with a warning) if compiling fails; on = the same, but a failure, or no graphs to run in, is an error
+    """A request's tokens and logprobs do not depend on the rest of the batch (CPU only)."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache; unset: 512 MiB on the CPU, what is free on a GPU."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory the engine may hold (weights, KV cache, activations)."""
+    enforce_eager: bool = False
+    """Never replay CUDA graphs (they are only ever used on a GPU)."""
+    cuda_graph_max_tokens: int | None = None
+    """Largest token bucket of the piecewise CUDA graphs; unset: the token budget."""
     compile: Literal["auto", "on", "off"] = "auto"
-    max_num_seqs: int = 64  # most requests in one iteration
-    # per-iteration token budget (prefill chunks + decodes); None = 2048 on a GPU, 512 on the CPU
+    """torch.compile the token-wise ops inside the CUDA graphs; auto: where graphs run, eager ops (with a warning)
+    if compiling fails; on: a failure, or no graphs to run in, is an error."""
+    max_num_seqs: int = 64
+    """Most requests in one iteration."""
     max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None  # context cap; None = the model's own window
-    scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
-    # who runs first: arrival order (Orca), the requests' `priority` field (lower first, vLLM's), or the shortest
-    # predicted remaining output (engine/core/queue_policy.py); oracle: `priority` is the real length (benchmarks)
+    """Per-iteration token budget (prefill chunks + decodes); unset: 2048 on a GPU, 512 on the CPU."""
+    max_model_len: int | None = None
+    """Context window cap; unset: the model's own window."""
+    scheduling: Literal["iteration", "request"] = "iteration"
+    """Granularity of scheduling: Orca's iteration-level, or the request-level baseline."""
     scheduling_policy: Literal["fcfs", "priority", "predicted", "oracle"] = "fcfs"
-    # a file the `predicted` policy's length predictor starts from and saves to as it learns; None = start afresh
+    """Who runs first: arrival order, the requests' `priority` field (lower first), or the shortest remaining output
+    predicted from the model's hidden state (oracle: `priority` carries the real length, a benchmark's ceiling)."""
     length_predictor: str | None = None
-    # schedule step N+1 while the device runs step N, its sampled ids feeding N+1 on the device;
-    # auto = on for one GPU process, off on the CPU (where nothing would overlap) and with stages or ranks
+    """The file the `predicted` policy's length predictor starts from and saves to as it learns; unset: start afresh."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"
-    kv_policy: Literal["paged", "orca-reserve"] = "paged"  # grow blocks on demand, or reserve max_tokens up front
-    prefix_caching: bool = True  # requests reuse the cached K/V of full blocks their prompts share
-    attention_backend: str = "auto"  # which AttentionBackend runs attention: auto|torch|cpu|cuda
-    # speculative decoding without a second model: each step verifies draft tokens from prompt lookup (ngram) or suffix
-    # trees over the context and recent outputs (suffix) beside the one it samples; auto = ngram on the CPU (what
-    # benchmarks/speculative.json measured best there), off on a GPU (not measured there yet)
+    """Schedule the next step while the device runs this one; auto: on for one GPU process, off on the CPU (where
+    nothing would overlap) and with stages or ranks."""
+    kv_policy: Literal["paged", "orca-reserve"] = "paged"
+    """Grow KV blocks on demand, or reserve max_tokens up front."""
+    prefix_caching: bool = True
+    """Reuse the cached K/V of prompt prefixes shared with earlier requests."""
+    attention_backend: str = "auto"
+    """Which AttentionBackend runs attention: auto|torch|cpu|cuda."""
     speculative: Literal["auto", "off", "ngram", "suffix"] = "auto"
-    num_speculative_tokens: int = 11  # most draft tokens per request per step (each request drafts as it earns)
-    speculative_shared: bool = True  # drafts also from recent outputs of requests with the same cache salt (off: none)
-    # one more row's cost as a share of a step's fixed cost; draft tokens are scheduled only where they are likely
-    # enough to pay for their rows (engine/core/speculation.py); None: measured from the engine's own steps
+    """Speculative decoding: draft from prompt lookup (ngram) or suffix trees, verify in one step; auto: ngram on the
+    CPU, off on a GPU."""
+    num_speculative_tokens: int = 11
+    """Most draft tokens per request per step (each request drafts as it earns)."""
+    speculative_shared: bool = True
+    """Draft also from the recent outputs of requests with the same cache salt (API key), where a request's own
+    context has no match."""
     speculative_row_cost: float | None = None
-    pipeline_stages: int = 1  # processes the decoder layers are split over; up to this many batches in flight
-    tensor_parallel_size: int = 1  # processes each stage's layers are split over (heads, MLP width, vocabulary)
-    external_stages: bool = False  # stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT
-    seed: int = 0  # seeds dummy weights and unseeded sampling
-    num_threads: int | None = None  # torch CPU threads; None = torch's default
-    faults: FaultPlan | None = None  # tests only: failures to inject (FaultPlan.at_* where they happen)
+    """One more row's cost as a share of a step's fixed cost: drafts are scheduled only where likely to pay for their
+    rows; unset: measured from the engine's own steps, starting at 0.25; 0 drafts always."""
+    pipeline_stages: int = 1
+    """Split the decoder layers over this many stage processes, as many batches in flight."""
+    tensor_parallel_size: int = 1
+    """Split every layer over this many processes (per pipeline stage): heads, MLP width, vocabulary."""
+    external_stages: bool = False
+    """Stages are started elsewhere and rendezvous via MASTER_ADDR/MASTER_PORT."""
+    seed: int = 0
+    """Seeds dummy weights and unseeded sampling."""
+    num_threads: int | None = None
+    """Torch CPU threads (per stage process when pipelined); unset: torch's default."""
+    faults: FaultPlan | None = None
+    """Tests only: failures to inject (FaultPlan.at_* where they happen)."""
 
     def with_(self, **changes) -> EngineConfig:
         return replace(self, **changes)
