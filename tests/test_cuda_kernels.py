@@ -6,20 +6,18 @@ import random
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.attention import cupy_backend
 from engine.attention.backend import AttentionMetadata, write_kv
-from engine.attention.nvrtc import NVRTC_OPTIONS, kernel_source
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
+from engine.kernels.nvrtc import CUDA_SOURCES, NVRTC_OPTIONS, kernel_source
 from engine.model import cuda_token_ops
 
-CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
-KERNELS = sorted(CUDA_DIR.glob("*.cu"))
+KERNELS = sorted(CUDA_SOURCES.glob("*.cu"))
 HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also needs CuPy here
 
@@ -35,7 +33,7 @@ LAUNCHED = {cupy_backend.KERNEL_SOURCE: cupy_backend.kernel_names(),
 
 def test_there_are_kernels():
     # The compile check below builds the launchers' sources; another .cu would need its launcher's names there.
-    assert [p.name for p in KERNELS] == sorted(p.name for p in LAUNCHED), f".cu files in {CUDA_DIR}: {KERNELS}"
+    assert [p.name for p in KERNELS] == sorted(p.name for p in LAUNCHED), f".cu files in {CUDA_SOURCES}: {KERNELS}"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
