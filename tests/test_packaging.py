@@ -40,7 +40,7 @@ def test_a_plain_install_carries_the_kernel_sources_and_the_engine_finds_them(tm
         assert {so, f"engine/kernels/csrc/cpu/{op}.build.json"} <= names, sorted(names)
     check = (
         "import sys, pathlib\n"
-        "import engine.kernels.cpu_ops as c, engine.attention.cupy_backend as cuda\n"
+        "import engine.kernels.cpu_ops as c, engine.attention.cuda_backend as cuda\n"
         "import engine.model.cuda_token_ops as rope\n"
         "assert c.CPU_SOURCES.resolve() == pathlib.Path(sys.argv[1]).resolve(), c.CPU_SOURCES\n"
         "assert cuda.KERNEL_SOURCE.is_file() and rope.KERNEL_SOURCE.is_file() and rope.NORM_SOURCE.is_file()\n"
