@@ -47,4 +47,4 @@ bench: install
 	$(PY) loadtest/bench_offline.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info cuda/*.so cuda/*.build.json
+	rm -rf $(VENV) build *.egg-info engine/kernels/csrc/cpu/*.so engine/kernels/csrc/cpu/*.build.json

@@ -1,8 +1,8 @@
 """Builds the C++ CPU ops into the package when torch is importable where the package is built (`make install`,
 `pip install --no-build-isolation .`, `pip wheel --no-build-isolation .`), so that serving never compiles them.
 
-Each op is a torch CppExtension beside its source in engine/kernels (an editable install puts it in the checkout),
-with the flags and the stamp of engine/attention/cpp_extension.py, which loads it. In pip's isolated build
+Each op is a torch CppExtension beside its source in engine/kernels/csrc/cpu (an editable install puts it in the
+checkout), with the flags and the stamp of engine/kernels/cpu_ops.py, which loads it. In pip's isolated build
 environment torch is absent: no op is built, and each is built at run time on first use. Everything else about the
 package is in pyproject.toml.
 """
@@ -18,13 +18,13 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-KERNELS = ROOT / "engine" / "kernels"
+CPU_OPS = ROOT / "engine" / "kernels" / "cpu_ops.py"
 
 
 def load_ops():
-    """engine/attention/cpp_extension.py read alone: importing `engine` would need its dependencies, which pip installs
+    """engine/kernels/cpu_ops.py read alone: importing `engine` would need its dependencies, which pip installs
     only after it has built this package."""
-    spec = importlib.util.spec_from_file_location("orcinus_cpp_ops", KERNELS.parent / "attention" / "cpp_extension.py")
+    spec = importlib.util.spec_from_file_location("orcinus_cpu_ops", CPU_OPS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -56,11 +56,11 @@ def op_builder(ops):
         def build_extension(self, ext):
             name = ext.name.rsplit(".", 1)[-1]
             target = Path(self.get_ext_fullpath(ext.name))
-            stamp = ops.build_stamp(ops.SOURCES / ops.CPU_EXTENSIONS[name][0], ops.cflags(name))
+            stamp = ops.build_stamp(ops.CPU_SOURCES / ops.CPU_EXTENSIONS[name][0], ops.cflags(name))
             # This build folder's, or the one an editable install left beside the source (a wheel built after it).
-            fresh = [so for so in (target, ops.prebuilt_path(name, KERNELS))
+            fresh = [so for so in (target, ops.prebuilt_path(name))
                      if so.is_file() and ops.read_stamp(so) == stamp]
-            if ops.prebuilt_path(name, KERNELS) in fresh:
+            if ops.prebuilt_path(name) in fresh:
                 self.in_place.add(ext.name)
             if fresh and fresh[0] != target:
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -90,13 +90,13 @@ def op_builder(ops):
 
 def ext_modules():
     """The ops and their builder where torch is importable and the sources are in place; else none."""
-    if importlib.util.find_spec("torch") is None or not KERNELS.is_dir():
+    if importlib.util.find_spec("torch") is None or not CPU_OPS.is_file():
         return {}
     warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch without numpy, which pip installs later
     from torch.utils.cpp_extension import CppExtension
 
     ops = load_ops()
-    modules = [CppExtension(f"engine.kernels.{name}", [f"engine/kernels/{source}"],
+    modules = [CppExtension(f"engine.kernels.csrc.cpu.{name}", [f"engine/kernels/csrc/cpu/{source}"],
                             extra_compile_args=ops.cflags(name), extra_link_args=ops.LDFLAGS)
                for name, (source, _) in ops.CPU_EXTENSIONS.items()]
     return {"ext_modules": modules, "cmdclass": {"build_ext": op_builder(ops)}}

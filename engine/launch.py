@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.cpp_extension import ops_origin
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
+from engine.kernels.cpu_ops import ops_origin
 from engine.model.length_predictor import RidgeLengthPredictor
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.sharding import check_splittable

@@ -1,4 +1,4 @@
-"""Check and time the CUDA attention backend (engine/attention/cupy_backend.py) on a GPU.
+"""Check and time the CUDA attention backend (engine/attention/cuda_backend.py) on a GPU.
 
     python loadtest/bench_attention.py --out benchmarks/attention.json
 
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
-    from engine.attention.cupy_backend import CudaAttention  # needs CuPy and a GPU; import after --help
+    from engine.attention.cuda_backend import CudaAttention  # needs CuPy and a GPU; import after --help
 
     backend, dtype, gen = CudaAttention(), DTYPES[args.dtype], torch.Generator().manual_seed(0)
     d, hkv, bs = args.head_dim, args.kv_heads, args.block_size

@@ -7,9 +7,9 @@ per-pair ratios.
 
     .venv/bin/python loadtest/bench_block_matmul.py --threads 2 --rows 1 2 4 8 32 128 --passes 30 --out benchmarks/int16_matmul.json
 
-`--against FILE` times the int16 op built from another int16_matmul_cpu.cpp (`git show REV:cuda/...`) in place of the
-float32 path, and checks that both give the same bits. With `--march haswell` both sides are built for AVX2 (the
-build AMD's and older Intel CPUs run), so an AVX-512 machine can time that path too.
+`--against FILE` times the int16 op built from another int16_matmul.cpp (`git show REV:engine/kernels/csrc/cpu/...`) in
+place of the float32 path, and checks that both give the same bits. With `--march haswell` both sides are built for AVX2
+(the build AMD's and older Intel CPUs run), so an AVX-512 machine can time that path too.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--passes", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--against", default=None, help="an older cuda/int16_matmul_cpu.cpp to time instead of float32")
+    ap.add_argument("--against", default=None,
+                    help="an older engine/kernels/csrc/cpu/int16_matmul.cpp to time instead of float32")
     ap.add_argument("--march", default="native", help="with --against: build both sides for this -march")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
 
-    from engine.attention.cpp_extension import load_cpu_extension_copy
+    from engine.kernels.cpu_ops import CPU_SOURCES, load_cpu_extension_copy
     from engine.model.loader import load_checkpoint
     from engine.model.quantized import BlockLinear, Int16BlockLinear
 
@@ -59,7 +60,7 @@ def main() -> None:
     other = None if args.against is None else load_cpu_extension_copy("orcinus_cpu_int16_matmul", args.against,
                                                                       args.march)
     tree = None if args.march == "native" else load_cpu_extension_copy(
-        "orcinus_cpu_int16_matmul", str(ROOT / "cuda" / "int16_matmul_cpu.cpp"), args.march, tag="tree")
+        "orcinus_cpu_int16_matmul", str(CPU_SOURCES / "int16_matmul.cpp"), args.march, tag="tree")
     kinds = {base: [BlockLinear([blocks[k] for k in g]) if other is None else OtherInt16([blocks[k] for k in g], other)
                     for g in groups],
              "int16": [Int16BlockLinear([blocks[k] for k in g]) if tree is None else

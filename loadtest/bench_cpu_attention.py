@@ -1,8 +1,8 @@
-"""The CPU attention op alone (cuda/paged_decode_attention_cpu.cpp): n query rows spread over some requests (a
-decode, or decodes verifying draft tokens) at several context lengths, SmolLM2's 9 query / 3 KV heads of 64,
-float32, microseconds a call (one layer), median of many calls; `--layers 30` cycles through 30 layers' caches, so
-their keys come from memory, as in a model's step, not from the last-level cache. `--against FILE` builds another
-copy of the op's source (`git show REV:cuda/paged_decode_attention_cpu.cpp > FILE`) and times it call for call
+"""The CPU attention op alone (engine/kernels/csrc/cpu/paged_decode_attention.cpp): n query rows spread over some
+requests (a decode, or decodes verifying draft tokens) at several context lengths, SmolLM2's 9 query / 3 KV heads of 64,
+float32, microseconds a call (one layer), median of many calls; `--layers 30` cycles through 30 layers' caches, so their
+keys come from memory, as in a model's step, not from the last-level cache. `--against FILE` builds another copy of the
+op's source (`git show REV:engine/kernels/csrc/cpu/paged_decode_attention.cpp > FILE`) and times it call for call
 against this tree's, comparing their outputs' bits.
 
     .venv/bin/python loadtest/bench_cpu_attention.py --threads 2 --out benchmarks/cpu_attention.json
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", default=None, help="another paged_decode_attention_cpu.cpp to time beside this one")
+    ap.add_argument("--against", default=None, help="another paged_decode_attention.cpp to time beside this one")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", type=int, nargs="+", default=[100, 300, 1000])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 9, 17, 32])
@@ -33,8 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from engine.attention.cpp_extension import load_cpu_extension_copy
     from engine.attention.cpu_backend import _kernels
+    from engine.kernels.cpu_ops import load_cpu_extension_copy
 
     ops = {"tree": _kernels().paged_decode_attention}
     if args.against:

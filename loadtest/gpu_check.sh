@@ -115,14 +115,14 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output t
 pack
 
 resource_usage() {  # registers and spills of every decode kernel entry point, built as NVRTC builds it
-    # (engine/attention/nvrtc.py's NVRTC_OPTIONS, plus the -ftz=true CuPy adds), for this GPU's architecture.
+    # (engine/kernels/nvrtc.py's NVRTC_OPTIONS, plus the -ftz=true CuPy adds), for this GPU's architecture.
     local cap arch options
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
     arch=sm_${cap:-90}
-    options=$($PY -c 'from engine.attention.nvrtc import NVRTC_OPTIONS; print(*NVRTC_OPTIONS)' \
+    options=$($PY -c 'from engine.kernels.nvrtc import NVRTC_OPTIONS; print(*NVRTC_OPTIONS)' \
         2>/dev/null || echo -std=c++17)
     step resource_usage "$1" nvcc -arch="$arch" $options -ftz=true --resource-usage -cubin \
-        -o "$RUN/paged_decode_attention.$arch.cubin" cuda/paged_decode_attention.cu
+        -o "$RUN/paged_decode_attention.$arch.cubin" engine/kernels/csrc/cuda/paged_decode_attention.cu
 }
 
 # Every test file with GPU tests (marked `gpu`, or `needs_gpu` from test_cuda_kernels), kernels first.

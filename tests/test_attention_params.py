@@ -92,7 +92,7 @@ def test_first_key_of_a_window():
 @pytest.mark.parametrize("name", sorted(PARAMS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_the_cuda_kernel_and_flash_prefill_match_brute_force(name, dtype):
-    from engine.attention.cupy_backend import CudaAttention
+    from engine.attention.cuda_backend import CudaAttention
 
     params = PARAMS[name]
     batch = BATCH + [(1, 2049), (1, 5000), (64, 700)]

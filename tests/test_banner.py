@@ -55,9 +55,9 @@ def test_data_parallel_replicas_are_said():
 
 def test_where_the_cpp_ops_came_from_is_said_when_any_loaded():
     summary = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 1, 1, "C++ paged decode",
-                            "prebuilt in /srv/orcinus/engine/kernels")
+                            "prebuilt in /srv/orcinus/engine/kernels/csrc/cpu")
     text = startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), summary), "x", None, api_key=False)
     assert text.splitlines()[-2:] == ["  kernels         C++ paged decode",
-                                      "  C++ ops         prebuilt in /srv/orcinus/engine/kernels"]
+                                      "  C++ ops         prebuilt in /srv/orcinus/engine/kernels/csrc/cpu"]
     none = EngineSummary("cuda", "bfloat16", 10**6, 8, 512, True, 1, 1, "CuPy paged decode")
     assert "C++ ops" not in startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), none), "x", None, False)

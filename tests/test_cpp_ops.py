@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.attention.cpp_extension as ops
+import engine.kernels.cpu_ops as ops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create
 
 BUILD = """import sys
 from pathlib import Path
-from engine.attention.cpp_extension import jit_load
+from engine.kernels.cpu_ops import jit_load
 module, _ = jit_load(sys.argv[1], [Path(sys.argv[2])], ["-O0"])
 print("loaded", module.__name__)
 """
@@ -142,7 +142,7 @@ def test_the_install_built_every_op_and_the_engine_loads_them_without_compiling(
     """What the startup block's `C++ ops` line says after `make install` (CI's case: its tests then never compile)."""
     for name in ops.CPU_EXTENSIONS:
         ops.load_cpu_extension(name)
-    assert ops.ops_origin() == f"prebuilt in {ops.SOURCES}"
+    assert ops.ops_origin() == f"prebuilt in {ops.CPU_SOURCES}"
 
 
 def test_the_origin_names_each_op_where_they_differ(monkeypatch):

@@ -1,5 +1,6 @@
-"""The CPU attention op (cuda/paged_decode_attention_cpu.cpp): it builds here, matches the PyTorch reference on
-ragged decode and mixed batches in every dtype and head shape, and `auto` picks it on the CPU (or falls back)."""
+"""The CPU attention op (engine/kernels/csrc/cpu/paged_decode_attention.cpp): it builds here, matches the PyTorch
+reference on ragged decode and mixed batches in every dtype and head shape, and `auto` picks it on the CPU (or falls
+back)."""
 
 import pytest
 import torch

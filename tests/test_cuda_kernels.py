@@ -6,20 +6,18 @@ import random
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from engine.attention import cupy_backend
+from engine.attention import cuda_backend
 from engine.attention.backend import AttentionMetadata, write_kv
-from engine.attention.nvrtc import NVRTC_OPTIONS, kernel_source
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
+from engine.kernels.nvrtc import CUDA_SOURCES, NVRTC_OPTIONS, kernel_source
 from engine.model import cuda_token_ops
 
-CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
-KERNELS = sorted(CUDA_DIR.glob("*.cu"))
+KERNELS = sorted(CUDA_SOURCES.glob("*.cu"))
 HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also needs CuPy here
 
@@ -28,14 +26,14 @@ needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also n
 
 
 # Each .cu file and every function its launcher may call.
-LAUNCHED = {cupy_backend.KERNEL_SOURCE: cupy_backend.kernel_names(),
+LAUNCHED = {cuda_backend.KERNEL_SOURCE: cuda_backend.kernel_names(),
             cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names(),
             cuda_token_ops.NORM_SOURCE: cuda_token_ops.norm_kernel_names()}
 
 
 def test_there_are_kernels():
     # The compile check below builds the launchers' sources; another .cu would need its launcher's names there.
-    assert [p.name for p in KERNELS] == sorted(p.name for p in LAUNCHED), f".cu files in {CUDA_DIR}: {KERNELS}"
+    assert [p.name for p in KERNELS] == sorted(p.name for p in LAUNCHED), f".cu files in {CUDA_SOURCES}: {KERNELS}"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -48,7 +46,7 @@ def test_every_launched_kernel_builds_without_spills(tmp_path):
     builds = {}
     variant = ("-DORCINUS_DECODE_UNROLL=2", "-DORCINUS_DECODE_MIN_BLOCKS=3")
     for source, arch, defines in [(s, a, ()) for s in LAUNCHED for a in ("sm_90", "sm_80")] + [
-            (cupy_backend.KERNEL_SOURCE, "sm_90", variant)]:
+            (cuda_backend.KERNEL_SOURCE, "sm_90", variant)]:
         out = tmp_path / f"{source.stem}.{arch}{len(defines)}.cubin"
         pasted = tmp_path / source.name  # the text NVRTC gets: the file with its own headers pasted in
         pasted.write_text(kernel_source(source))
@@ -197,7 +195,7 @@ SPLIT_CONTEXTS = [1, 2, 15, 16, 17, 33, 100, 257, 1000, 2048, 2049, 4100, 5000]
 
 
 def force_splits(monkeypatch, splits):
-    monkeypatch.setattr(cupy_backend, "plan_splits", lambda *args, **kwargs: splits)
+    monkeypatch.setattr(cuda_backend, "plan_splits", lambda *args, **kwargs: splits)
 
 
 @needs_gpu

@@ -1,4 +1,4 @@
-"""The CUDA decode kernel's host-side plan (engine/attention/cupy_backend.py): how many KV splits fill whole
+"""The CUDA decode kernel's host-side plan (engine/attention/cuda_backend.py): how many KV splits fill whole
 waves of the GPU, which instantiation a head dim gets, and that the backend's constants match the kernel's.
 Pure host arithmetic: runs without a GPU."""
 
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from engine.attention.cupy_backend import (KERNEL_SOURCE, LANES_PER_KEY, MAX_HEADS_PER_BLOCK, MAX_SPLITS,
+from engine.attention.cuda_backend import (KERNEL_SOURCE, LANES_PER_KEY, MAX_HEADS_PER_BLOCK, MAX_SPLITS,
                                            MIN_PARTITION, SPLIT_TILE, WARPS, decode_kernel_name, kernel_names,
                                            plan_splits, split_partition)
 

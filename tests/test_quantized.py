@@ -1,6 +1,7 @@
-"""The GGUF block weights (engine/model/quantized.py, cuda/block_matmul_cpu.cpp): every block type decodes to gguf's own
-dequantization bit for bit, the matmul is the float32 product of those weights, a row's bits do not depend on the batch
-or the threads, the bundled model's blocks are its float32 weights, and the CPU default runs on them."""
+"""The GGUF block weights (engine/model/quantized.py, engine/kernels/csrc/cpu/block_matmul.cpp): every block type
+decodes to gguf's own dequantization bit for bit, the matmul is the float32 product of those weights, a row's bits do
+not depend on the batch or the threads, the bundled model's blocks are its float32 weights, and the CPU default runs on
+them."""
 
 import numpy as np
 import pytest

@@ -1,7 +1,7 @@
-"""The fused CPU token ops (cuda/token_ops_cpu.cpp): RMSNorm, residual add + RMSNorm, SiLU-and-multiply and RoPE with
-the K/V cache write give PyTorch's results (float32 to rounding, bfloat16 to the bit but for rare last-place differences); they replace
-the modules in bfloat16 CPU models only, sharing their weights; a machine that cannot build them keeps
-PyTorch's ops with a warning."""
+"""The fused CPU token ops (engine/kernels/csrc/cpu/token_ops.cpp): RMSNorm, residual add + RMSNorm, SiLU-and-multiply
+and RoPE with the K/V cache write give PyTorch's results (float32 to rounding, bfloat16 to the bit but for rare
+last-place differences); they replace the modules in bfloat16 CPU models only, sharing their weights; a machine that
+cannot build them keeps PyTorch's ops with a warning."""
 
 import pytest
 import torch

@@ -59,14 +59,14 @@ def test_the_plan_reads_each_context_token_from_its_own_slot():
 
 
 def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fails(monkeypatch):
-    from engine.attention import cupy_backend
+    from engine.attention import cuda_backend
 
-    backend = object.__new__(cupy_backend.CudaAttention)  # its dispatch alone: __init__ wants a GPU
+    backend = object.__new__(cuda_backend.CudaAttention)  # its dispatch alone: __init__ wants a GPU
     backend.prefill_kernel, backend._plan_meta, backend._plans = "flash", None, {}
     builds = []
     build = PrefillPlan.build
-    monkeypatch.setattr(cupy_backend.PrefillPlan, "build", lambda *a: builds.append(a) or build(*a))
-    monkeypatch.setattr(cupy_backend, "flash_varlen", reference_varlen)
+    monkeypatch.setattr(cuda_backend.PrefillPlan, "build", lambda *a: builds.append(a) or build(*a))
+    monkeypatch.setattr(cuda_backend, "flash_varlen", reference_varlen)
     q, cache, meta = ragged_batch(CASES["chunks"], 6, 2, head_dim=32, dtype=torch.bfloat16, device="cpu")
     want = per_request(q, cache, meta)
     rows = build(meta, cache.shape[3]).rows
@@ -79,7 +79,7 @@ def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fa
     def unusable(*args):
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
 
-    monkeypatch.setattr(cupy_backend, "flash_varlen", unusable)
+    monkeypatch.setattr(cuda_backend, "flash_varlen", unusable)
     got = torch.full_like(q, float("nan"))
     with pytest.warns(UserWarning, match="prefills go one SDPA each: FlashAttention only supports"):
         backend._attend_prefills(q, cache, meta, got, AttentionParams.plain(32))
@@ -90,7 +90,7 @@ def test_the_cuda_backend_plans_once_per_step_and_falls_back_to_sdpa_if_flash_fa
 @pytest.mark.parametrize("kind", ["prefill", "mixed", "long-prefill", "chunks"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_attention_takes_every_chunk_at_once_on_a_gpu(kind, dtype):
-    from engine.attention.cupy_backend import CudaAttention
+    from engine.attention.cuda_backend import CudaAttention
 
     q, cache, meta = ragged_batch(CASES[kind], 32, 8, head_dim=128, dtype=dtype)
     want = reference(q, cache, meta)
@@ -103,7 +103,7 @@ def test_flash_attention_takes_every_chunk_at_once_on_a_gpu(kind, dtype):
 
 @needs_gpu
 def test_float32_prefills_go_one_sdpa_each_and_match():
-    from engine.attention.cupy_backend import CudaAttention
+    from engine.attention.cuda_backend import CudaAttention
 
     q, cache, meta = ragged_batch(MIXED, 8, 2, head_dim=64, dtype=torch.float32)
     want = reference(q, cache, meta)

@@ -1,5 +1,5 @@
-"""Ragged paged attention: the backend interface, the PyTorch reference, the CuPy kernel backend (with
-variable-length flash attention for prefills) and the CPU C++ op.
+"""Ragged paged attention: the backend interface, the PyTorch reference, the CUDA backend (with variable-length
+flash attention for prefills) and the CPU backend, each over its kernel in engine/kernels/.
 
-Depends on nothing else in the engine; the model calls a backend once per layer.
+Depends on nothing else in the engine but those kernels; the model calls a backend once per layer.
 """

@@ -1,17 +1,18 @@
-"""The CPU attention backend: cuda/paged_decode_attention_cpu.cpp for decoding requests and prompts of up to 1024
-keys, SDPA for longer prompts.
+"""The CPU attention backend: engine/kernels/csrc/cpu/paged_decode_attention.cpp for decoding requests and prompts
+of up to 1024 keys, SDPA for longer prompts.
 
 The PyTorch reference gathers every decoding request's whole context into a new tensor in every layer and
 pads the batch to its longest context; this C++ op reads keys and values in place from the paged cache.
-torch's extension builder compiles it on first use (engine/attention/cpp_extension.py); `auto` falls back to
+torch's extension builder compiles it on first use (engine/kernels/cpu_ops.py); `auto` falls back to
 the reference where it cannot (no C++ compiler, no ninja).
 """
 
 from __future__ import annotations
 
 from engine.attention.backend import AttentionParams
-from engine.attention.cpp_extension import builds, load_cpu_extension
 from engine.attention.torch_backend import TorchAttention
+from engine.kernels.availability import builds
+from engine.kernels.cpu_ops import load_cpu_extension
 
 
 def _kernels():

@@ -7,7 +7,7 @@ from engine.attention.torch_backend import TorchAttention
 
 
 def _cuda_backend():
-    from engine.attention.cupy_backend import CudaAttention  # lazy: CuPy is optional
+    from engine.attention.cuda_backend import CudaAttention  # lazy: CuPy is optional
 
     return CudaAttention()
 
@@ -20,7 +20,7 @@ def _cpu_backend():
 
 def _auto_backend(device_type: str) -> AttentionBackend:
     if device_type == "cuda":
-        from engine.attention.cupy_backend import cuda_backend_available
+        from engine.attention.cuda_backend import cuda_backend_available
 
         return _cuda_backend() if cuda_backend_available() else TorchAttention()
     from engine.attention.cpu_backend import cpu_kernel_available

@@ -1,5 +1,6 @@
-"""The decoder's token-wise ops as CUDA kernels on a GPU: RoPE with the K/V cache write (cuda/rope_write_kv.cu) and
-RMSNorm with its residual add (cuda/rms_norm.cu), in place of the PyTorch formulas.
+"""The decoder's token-wise ops as CUDA kernels on a GPU: RoPE with the K/V cache write
+(engine/kernels/csrc/cuda/rope_write_kv.cu) and RMSNorm with its residual add (rms_norm.cu beside it), in place of the
+PyTorch formulas.
 
 Traced by torch.compile, RoPE and the cache write were ~10 kernels a layer on an H200 (~14 us at batch 1, ~22 us at
 batch 64: a tenth of a llama-1b decode step, benchmarks/gpu/2026-11-27-h200/); this is one launch. It gives the
@@ -17,23 +18,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.attention.cpp_extension import SOURCES, builds
-from engine.attention.nvrtc import DTYPE_SUFFIX, NvrtcKernels, ptr
+from engine.kernels.availability import builds
+from engine.kernels.nvrtc import CUDA_SOURCES, DTYPE_SUFFIX, NvrtcKernels, ptr
 from engine.model.token_ops import RMSNorm, Rotary
 
-KERNEL_SOURCE = SOURCES / "rope_write_kv.cu"
+KERNEL_SOURCE = CUDA_SOURCES / "rope_write_kv.cu"
 THREADS = 128  # kThreads in the kernel: each thread rotates (or copies) one pair of a head's elements
-NORM_SOURCE = SOURCES / "rms_norm.cu"
-NORM_THREADS = 256  # kThreads in cuda/rms_norm.cu: a block a row
+NORM_SOURCE = CUDA_SOURCES / "rms_norm.cu"
+NORM_THREADS = 256  # kThreads in rms_norm.cu: a block a row
 
 
 def kernel_names() -> list[str]:
-    """Every function of cuda/rope_write_kv.cu this module may launch."""
+    """Every function of rope_write_kv.cu this module may launch."""
     return [f"rope_write_kv_{s}" for s in DTYPE_SUFFIX.values()]
 
 
 def norm_kernel_names() -> list[str]:
-    """Every function of cuda/rms_norm.cu this module may launch."""
+    """Every function of rms_norm.cu this module may launch."""
     return [f"rms_norm_{s}" for s in DTYPE_SUFFIX.values()]
 
 

@@ -1,16 +1,16 @@
 """The GGUF file's quantized weights, kept as the file holds them, for the CPU.
 
-A BlockLinear multiplies by a projection's blocks as llama.cpp stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ..
-Q6_K): cuda/block_matmul_cpu.cpp decodes each block to exactly the float32 weights gguf's dequantization gives and
-sums in float32, in an order that does not depend on the batch. So these layers compute the float32 model's products
+A BlockLinear multiplies by a projection's blocks as llama.cpp stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K):
+engine/kernels/csrc/cpu/block_matmul.cpp decodes each block to exactly the float32 weights gguf's dequantization gives
+and sums in float32, in an order that does not depend on the batch. So these layers compute the float32 model's products
 (its weights bit for bit) at every row count, reading a quarter (Q4) to a half (Q8) of bfloat16's bytes.
 --batch-invariant runs the other linear layers through the same op, their float weights as F32 or BF16 "blocks".
 
-An Int16BlockLinear, the default where the CPU has AVX-512 VNNI or AVX2 (the same bits from either), multiplies through cuda/int16_matmul_cpu.cpp:
-Q4_0, Q4_1 and Q8_0 blocks (the same codes and scales, reordered once) times the activations rounded to 16-bit
-integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is 1.5-1.9x the float32 path at
-every row count measured, 1 to 128 (benchmarks/int16_matmul.json), and as batch-independent: a row's rounding and
-each output's order of sums are its own.
+An Int16BlockLinear, the default where the CPU has AVX-512 VNNI or AVX2 (the same bits from either), multiplies through
+engine/kernels/csrc/cpu/int16_matmul.cpp: Q4_0, Q4_1 and Q8_0 blocks (the same codes and scales, reordered once) times
+the activations rounded to 16-bit integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is
+1.5-1.9x the float32 path at every row count measured, 1 to 128 (benchmarks/int16_matmul.json), and as
+batch-independent: a row's rounding and each output's order of sums are its own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.cpp_extension import builds, load_cpu_extension
+from engine.kernels.availability import builds
+from engine.kernels.cpu_ops import load_cpu_extension
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the quantized formats the C++ op decodes: weights, bytes per block.
 QUANTIZED_TYPES: dict[int, tuple[int, int]] = {

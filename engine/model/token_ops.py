@@ -1,14 +1,13 @@
 """The decoder's token-wise ops as modules, RMSNorm, SiLU-and-multiply and RoPE (with the K/V cache write), and their
 fused C++ versions for the CPU.
 
-On the CPU each of PyTorch's small ops costs microseconds whatever its size (F.rms_norm alone runs as ~7 of
-them), so at decode batch sizes the norms and the activation cost a tenth of a step; cuda/token_ops_cpu.cpp
-does each in one pass over the rows. They replace the modules in bfloat16 only (`fuse_token_ops`): there
-they give PyTorch's bits but for rare last-place differences (float32 sums in another order, another exp);
-float32, the reference the tests compare with transformers, keeps PyTorch's ops. Measured on the 2-core
-machine (benchmarks/offline_cpu_token_ops.json): decode 1.15x / 1.08x / 1.05x at batch 1 / 8 / 32.
-RoPE and the cache write were a dozen small ops a layer (gather the table, multiply, swap halves, add, stack,
-scatter): a third of a batch-1 decode step's host time before they fused.
+On the CPU each of PyTorch's small ops costs microseconds whatever its size (F.rms_norm alone runs as ~7 of them), so at
+decode batch sizes the norms and the activation cost a tenth of a step; engine/kernels/csrc/cpu/token_ops.cpp does each
+in one pass over the rows. They replace the modules in bfloat16 only (`fuse_token_ops`): there they give PyTorch's bits
+but for rare last-place differences (float32 sums in another order, another exp); float32, the reference the tests
+compare with transformers, keeps PyTorch's ops. Measured on the 2-core machine (benchmarks/offline_cpu_token_ops.json):
+decode 1.15x / 1.08x / 1.05x at batch 1 / 8 / 32. RoPE and the cache write were a dozen small ops a layer (gather the
+table, multiply, swap halves, add, stack, scatter): a third of a batch-1 decode step's host time before they fused.
 Under torch.compile they take PyTorch's formula, which Inductor fuses itself (their C++ call would break the graph).
 """
 
@@ -19,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import write_kv
-from engine.attention.cpp_extension import builds, load_cpu_extension
+from engine.kernels.availability import builds
+from engine.kernels.cpu_ops import load_cpu_extension
 
 
 class RMSNorm(nn.Module):

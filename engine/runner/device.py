@@ -61,7 +61,8 @@ def int16_activations(config: EngineConfig) -> bool:
         return False
     usable = can_use_int16(torch.device(config.device))
     if config.block_activations == "int16" and not usable:
-        raise DeviceError("--block-activations int16 needs a CPU with AVX-512 VNNI or AVX2 (cuda/int16_matmul_cpu.cpp)")
+        raise DeviceError("--block-activations int16 needs a CPU with AVX-512 VNNI or AVX2 "
+                          "(engine/kernels/csrc/cpu/int16_matmul.cpp)")
     return usable
 
 

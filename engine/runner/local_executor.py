@@ -49,7 +49,8 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         table.to(dtype)  # computed in float32, read in the compute dtype
     if config.batch_invariant:
         if not can_use_blocks(device):
-            raise DeviceError("--batch-invariant needs the CPU block matmul (cuda/block_matmul_cpu.cpp) to build")
+            raise DeviceError("--batch-invariant needs the CPU block matmul (engine/kernels/csrc/cpu/block_matmul.cpp) "
+                              "to build")
         use_block_weights(model, {}, dense_too=True)  # every other linear layer through the same row-wise sums
     elif can_pack(device, dtype):
         pack_linears(model)
@@ -58,8 +59,8 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     if can_fuse(device, torch.bfloat16 if blocks or config.batch_invariant else dtype) and dtype != torch.float16:
         fuse_token_ops(model)
     elif config.batch_invariant:
-        raise DeviceError("--batch-invariant needs the fused CPU token ops (cuda/token_ops_cpu.cpp) in float32 or "
-                          "bfloat16")
+        raise DeviceError("--batch-invariant needs the fused CPU token ops (engine/kernels/csrc/cpu/token_ops.cpp) in "
+                          "float32 or bfloat16")
     if device.type == "cuda" and cuda_rope_available():
         use_cuda_rotary(model)  # one kernel for RoPE and the cache write, eagerly and inside compiled segments
     if device.type == "cuda" and cuda_norm_available():

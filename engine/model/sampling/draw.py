@@ -8,8 +8,8 @@ cached than without (a cached prefix is attended as decode queries, not by SDPA)
 candidates' ratios.
 
 A row's uniforms come from its 64-bit key and the token's index alone (SplitMix64 of key + (i + 1) * gamma), so the
-CPU's op (cuda/sampling_cpu.cpp, which settles most tokens without a log) and the torch ops here draw the same
-tokens, and a row's draw never depends on the rest of the batch.
+CPU's op (engine/kernels/csrc/cpu/sampling.cpp, which settles most tokens without a log) and the torch ops here draw
+the same tokens, and a row's draw never depends on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import functools
 
 import torch
 
-from engine.attention.cpp_extension import builds, load_cpu_extension
+from engine.kernels.availability import builds
+from engine.kernels.cpu_ops import load_cpu_extension
 
 KEY_BITS = 62  # a key per row drawn from a torch generator: [0, 2^62)
 REFERENCE_ELEMENTS = 1 << 22  # the torch race's rows at a time times the vocabulary: 32 MB per int64 temporary

@@ -1,4 +1,4 @@
-// Element types <-> float for the kernels in this folder (each .cu includes it; engine/attention/nvrtc.py pastes it
+// Element types <-> float for the kernels in this folder (each .cu includes it; engine/kernels/nvrtc.py pastes it
 // in for NVRTC).
 #ifndef ORCINUS_CONVERT_CUH
 #define ORCINUS_CONVERT_CUH

@@ -1,4 +1,5 @@
-"""The CUDA sources in cuda/, compiled by NVRTC through CuPy once per process and launched on PyTorch's current stream.
+"""The CUDA kernels (csrc/cuda/*.cu), compiled by NVRTC through CuPy once per process and launched on PyTorch's
+current stream.
 
 Kernels run on the tensors' own memory (raw `data_ptr()`s) and on the stream PyTorch is using, so they order
 with the surrounding torch ops (and land in a CUDA graph being captured) with no copy and no synchronisation.
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+CUDA_SOURCES = Path(__file__).parent / "csrc" / "cuda"
 NVRTC_OPTIONS = ("-std=c++17",)  # CuPy adds -ftz=true and the device's -arch (tests/test_cuda_kernels.py mirrors them)
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # entry points' names end so
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)

@@ -1,4 +1,4 @@
-"""Loads the C++ ops under cuda/*.cpp (engine/kernels/ once installed): the ones an install built, else built here.
+"""Loads the C++ CPU ops (csrc/cpu/*.cpp): the ones an install built, else built here.
 
 An install where torch is importable (`make install`, `pip install --no-build-isolation .`; setup.py) compiles each
 beside its source, so serving never compiles. Such a prebuilt op is used only while its stamp (its source, flags,
@@ -19,8 +19,6 @@ import os
 import platform
 import shutil
 import sysconfig
-import warnings
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,10 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger("orcinus.cpp_ops")
 
-# In the package (a plain `pip install .` copies them there); in the repository a link to the top-level cuda/, which
-# is looked at directly where a copy of the tree dropped the link (the lent GPU machine's is one).
-SOURCES = next((d for d in (Path(__file__).parents[1] / "kernels", Path(__file__).resolve().parents[2] / "cuda")
-                if d.is_dir()), Path(__file__).parents[1] / "kernels")
+# The sources, and the ops an install built beside them: in the checkout and in an installed package alike.
+CPU_SOURCES = Path(__file__).parent / "csrc" / "cpu"
 # -march=native: built where it runs. -ffast-math lets the exp and reduction loops vectorize; the ops keep
 # every value finite, so nothing it assumes away occurs.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -42,11 +38,11 @@ LDFLAGS = ["-fopenmp"]
 
 # Every C++ op on the CPU: module name -> (its source, strict: whether its sums must keep the order written).
 CPU_EXTENSIONS = {
-    "orcinus_cpu_block_matmul": ("block_matmul_cpu.cpp", True),
-    "orcinus_cpu_int16_matmul": ("int16_matmul_cpu.cpp", True),
-    "orcinus_cpu_token_ops": ("token_ops_cpu.cpp", False),
-    "orcinus_cpu_attention": ("paged_decode_attention_cpu.cpp", False),
-    "orcinus_cpu_sampling": ("sampling_cpu.cpp", False),
+    "orcinus_cpu_block_matmul": ("block_matmul.cpp", True),
+    "orcinus_cpu_int16_matmul": ("int16_matmul.cpp", True),
+    "orcinus_cpu_token_ops": ("token_ops.cpp", False),
+    "orcinus_cpu_attention": ("paged_decode_attention.cpp", False),
+    "orcinus_cpu_sampling": ("sampling.cpp", False),
 }
 
 _ORIGINS: dict[str, str] = {}  # op -> where this process got it, for the startup block
@@ -90,7 +86,7 @@ def _builds() -> dict[str, Future]:
 
 
 def _load(name: str):
-    so, source, flags = prebuilt_path(name), SOURCES / CPU_EXTENSIONS[name][0], cflags(name)
+    so, source, flags = prebuilt_path(name), CPU_SOURCES / CPU_EXTENSIONS[name][0], cflags(name)
     module = load_prebuilt(so, source, flags)
     if module is not None:
         _ORIGINS[name] = f"prebuilt in {so.parent}"
@@ -100,7 +96,7 @@ def _load(name: str):
     return module
 
 
-def prebuilt_path(name: str, directory: Path = SOURCES) -> Path:
+def prebuilt_path(name: str, directory: Path = CPU_SOURCES) -> Path:
     """Where an install puts op `name`: beside its source, named as Python imports it."""
     return directory / f"{name}{EXT_SUFFIX}"
 
@@ -169,7 +165,7 @@ def jit_load(name: str, sources: list[Path], flags: list[str]):
     stopped build cannot leave held; returns (module, its build folder)."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    from engine.attention.build_lock import build_lock
+    from engine.kernels.build_lock import build_lock
 
     _put_ninja_on_path()
     build_dir = Path(_get_build_directory(name, verbose=False))
@@ -185,17 +181,6 @@ def load_cpu_extension_copy(name: str, source: str, march: str = "native", tag: 
     build, timed on an AVX-512 machine)."""
     module, _ = jit_load(f"{name}_{tag}_{march.replace('-', '_')}", [Path(source).resolve()], cflags(name, march))
     return module
-
-
-def builds(load: Callable[[], object], unusable: str) -> bool:
-    """Whether `load()` builds and loads its op (or compiles and self-tests its kernel) here; where not, a warning
-    (`unusable`, then why) and False."""
-    try:
-        load()
-    except Exception as e:  # no compiler, no ninja, a failed build or self-test: any reason is a reason to fall back
-        warnings.warn(f"{unusable}: {e}", stacklevel=3)
-        return False
-    return True
 
 
 def _put_ninja_on_path() -> None:

@@ -1,6 +1,6 @@
 // Paged decode attention: each request that decodes one token attends to its whole paged context.
 //
-// Loaded at run time by engine/attention/cupy_backend.py through cupy.RawModule (NVRTC), and compiled
+// Loaded at run time by engine/attention/cuda_backend.py through cupy.RawModule (NVRTC), and compiled
 // offline by tests/test_cuda_kernels.py with nvcc -Werror so warnings are caught without a GPU.
 // The entry points are extern "C" so RawModule finds them by plain name; each is a thin wrapper
 // over a template instantiated for __nv_bfloat16, __half and float (and, for the decode kernel, for

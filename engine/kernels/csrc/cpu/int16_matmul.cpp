@@ -1,6 +1,6 @@
 // Matmul against a GGUF file's 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0) with the activations rounded to 16-bit
 // integers: y = x @ W^T, W [N, K], x [M, K] in float32 or bfloat16, at a fraction of the float32 path's instructions
-// (block_matmul_cpu.cpp decodes every weight to a float).
+// (block_matmul.cpp decodes every weight to a float).
 //
 // Each row of x is quantized per 32 inputs (the weights' blocks), as llama.cpp's Q8 activations but with 16 bits:
 // d = max|x| / 32767, q = round(x / d), an error of at most 2^-16 of the block's largest input (bfloat16's is 2^-9 of

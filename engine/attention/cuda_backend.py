@@ -1,11 +1,12 @@
-"""The CUDA attention backend: cuda/paged_decode_attention.cu launched through CuPy, SDPA for prefills.
+"""The CUDA attention backend: engine/kernels/csrc/cuda/paged_decode_attention.cu launched through CuPy, SDPA
+for prefills.
 
 The model has written this iteration's K/V into the paged cache (fused with RoPE); one kernel attends
 every decoding request to its paged context (grid: request x KV head x KV split); when a context is split, the last
 split to finish combines them (no second kernel). Multi-token queries (prefill chunks) go, all in one call, to PyTorch's
 variable-length flash attention (engine/attention/varlen_prefill.py), which uses tensor cores; a per-token
 kernel re-reading each token's prefix cannot.
-Everything runs on PyTorch's current stream on the tensors' own memory (engine/attention/nvrtc.py), so there
+Everything runs on PyTorch's current stream on the tensors' own memory (engine/kernels/nvrtc.py), so there
 are no copies and no synchronisation; the split count comes from host-side lengths.
 
 CuPy is imported lazily so this module imports on machines without it; constructing the backend
@@ -23,12 +24,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata, AttentionParams
-from engine.attention.cpp_extension import SOURCES, builds
-from engine.attention.nvrtc import DTYPE_SUFFIX, NVRTC_OPTIONS, NvrtcKernels, ptr
 from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
+from engine.kernels.availability import builds
+from engine.kernels.nvrtc import CUDA_SOURCES, DTYPE_SUFFIX, NvrtcKernels, ptr
 
-KERNEL_SOURCE = SOURCES / "paged_decode_attention.cu"
+KERNEL_SOURCE = CUDA_SOURCES / "paged_decode_attention.cu"
 WARPS = 4  # kWarps in the kernel: threads per block = 128
 MAX_HEADS_PER_BLOCK = 4  # kMaxHeads: query heads scored per K/V read
 LANES_PER_KEY = (8, 16, 32)  # the decode kernel's instantiations (LPK): lanes that read one key row
@@ -224,7 +225,7 @@ def decode_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
 
 
 def kernel_names() -> list[str]:
-    """Every function of cuda/paged_decode_attention.cu the backend may launch."""
+    """Every function of paged_decode_attention.cu the backend may launch."""
     return [f"paged_decode_attention_{s}_lpk{n}" for s in DTYPE_SUFFIX.values() for n in LANES_PER_KEY]
 
 
