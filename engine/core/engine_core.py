@@ -9,7 +9,7 @@ from collections import deque
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
 from engine.core.queue_policy import LengthPredictor
-from engine.core.request import Request
+from engine.core.request import NO_OPTIONS, EngineRequest, Request, RequestOptions
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from engine.core.scheduler import Scheduler
@@ -60,18 +60,20 @@ class EngineCore:
         return self.executor.model  # in-process execution only
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        cache_salt: bytes = b"", priority: int = 0,
+        self, request: EngineRequest | list[int], params: SamplingParams | None = None,
+        options: RequestOptions = NO_OPTIONS,
     ) -> Request:
-        """Validate and queue a request; raises InvalidRequestError for one that can never run. Only requests with
-        the same `cache_salt` share prefix-cache blocks; `priority` orders admission under the priority policy."""
-        self.limits.check(prompt_token_ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        """Validate and queue a request; raises InvalidRequestError for one that can never run. Prompt token ids
+        with `params` (and `options`) stand for an EngineRequest under a fresh id (the offline shorthand)."""
+        if not isinstance(request, EngineRequest):
+            request = EngineRequest(f"req-{next(self._ids)}", request, params, options)
+        self.limits.check(request.prompt_token_ids, request.params)
+        request_id = request.request_id
         # An id whose batch is still in flight is taken too: that batch's tokens must not reach a newcomer.
         if request_id in self.scheduler.requests or request_id in self.scheduler.in_flight:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
-        req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id,
-                      cache_salt=cache_salt, priority=priority)
+        req = Request(request_id, list(request.prompt_token_ids), request.params, time.monotonic(), self.eos_token_id,
+                      request.options)
         self.scheduler.add(req)
         return req
 

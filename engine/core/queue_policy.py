@@ -37,11 +37,11 @@ class Priority(Fcfs):
 
     @staticmethod
     def key(req: Request) -> tuple:
-        return (req.priority, req.arrival_order)
+        return (req.options.priority, req.arrival_order)
 
     @staticmethod
     def rank(req: Request) -> int:
-        return req.priority
+        return req.options.priority
 
 
 class LengthPredictor(Protocol):
@@ -93,7 +93,7 @@ class Oracle(Predicted):
 
     @staticmethod
     def remaining(req: Request) -> float:
-        return max(1.0, float(min(req.priority, req.params.max_tokens) - req.num_output_tokens))
+        return max(1.0, float(min(req.options.priority, req.params.max_tokens) - req.num_output_tokens))
 
 
 QUEUE_POLICIES = {"fcfs": Fcfs, "priority": Priority, "predicted": Predicted, "oracle": Oracle}
