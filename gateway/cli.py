@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
+from engine.core.queue_policy import policy_name
 from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS
 
 if TYPE_CHECKING:
@@ -37,10 +38,10 @@ _ENGINE_FLAGS = {
     "max_num_batched_tokens": dict(type=int, help="per-iteration token budget (default: 2048 on a GPU, 512 on the CPU)"),
     "max_model_len": dict(type=int, help="context window cap"),
     "scheduling": dict(choices=["iteration", "request"], help="Orca's iteration-level, or the request-level baseline"),
-    "scheduling_policy": dict(choices=["fcfs", "priority", "predicted", "oracle"],
-                              help="who runs first: arrival order (default), the requests' `priority` field (lower "
-                                   "first), or the shortest remaining output predicted from the model's hidden state "
-                                   "(oracle: `priority` carries the real length, a benchmark's ceiling)"),
+    "scheduling_policy": dict(type=policy_name, metavar="POLICY",
+                              help="who runs first: fcfs, arrival order (default); priority, the requests' `priority` "
+                                   "field (lower first); predicted, the shortest remaining output predicted from the "
+                                   "model's hidden state; or MODULE:NAME, a policy that MODULE registers"),
     "length_predictor": dict(metavar="PATH", help="--scheduling-policy predicted: the file its length predictor starts "
                                                   "from and saves to as it learns (default: start afresh)"),
     "async_scheduling": dict(choices=["auto", "on", "off"],

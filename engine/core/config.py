@@ -130,9 +130,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # context cap; None = the model's own window
     scheduling: Literal["iteration", "request"] = "iteration"  # Orca's mode, or the request-level baseline
-    # who runs first: arrival order (Orca), the requests' `priority` field (lower first, vLLM's), or the shortest
-    # predicted remaining output (engine/core/queue_policy.py); oracle: `priority` is the real length (benchmarks)
-    scheduling_policy: Literal["fcfs", "priority", "predicted", "oracle"] = "fcfs"
+    # who runs first: fcfs, arrival order (Orca); priority, the requests' `priority` field (lower first, vLLM's);
+    # predicted, the shortest predicted remaining output; or module:name, a policy that module registers
+    # (engine/core/queue_policy.py)
+    scheduling_policy: str = "fcfs"
     # a file the `predicted` policy's length predictor starts from and saves to as it learns; None = start afresh
     length_predictor: str | None = None
     # schedule step N+1 while the device runs step N, its sampled ids feeding N+1 on the device;

@@ -8,7 +8,7 @@ from collections import deque
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
-from engine.core.queue_policy import LengthPredictor
+from engine.core.queue_policy import QueuePolicy
 from engine.core.request import NO_OPTIONS, EngineRequest, Request, RequestOptions
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
@@ -24,7 +24,7 @@ class EngineCore:
 
     def __init__(
         self, config: EngineConfig, executor: Executor, model_name: str, shape: ModelShape, tokenizer, max_model_len: int,
-        draft_source: DraftSource | None = None, predictor: LengthPredictor | None = None,
+        draft_source: DraftSource | None = None, policy: QueuePolicy | None = None,
     ):
         self.config = config
         self.executor = executor
@@ -36,9 +36,8 @@ class EngineCore:
         # Speculative decoding: `draft_source` (engine/spec) makes each request's drafter, as --speculative names.
         speculation = None if draft_source is None else Speculation(
             draft_source, config.num_speculative_tokens, config.speculative_row_cost)
-        # Length-aware scheduling: `predictor` (engine/model/length_predictor.py) for the `predicted` policy.
-        self.predictor = predictor
-        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, predictor)
+        # `policy`: who runs first (None: the config's, as named); launch builds the `predicted` one with its predictor.
+        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, policy)
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
         held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
         self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size, held)
@@ -112,7 +111,6 @@ class EngineCore:
         return updated
 
     def close(self) -> None:
-        """Stop the executor's processes, if it has any; keep what the length predictor learnt."""
-        if self.predictor is not None:
-            self.predictor.save()
+        """Stop the executor's processes, if it has any; keep what the scheduling policy learnt."""
+        self.scheduler.policy.close()
         self.executor.close()

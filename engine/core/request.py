@@ -82,10 +82,7 @@ class Request:
     eos_token_id: int | None = None  # None when the caller asked to ignore eos
     options: RequestOptions = NO_OPTIONS  # as its caller sent them
     arrival_order: int = 0  # its place among the scheduler's arrivals (numbered as they are added)
-    predicted_output_tokens: float | None = None  # the length predictor's latest estimate of its whole output
-    first_predicted_output_tokens: float | None = None  # its estimate from the prompt alone (what metrics judge)
-    # (outputs so far, final hidden state at its last known token) per length probe: what the predictor learns from
-    length_probes: list[tuple[int, list[float]]] = field(default_factory=list)
+    length: object | None = None  # its probes and predictions (core/queue_policy.py's LengthState), where probed
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -206,7 +206,7 @@ class EngineWorker:
             e.last_batch_tokens, iteration_seconds, memory.resident_bytes, s.prefix_queried_tokens,
             s.prefix_hit_tokens, s.kv.num_cached_blocks, memory.private_bytes,
             *((spec.num_drafted, spec.num_accepted, spec.drain_accepted_lengths()) if spec is not None else (0, 0, [])),
-            s.drain_length_outcomes(), spec.step_cost.value if spec is not None else 0.0,
+            s.policy.drain_length_outcomes(), spec.step_cost.value if spec is not None else 0.0,
             dict(runner.step_paths) if (runner := getattr(e.executor, "runner", None)) is not None else {},
         ))
 
