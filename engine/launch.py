@@ -9,6 +9,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
+from engine.core.queue_policy import Predicted, queue_policy
 from engine.kernels.cpu_ops import ops_origin
 from engine.model.length_predictor import RidgeLengthPredictor
 from engine.model.loader import Checkpoint, load_checkpoint
@@ -66,14 +67,15 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
     if config.length_predictor and config.scheduling_policy != "predicted":
         raise ValueError("--length-predictor is the predicted policy's: add --scheduling-policy predicted")
-    predictor = None  # before any stage process starts: its file may not suit the model
+    # Before any stage process starts: an unknown policy, or a predictor file that does not suit the model, fails here.
     if config.scheduling_policy == "predicted":
-        predictor = RidgeLengthPredictor(ckpt.shape.hidden_size, config.length_predictor)
+        policy = Predicted(RidgeLengthPredictor(ckpt.shape.hidden_size, config.length_predictor))
+    else:
+        policy = queue_policy(config.scheduling_policy)()
     executor = make_executor(config, ckpt, max_model_len)
     draft_source = (None if config.speculative == "off"
                     else DRAFT_SOURCES[config.speculative](shared=config.speculative_shared))
-    return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source,
-                      predictor)
+    return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source, policy)
 
 
 def cpp_ops_origin() -> str:

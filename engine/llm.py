@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from engine.core.config import EngineConfig
-from engine.core.request import Request, TokenLogprobs
+from engine.core.request import Request, RequestOptions, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.launch import build_engine
 from engine.model.loader import Checkpoint
@@ -47,7 +47,7 @@ class LLM:
             raise ValueError("give one priority per prompt")
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         requests = [
-            self.engine.add_request(self._ids(p), sp, priority=priority[i] if priority else 0)
+            self.engine.add_request(self._ids(p), sp, RequestOptions(priority=priority[i] if priority else 0))
             for i, (p, sp) in enumerate(zip(prompts, params_list))
         ]
         with tqdm(total=len(requests), disable=not use_tqdm, desc="generating") as bar:

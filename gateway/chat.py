@@ -49,8 +49,8 @@ async def start_chat(req: ChatCompletionRequest, request: Request, state: Server
     limits = state.engine_limits()
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
-    salt = state.cache_salt(request, req.cache_salt)
-    gen = state.generation([prompt], params, req.n, req.stop_strings, salt, req.priority)
+    options = req.to_request_options(state.cache_salt(request, req.cache_salt))
+    gen = state.generation([prompt], params, req.n, req.stop_strings, options)
     # OpenAI's default: several calls may come
     return ChatRun(gen, plan, req.parallel_tool_calls is not False, params.logprobs)
 

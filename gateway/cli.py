@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
+from engine.core.queue_policy import policy_name
 from gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ _ENGINE_FLAGS = {
     "max_num_batched_tokens": {"type": int},
     "max_model_len": {"type": int},
     "scheduling": {"choices": ["iteration", "request"], "flag": "scheduling_level", "deprecated": ["--scheduling"]},
-    "scheduling_policy": {"choices": ["fcfs", "priority", "predicted", "oracle"]},
+    "scheduling_policy": {"type": policy_name, "metavar": "POLICY"},
     "length_predictor": {"metavar": "PATH"},
     "async_scheduling": {"choices": ["auto", "on", "off"]},
     "kv_policy": {"choices": ["paged", "orca-reserve"]},

@@ -33,8 +33,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     # A text prompt echoes as sent (not with the BOS the tokenizer put first); token ids as their text.
     echo = [(text if isinstance(text, str) else state.tokenizer.decode(ids)) if req.echo and state.tokenizer else ""
             for text, ids in zip(req.prompts, prompts)]
-    salt = state.cache_salt(request, req.cache_salt)
-    gen = state.generation(prompts, params, req.n, req.stop_strings, salt, req.priority)  # admitted from here: close() it
+    options = req.to_request_options(state.cache_salt(request, req.cache_salt))
+    gen = state.generation(prompts, params, req.n, req.stop_strings, options)  # admitted from here: close() it
     gen.prompt_only = req.prompt_only
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     top_n = req.logprobs

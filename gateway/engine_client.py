@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 
 from engine.core.config import EngineConfig
-from engine.core.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.request import EngineRequest
+from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.messages import (
     Abort,
     AddGrammar,
@@ -58,7 +59,7 @@ class _Route:
     def __init__(self, queue: asyncio.Queue, request: AddRequest):
         self.queue = queue
         self.request = request  # as sent: while nothing of it has come back, it can be sent elsewhere instead
-        self.num_tokens = len(request.prompt_token_ids)
+        self.num_tokens = len(request.request.prompt_token_ids)
         self.started = False  # some of its output reached its queue: it can no longer move
 
 
@@ -258,15 +259,14 @@ class EngineClient:
 
     # ---------------------------------------------------------------- requests
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  queue: asyncio.Queue, cache_salt: bytes = b"", grammar_id: str | None = None,
-                  priority: int = 0) -> None:
-        """Route `request_id`'s deltas (TokenDelta, or an exception) into `queue`, then submit it."""
+    async def add(self, request: EngineRequest, queue: asyncio.Queue, grammar_id: str | None = None) -> None:
+        """Route the request's deltas (TokenDelta, or an exception) into `queue`, then submit it."""
         if not self.serving:
             raise EngineUnavailableError("the engine is not available")
-        msg = AddRequest(request_id, prompt_token_ids, params, cache_salt, grammar_id, priority)
+        request_id = request.request_id
+        msg = AddRequest(request, grammar_id)
         self.routes[request_id] = _Route(queue, msg)
-        self.load += len(prompt_token_ids)
+        self.load += len(request.prompt_token_ids)
         try:
             await self._send(self.engine, msg)
         except BaseException:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.core.request import TokenLogprobs
+from engine.core.request import NO_OPTIONS, EngineRequest, RequestOptions, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.ipc.messages import PromptLogprobsPart, TokenDelta
 from gateway.admission import Ticket
@@ -76,8 +76,7 @@ class Generation:
     n: int
     stop: list[str]
     ticket: Ticket  # the admitted sequences; one is given back as each choice ends
-    cache_salt: bytes = b""  # opaque to the engine: only requests with the same salt share cached prefixes
-    priority: int = 0  # the scheduler's `priority` policy admits lower first
+    options: RequestOptions = NO_OPTIONS  # every choice's (its cache salt, priority, ...)
     prompt_only: bool = False  # max_tokens 0: the engine's one sampled token is dropped, the choice ends "length"
     choices: dict[str, _Choice] = field(default_factory=dict)
     _released: set[str] = field(default_factory=set, repr=False)  # sequences whose admission was given back
@@ -128,7 +127,7 @@ class Generation:
                     self.choices[rid] = _Choice(index, len(prompt), IncrementalDetokenizer(self.tokenizer, self.stop),
                                                 time.monotonic())
                     self.metrics.prompt_tokens.inc(len(prompt))
-                    await self.client.add(rid, prompt, params, queue, self.cache_salt, grammar_id, self.priority)
+                    await self.client.add(EngineRequest(rid, prompt, params, self.options), queue, grammar_id)
             if grammar_id is not None:
                 self.client.release_grammar(grammar_id)
                 grammar_id = None

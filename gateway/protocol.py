@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from engine.core.request import RequestOptions
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from gateway.errors import request_too_large
 from gateway.structured import ANY_OBJECT, strict_schema
@@ -99,6 +100,10 @@ class _SamplingFields(Struct, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM's: under `--scheduling-policy priority` lower is admitted first; ignored under fcfs
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+
+    def to_request_options(self, cache_salt: bytes) -> RequestOptions:
+        """What the engine takes besides the prompt and its sampling; `cache_salt`: the API key's and this field's."""
+        return RequestOptions(cache_salt, self.priority)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -16,7 +16,7 @@ import os
 import msgspec
 
 from engine.core.config import EngineConfig
-from engine.core.sampling_params import SamplingParams
+from engine.core.request import EngineRequest
 from engine.ipc.messages import AddRequest, EngineReady
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, EngineUnavailableError
@@ -111,23 +111,21 @@ class Replicas:
         """A healthy replica's description (the replicas run the same model under the same limits)."""
         return next((c.ready for c in self.clients if c.healthy), None)
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  queue: asyncio.Queue, cache_salt: bytes = b"", grammar_id: str | None = None,
-                  priority: int = 0) -> None:
-        """Route `request_id` to a replica and submit it there; its deltas (or an exception) arrive in `queue`."""
+    async def add(self, request: EngineRequest, queue: asyncio.Queue, grammar_id: str | None = None) -> None:
+        """Route the request to a replica and submit it there; its deltas (or an exception) arrive in `queue`."""
         # Where no replica answers but some still serve, a stall is likelier than a death: the request waits there
         # (until it answers, or the hang watchdog restarts it) rather than fail at once.
         candidates = [c for c in self.clients if c.healthy] or [c for c in self.clients if c.serving]
         if not candidates:
             raise EngineUnavailableError("the engine is not available")
-        client, reason = self.router.route(request_id, candidates, prompt_token_ids, cache_salt)
+        request_id, prompt, salt = request.request_id, request.prompt_token_ids, request.options.cache_salt
+        client, reason = self.router.route(request_id, candidates, prompt, salt)
         self.where[request_id] = client
         if grammar_id is not None:
             self.constrained[request_id] = self.grammars[grammar_id][0]
         try:
             try:
-                await self._submit(client, request_id, prompt_token_ids, params, queue, cache_salt, grammar_id,
-                                   priority)
+                await self._submit(client, request, queue, grammar_id)
             except EngineUnavailableError:
                 if self.where.get(request_id) is not client:  # its replica's death, seen meanwhile, moved it
                     self.metrics.routed.labels(str(client.index), reason).inc()
@@ -139,11 +137,10 @@ class Replicas:
                 self.router.done(request_id)
                 why = "unresponsive" if client.engine is not None and client.engine.alive else "exited"
                 self.metrics.rerouted.labels(str(client.index), why).inc()
-                client, reason = self.router.route(request_id, others, prompt_token_ids, cache_salt)
+                client, reason = self.router.route(request_id, others, prompt, salt)
                 self.where[request_id] = client
                 self.moved.add(request_id)
-                await self._submit(client, request_id, prompt_token_ids, params, queue, cache_salt, grammar_id,
-                                   priority)
+                await self._submit(client, request, queue, grammar_id)
         except BaseException:
             del self.where[request_id]
             self.router.done(request_id)
@@ -151,22 +148,22 @@ class Replicas:
             raise
         self.metrics.routed.labels(str(client.index), reason).inc()
 
-    async def _submit(self, client: EngineClient, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, queue: asyncio.Queue, cache_salt: bytes, grammar_id: str | None,
-                      priority: int) -> None:
+    async def _submit(self, client: EngineClient, request: EngineRequest, queue: asyncio.Queue,
+                      grammar_id: str | None) -> None:
         if grammar_id is not None:
             await self._send_grammar(client, grammar_id)
-        await client.add(request_id, prompt_token_ids, params, queue, cache_salt, grammar_id, priority)
+        await client.add(request, queue, grammar_id)
 
     def _reroute(self, lost_on: EngineClient, msg: AddRequest, queue: asyncio.Queue, why: str) -> bool:
         """`lost_on` exited or stopped answering before `msg`'s request got a token: send it to another healthy
         replica, unless it was moved once already or there is none. True if it goes elsewhere."""
-        request_id = msg.request_id
+        request = msg.request
+        request_id = request.request_id
         others = [c for c in self.clients if c.healthy and c is not lost_on]
         if request_id in self.moved or not others or self.where.get(request_id) is not lost_on:
             return False
         self.router.done(request_id)
-        client, reason = self.router.route(request_id, others, msg.prompt_token_ids, msg.cache_salt)
+        client, reason = self.router.route(request_id, others, request.prompt_token_ids, request.options.cache_salt)
         self.where[request_id] = client
         self.moved.add(request_id)
         self.metrics.rerouted.labels(str(lost_on.index), why).inc()
@@ -177,7 +174,7 @@ class Replicas:
         return True
 
     async def _resubmit(self, client: EngineClient, msg: AddRequest, queue: asyncio.Queue) -> None:
-        request_id = msg.request_id
+        request_id = msg.request.request_id
         if self.where.get(request_id) is not client:
             return  # aborted before it could be sent
         grammar = self.constrained.get(request_id)
@@ -188,8 +185,7 @@ class Replicas:
             if grammar is not None:
                 await client.add_grammar(msg.grammar_id, grammar)
             try:
-                await client.add(request_id, msg.prompt_token_ids, msg.params, queue, msg.cache_salt,
-                                 msg.grammar_id, msg.priority)
+                await client.add(msg.request, queue, msg.grammar_id)
             finally:
                 if grammar is not None:
                     client.release_grammar(msg.grammar_id)

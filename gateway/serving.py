@@ -13,6 +13,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from engine.core.request import NO_OPTIONS, RequestOptions
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from engine.model.tokenizer.chat_template import SHIPPED, NoChatTemplateError
@@ -115,11 +116,10 @@ class ServerState:
         return self.salts.salt(request.scope.get("state", {}).get(TENANT), cache_salt)
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
-                   cache_salt: bytes = b"", priority: int = 0) -> Generation:
+                   options: RequestOptions = NO_OPTIONS) -> Generation:
         """Admit the request's sequences (429 past the queue's bound); the caller must `close()` the Generation."""
         ticket = self.admission.admit(len(prompts) * n, n * sum(map(len, prompts)))
-        gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, cache_salt,
-                         priority)
+        gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, options)
         self.live.add(gen)
         return gen
 

@@ -159,9 +159,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="length_aware_"))
     predictor = work / "length.safetensors"  # a copy: the server goes on learning into it
     shutil.copy(args.length_predictor, predictor)
+    from bench.serving import length_oracle  # the servers import it too, by the name it registers
+
     variants = {"fcfs": ["--scheduling-policy", "fcfs"],
                 "predicted": ["--scheduling-policy", "predicted", "--length-predictor", str(predictor)],
-                "oracle": ["--scheduling-policy", "oracle"]}
+                "oracle": ["--scheduling-policy", length_oracle.NAME]}
     for spec in args.variant:
         name, _, flags = spec.partition("=")
         variants[name] = flags.replace("PREDICTOR", str(predictor)).split()

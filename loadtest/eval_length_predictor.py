@@ -33,7 +33,7 @@ def run(llm: LLM, batch: list[tuple[str, str, int]]) -> list[dict]:
     while llm.engine.has_unfinished():
         llm.engine.step()
     return [{"kind": k, "prompt_tokens": len(i), "max_tokens": m, "output_tokens": r.num_output_tokens,
-             "predicted": r.first_predicted_output_tokens, "finish": r.finish_reason}
+             "predicted": r.length.first_predicted if r.length is not None else None, "finish": r.finish_reason}
             for (k, _, m), i, r in zip(batch, ids, reqs)]
 
 
@@ -58,7 +58,7 @@ def main() -> int:
     if args.predictor:
         Path(args.predictor).unlink(missing_ok=True)
     llm = LLM(scheduling_policy="predicted", length_predictor=args.predictor)
-    predictor = llm.engine.predictor
+    predictor = llm.engine.scheduler.policy.predictor
     rng = random.Random(args.seed)
     progress, t0 = [], time.time()
     for start in range(0, args.train, args.chunk):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.request import TokenLogprobs
+from engine.core.request import EngineRequest, RequestOptions, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.ipc.channel import (
     Channel,
@@ -53,7 +53,8 @@ def channels():
 def test_round_trip_each_message_type(channels):
     to_engine, from_engine = channels(ToEngine), channels(FromEngine)
     params = SamplingParams(max_tokens=5, temperature=0.5, seed=3, logit_bias={7: -1.5}, stop_token_ids=(2, 9), logprobs=2)
-    sent_in = [AddRequest("r1", [1, 2, 3], params), AddRequest("r2", [], SamplingParams()), Abort("r1"), Shutdown()]
+    sent_in = [AddRequest(EngineRequest("r1", [1, 2, 3], params, RequestOptions(b"salt", -3))),
+               AddRequest(EngineRequest("r2", [], SamplingParams()), "g"), Abort("r1"), Shutdown()]
     sent_out = [
         TokenDelta("r1", [5, 6], None),
         TokenDelta("r1", [7], "stop", logprobs=[TokenLogprobs(7, -0.25, [(7, -0.25), (8, -1.5)])]),
@@ -69,7 +70,7 @@ def test_round_trip_each_message_type(channels):
         finally:
             peer.close()
         assert got == sent and [type(m) for m in got] == [type(m) for m in sent]
-    assert got[3].kv_blocks_free == 70 and sent_in[0].params.logit_bias == {7: -1.5}
+    assert got[3].kv_blocks_free == 70 and sent_in[0].request.params.logit_bias == {7: -1.5}
 
 
 def test_wrap_around_random_sizes():
@@ -212,7 +213,7 @@ def echo_worker(handle_in, handle_out):
                 if isinstance(m, Shutdown):
                     outbox.send(EngineStats(0, 0, 0, 0, num_iterations=waits, last_batch_size=0))
                     return
-                outbox.send(TokenDelta(m.request_id, m.prompt_token_ids, None))
+                outbox.send(TokenDelta(m.request.request_id, m.request.prompt_token_ids, None))
     finally:
         inbox.close()
         outbox.close()
@@ -243,7 +244,7 @@ if __name__ == "__main__":
             if not msgs and not from_engine.wait(max(0.0, deadline - time.monotonic())):
                 raise SystemExit(f"parent: only {{len(got)}}/{{k}} echoes after 10 s")
 
-    sent = [AddRequest(f"r{{i}}", list(range(i % 150)), SamplingParams(seed=i)) for i in range(N)]
+    sent = [AddRequest(EngineRequest(f"r{{i}}", list(range(i % 150)), SamplingParams(seed=i))) for i in range(N)]
     for m in sent[: N // 2]:
         to_engine.send(m)
     collect(N // 2)
@@ -260,7 +261,8 @@ if __name__ == "__main__":
     for ch in (to_engine, from_engine):
         ch.close()
         ch.unlink()
-    ok = [(d.request_id, d.token_ids) for d in got[:N]] == [(m.request_id, m.prompt_token_ids) for m in sent]
+    ok = [(d.request_id, d.token_ids) for d in got[:N]] == [(m.request.request_id, m.request.prompt_token_ids)
+                                                            for m in sent]
     print(json.dumps(dict(
         exitcode=exitcode, in_order=ok, last=type(got[-1]).__name__, waits=got[-1].num_iterations,
         idle_ticks=idle_ticks, tick_hz=os.sysconf("SC_CLK_TCK"),

@@ -1,5 +1,6 @@
 """Length-aware scheduling (issue 31): the length predictor, and the `predicted` policy's order, bound and tokens."""
 
+import argparse
 import math
 import random
 
@@ -8,11 +9,12 @@ from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.queue_policy import Predicted
-from engine.core.request import Request, RequestStatus, SampledTokens
+from engine.core.queue_policy import Predicted, policy_name, queue_policy
+from engine.core.request import Request, RequestOptions, RequestStatus, SampledTokens
 from engine.core.scheduler import Scheduler
 from engine.ipc.messages import EngineStats
 from engine.model.length_predictor import RidgeLengthPredictor
+from gateway.cli import add_engine_flags
 from gateway.metrics import Metrics
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -74,7 +76,7 @@ class ByHidden:
 
 def make(**cfg) -> Scheduler:
     config = EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy="predicted", **cfg)
-    return Scheduler(config, 4096, max_model_len=4096, predictor=ByHidden())
+    return Scheduler(config, 4096, max_model_len=4096, policy=Predicted(ByHidden()))
 
 
 def test_a_stream_of_short_requests_overtakes_a_long_one_only_within_its_aging_bound():
@@ -146,7 +148,7 @@ def test_new_prompts_run_alone_but_never_twice_in_a_row():
 
 def test_a_newcomer_short_of_blocks_takes_them_from_a_predicted_long_request_only():
     config = EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy="predicted", max_num_seqs=4)
-    s = Scheduler(config, 6, max_model_len=4096, predictor=ByHidden())
+    s = Scheduler(config, 6, max_model_len=4096, policy=Predicted(ByHidden()))
     long = Request("long", list(range(1, 17)), SamplingParams(max_tokens=500, ignore_eos=True), arrival_time=0.0)
     s.add(long)
     batch = s.schedule()  # 4 of the 6 blocks
@@ -172,15 +174,32 @@ def test_finished_requests_report_their_prediction_error_and_pool():
         batch = s.schedule()
         s.update(batch, {r.request_id: SampledTokens([7], hidden=[{"a": 10.0, "b": 200.0}[r.request_id]]
                                                       if r.probe else None) for r in batch.requests if r.sample})
-    outcomes = sorted(s.drain_length_outcomes())
+    outcomes = sorted(s.policy.drain_length_outcomes())
     assert [(ratio, pool) for ratio, pool, _ in outcomes] == [(2.0, "long"), (2.0, "short")]
-    assert s.drain_length_outcomes() == []
+    assert s.policy.drain_length_outcomes() == []
     m = Metrics()
     m.observe_stats(EngineStats(0, 0, 0, 0, 1, 0, length_outcomes=outcomes), replica=1)
     text = m.render().decode()
     assert 'orcinus_length_prediction_ratio_bucket{le="2.0",replica="1"} 2.0' in text
     assert 'orcinus_length_prediction_ratio_bucket{le="1.25",replica="1"} 0.0' in text
     assert 'orcinus_request_queue_time_by_pool_seconds_count{pool="short",replica="1"} 1.0' in text
+
+
+def test_the_oracle_is_a_benchmarks_policy_found_by_its_name_and_the_old_name_still_works():
+    """bench/serving/length_oracle.py registers it; `oracle`, the CLI's name for it before, resolves to it."""
+    from bench.serving.length_oracle import NAME, Oracle
+
+    assert queue_policy(NAME) is Oracle and policy_name("oracle") == NAME
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        policy_name("shortest")
+    flags = argparse.ArgumentParser()
+    add_engine_flags(flags)
+    assert flags.parse_args(["--scheduling-policy", "oracle"]).scheduling_policy == NAME
+    s = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy=NAME), 4096, 4096)
+    for rid, length in [("long", 300), ("short", 3)]:  # the true output length rides in `priority`
+        s.add(Request(rid, [1, 2], SamplingParams(max_tokens=500), arrival_time=0.0,
+                      options=RequestOptions(priority=length)))
+    assert isinstance(s.policy, Oracle) and [r.request_id for r in s.waiting] == ["short", "long"]
 
 
 # ------------------------------------------------------------------------------------------- the engine's tokens
@@ -204,7 +223,7 @@ class Scrambled(ByHidden):
 
 def test_predicted_order_keeps_greedy_tokens_and_frees_every_block(checkpoint, reference):
     llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="predicted", max_num_seqs=2)
-    llm.engine.scheduler.predictor = Scrambled()
+    llm.engine.scheduler.policy.predictor = Scrambled()
     tokens = [llm.engine.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
     requests = []
     for ids in tokens:  # one arrival per iteration
@@ -213,7 +232,7 @@ def test_predicted_order_keeps_greedy_tokens_and_frees_every_block(checkpoint, r
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert [r.output_token_ids for r in requests] == reference
-    assert all(r.length_probes and r.predicted_output_tokens is not None for r in requests)
+    assert all(r.length.probes and r.length.predicted is not None for r in requests)
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
 
 
@@ -224,7 +243,7 @@ def test_predicted_order_with_shared_prefixes_preemption_and_an_abort(checkpoint
     want = LLM(checkpoint=checkpoint, dtype="float32").generate(prompts, GREEDY)
     llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="predicted", max_num_seqs=3,
               kv_cache_memory=8 * 737_280)  # 8 blocks of 16 tokens (737,280 bytes each): 6 requests need 18+
-    llm.engine.scheduler.predictor = Scrambled()
+    llm.engine.scheduler.policy.predictor = Scrambled()
     requests = [llm.engine.add_request(llm.engine.tokenizer.encode(p, add_special_tokens=True), GREEDY)
                 for p in prompts]
     victim = requests[5]
@@ -246,7 +265,7 @@ def test_pipeline_stages_send_the_probes_back():
     want = LLM(model="dummy:tiny", dtype="float32").generate(prompts, params)
     with LLM(model="dummy:tiny", dtype="float32", scheduling_policy="predicted", max_num_seqs=2,
              pipeline_stages=2) as llm:
-        predictor = llm.engine.scheduler.predictor = Scrambled()
+        predictor = llm.engine.scheduler.policy.predictor = Scrambled()
         got = llm.generate(prompts, params)
         assert predictor.num_probes >= 4 * 3  # at each prompt's end and every 16 outputs: from the last stage
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

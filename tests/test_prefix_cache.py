@@ -7,7 +7,7 @@ from conftest import PROMPTS
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager, chain_hash, salt_root
-from engine.core.request import Request, SampledTokens
+from engine.core.request import Request, RequestOptions, SampledTokens
 from engine.core.scheduler import Scheduler
 
 BS = 4
@@ -134,7 +134,7 @@ def test_only_requests_with_the_same_cache_salt_share_blocks():
 
     def hit(rid, salt):
         before = s.prefix_hit_tokens
-        s.add(Request(rid, list(prompt), SamplingParams(max_tokens=2), eos_token_id=0, cache_salt=salt))
+        s.add(Request(rid, list(prompt), SamplingParams(max_tokens=2), eos_token_id=0, options=RequestOptions(salt)))
         run_all(s)
         return s.prefix_hit_tokens - before
 

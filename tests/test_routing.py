@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine import SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.request import Request, SampledTokens
+from engine.core.request import EngineRequest, Request, RequestOptions, SampledTokens
 from engine.core.scheduler import Scheduler
 from engine.ipc.messages import CacheEvents, cache_key
 from gateway.routing import BALANCE_TOKENS, CacheAware, LeastLoaded, RoundRobin, make_router
@@ -33,7 +33,7 @@ def engine(num_blocks: int = 16) -> Scheduler:
 
 def serve(s: Scheduler, rid: str, prompt: list[int], salt: bytes = b"") -> CacheEvents:
     """Run one request to the end on `s`; the cache events its steps produced, as the engine's worker sends them."""
-    s.add(Request(rid, list(prompt), SamplingParams(max_tokens=2), eos_token_id=0, cache_salt=salt))
+    s.add(Request(rid, list(prompt), SamplingParams(max_tokens=2), eos_token_id=0, options=RequestOptions(salt)))
     while s.has_unfinished():
         batch = s.schedule()
         s.update(batch, {r.request_id: SampledTokens([7]) for r in batch.requests if r.sample})
@@ -183,7 +183,7 @@ def test_a_request_with_no_token_yet_moves_once_from_a_dead_replica_one_that_str
         queue = asyncio.Queue()
         params = SamplingParams(max_tokens=4, temperature=0.0)
         for i in range(4):  # in turn: r0 and r3 on a, r1 on b, r2 on c
-            await replicas.add(f"r{i}", [1, 2, 3, i], params, queue)
+            await replicas.add(EngineRequest(f"r{i}", [1, 2, 3, i], params), queue)
         a._on_frame(TokenDelta("r0", [7], None))  # r0 has streamed a token; r3 has nothing yet
 
         def dies(client) -> list:
@@ -195,7 +195,7 @@ def test_a_request_with_no_token_yet_moves_once_from_a_dead_replica_one_that_str
         assert [(rid, type(m).__name__) for rid, m in got] == [("r0", "TokenDelta"), ("r0", "EngineUnavailableError")]
         await asyncio.sleep(0)  # the re-submission's task
         [to] = [x for x in (b, c) if "r3" in x.routes]
-        assert to.engine.sent[-1] == AddRequest("r3", [1, 2, 3, 3], params)  # as it was first sent
+        assert to.engine.sent[-1] == AddRequest(EngineRequest("r3", [1, 2, 3, 3], params))  # as it was first sent
         assert replicas.where["r3"] is to and a.routes == {} and a.load == 0
         # Moved once: where it went dies too, and it fails; that replica's own request moves to the last one.
         other = c if to is b else b
@@ -224,7 +224,7 @@ def test_a_replica_that_stops_answering_leaves_routing_and_its_requests_with_no_
         params = SamplingParams(max_tokens=4)
         await replicas.add_grammar("g", "start: /[0-9]+/")
         for i in range(4):  # in turn: r0 and r2 on a, r1 and r3 on b; r2 constrained
-            await replicas.add(f"r{i}", [5, i], params, queue, grammar_id="g" if i == 2 else None)
+            await replicas.add(EngineRequest(f"r{i}", [5, i], params), queue, grammar_id="g" if i == 2 else None)
         replicas.release_grammar("g")
         a._on_frame(TokenDelta("r0", [7], None))
         a.last_beat -= 60  # not even a heartbeat since
@@ -237,10 +237,11 @@ def test_a_replica_that_stops_answering_leaves_routing_and_its_requests_with_no_
         # r2 moves, with its grammar under an id of its own (b may still hold "g" for requests of its own); should a
         # wake, it does not run r2 too. r0 streamed: it stays and waits.
         assert b.engine.sent[-3:] == [AddGrammar("g/r2", "start: /[0-9]+/"),
-                                      AddRequest("r2", [5, 2], params, grammar_id="g/r2"), ReleaseGrammar("g/r2")]
+                                      AddRequest(EngineRequest("r2", [5, 2], params), grammar_id="g/r2"),
+                                      ReleaseGrammar("g/r2")]
         assert a.engine.sent[-1] == Abort("r2") and set(a.routes) == {"r0"} and set(b.routes) == {"r1", "r2", "r3"}
         assert [rid for rid, _ in drain(queue)] == ["r0"]  # its token, no error
-        await replicas.add("r4", [5, 4], params, queue)
+        await replicas.add(EngineRequest("r4", [5, 4], params), queue)
         assert replicas.where["r4"] is b  # out of routing
         assert replicas.metrics.registry.get_sample_value("orcinus_engine_healthy", {"replica": "0"}) == 0
         a._on_frame(Heartbeat())
@@ -261,11 +262,11 @@ def test_where_no_replica_answers_a_request_waits_on_one_that_still_serves():
         [a] = replicas.clients
         a.last_beat -= 60
         assert not a.healthy and a.serving and not replicas.healthy  # /health says so
-        await replicas.add("r0", [5, 1], SamplingParams(max_tokens=4), asyncio.Queue())
+        await replicas.add(EngineRequest("r0", [5, 1], SamplingParams(max_tokens=4)), asyncio.Queue())
         assert replicas.where["r0"] is a and "r0" in a.routes
         a.ready = None  # exited: now there is nowhere to wait
         try:
-            await replicas.add("r1", [5, 2], SamplingParams(max_tokens=4), asyncio.Queue())
+            await replicas.add(EngineRequest("r1", [5, 2], SamplingParams(max_tokens=4)), asyncio.Queue())
         except EngineUnavailableError:
             pass
         else:

@@ -3,7 +3,7 @@
 import pytest
 
 from engine.core.config import EngineConfig
-from engine.core.request import Request, RequestStatus, SampledTokens
+from engine.core.request import Request, RequestOptions, RequestStatus, SampledTokens
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
@@ -106,7 +106,7 @@ def test_priority_policy_admits_lower_first_and_arrival_order_among_equals():
     step(s)
     for rid, priority in [("late", 5), ("first", -1), ("second", 0), ("third", 0)]:
         r = req(rid, prompt_len=4, max_tokens=2)
-        r.priority = priority
+        r.options = RequestOptions(priority=priority)
         s.add(r)
     assert [r.request_id for r in s.waiting] == ["first", "second", "third", "late"]
 
@@ -114,7 +114,7 @@ def test_priority_policy_admits_lower_first_and_arrival_order_among_equals():
 def test_priority_policy_preempts_the_highest_priority_value_not_the_newest():
     s = make(num_blocks=4, scheduling_policy="priority")
     low, high = req("low", prompt_len=4, max_tokens=8), req("high", prompt_len=4, max_tokens=8)
-    low.priority, high.priority = 3, 0
+    low.options, high.options = RequestOptions(priority=3), RequestOptions(priority=0)
     s.add(low)
     s.add(high)  # admitted after low: under FCFS it would be the one to go
     assert step(s) == {"high": 4, "low": 4}

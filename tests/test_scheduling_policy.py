@@ -4,6 +4,7 @@ import pytest
 from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
+from engine.core.request import RequestOptions
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -18,12 +19,12 @@ def test_priority_policy_gives_the_same_greedy_tokens_and_runs_lower_first(check
     llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="priority", max_num_seqs=2)
     priority = [len(PROMPTS) - i for i in range(len(PROMPTS))]  # the last prompt first
     finished = []
-    requests = [llm.engine.add_request(llm.tokenizer.encode(p, add_special_tokens=True), GREEDY, priority=q)
-                for p, q in zip(PROMPTS, priority)]
+    requests = [llm.engine.add_request(llm.tokenizer.encode(p, add_special_tokens=True), GREEDY,
+                                       RequestOptions(priority=q)) for p, q in zip(PROMPTS, priority)]
     while llm.engine.has_unfinished():
         finished += [r.request_id for r in llm.engine.step() if r.status.finished]
     assert [r.output_token_ids for r in requests] == reference
-    order = [r.request_id for r in sorted(requests, key=lambda r: r.priority)]
+    order = [r.request_id for r in sorted(requests, key=lambda r: r.options.priority)]
     assert finished[:2] != [r.request_id for r in requests[:2]]  # not arrival order: the lowest values went first
     assert set(finished[:2]) == set(order[:2])
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks

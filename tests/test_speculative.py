@@ -13,7 +13,7 @@ from test_verification import LENGTH, SAMPLES, V, p_value
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.request import Request, SampledTokens
+from engine.core.request import Request, RequestOptions, SampledTokens
 from engine.core.scheduler import Scheduler
 from engine.core.speculation import DepthAcceptance, FirstTokenCalibration, StepCost, Speculation
 from engine.ipc.messages import EngineStats
@@ -366,7 +366,8 @@ def test_a_request_drafts_only_from_the_outputs_of_requests_with_its_salt(method
 
     def drafts(rid, salt, prompt, outputs):
         """Each step's draft, the model answering `outputs` a token a step (rejecting every draft)."""
-        req = Request(rid, prompt, SamplingParams(max_tokens=len(outputs), temperature=0.0), cache_salt=salt)
+        req = Request(rid, prompt, SamplingParams(max_tokens=len(outputs), temperature=0.0),
+                      options=RequestOptions(salt))
         s.add(req)
         out = []
         while not req.status.finished:

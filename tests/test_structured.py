@@ -194,7 +194,8 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
         async def add_grammar(self, grammar_id, grammar):
             sent.append(("grammar", grammar_id, grammar))
 
-        async def add(self, rid, prompt, params, queue, cache_salt, grammar_id, priority):
+        async def add(self, request, queue, grammar_id):
+            rid, params = request.request_id, request.params
             sent.append(("request", rid, params.grammar, grammar_id, params.seed))
             queue.put_nowait((rid, TokenDelta(rid, [7], "stop")))
 
@@ -225,6 +226,7 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
 def test_the_gate_holds_requests_until_their_grammar_compiles_and_gives_each_its_own_matcher(tokenizer):
     import threading
 
+    from engine.core.request import EngineRequest
     from engine.ipc.grammar_gate import BACKGROUND_NICE, GrammarGate
     from engine.ipc.messages import AddGrammar, AddRequest
     from engine.model.sampling.grammar import GrammarCompiler
@@ -242,17 +244,17 @@ def test_the_gate_holds_requests_until_their_grammar_compiles_and_gives_each_its
     gate.add_grammar(AddGrammar("g", digits))
     gate.add_grammar(AddGrammar("bad", "this is not a grammar"))
     for rid, gid in (("a", "g"), ("b", "g"), ("c", "g"), ("x", "bad")):
-        assert gate.park(AddRequest(rid, [1], SamplingParams(), grammar_id=gid))
-    assert not gate.park(AddRequest("lost", [1], SamplingParams(), grammar_id="never-sent"))
+        assert gate.park(AddRequest(EngineRequest(rid, [1], SamplingParams()), grammar_id=gid))
+    assert not gate.park(AddRequest(EngineRequest("lost", [1], SamplingParams()), grammar_id="never-sent"))
     assert gate.abort("c") and not gate.abort("c")
     gate.release("g")
-    assert not gate.park(AddRequest("late", [1], SamplingParams(), grammar_id="g"))  # released: none may follow
+    assert not gate.park(AddRequest(EngineRequest("late", [1], SamplingParams()), grammar_id="g"))  # released
     assert gate.ready() == [] and gate.busy  # still compiling
     go.set()
     assert woken.wait(30)
     done = {}
     while len(done) < 3:
-        done.update({c.request.request_id: c for c in gate.ready()})
+        done.update({c.request.request.request_id: c for c in gate.ready()})
     assert set(done) == {"a", "b", "x"}
     a, b, x = done["a"], done["b"], done["x"]
     assert a.grammar == digits and a.error is None and a.matcher is not b.matcher

@@ -163,9 +163,9 @@ class EngineConfig:
     """Context window cap; unset: the model's own window."""
     scheduling: Literal["iteration", "request"] = "iteration"
     """Granularity of scheduling: Orca's iteration-level, or the request-level baseline."""
-    scheduling_policy: Literal["fcfs", "priority", "predicted", "oracle"] = "fcfs"
-    """Who runs first: arrival order, the requests' `priority` field (lower first), or the shortest remaining output
-    predicted from the model's hidden state (oracle: `priority` carries the real length, a benchmark's ceiling)."""
+    scheduling_policy: str = "fcfs"
+    """Who runs first: fcfs (arrival order), priority (the requests' `priority` field, lower first), predicted (the
+    shortest predicted remaining output), or module:name (a policy that module registers)."""
     length_predictor: str | None = None
     """The file the `predicted` policy's length predictor starts from and saves to as it learns; unset: start afresh."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"

@@ -8,8 +8,8 @@ from collections import deque
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
-from engine.core.queue_policy import LengthPredictor
-from engine.core.request import Request
+from engine.core.queue_policy import QueuePolicy
+from engine.core.request import NO_OPTIONS, EngineRequest, Request, RequestOptions
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from engine.core.scheduler import Scheduler
@@ -24,7 +24,7 @@ class EngineCore:
 
     def __init__(
         self, config: EngineConfig, executor: Executor, model_name: str, shape: ModelShape, tokenizer, max_model_len: int,
-        draft_source: DraftSource | None = None, predictor: LengthPredictor | None = None,
+        draft_source: DraftSource | None = None, policy: QueuePolicy | None = None,
     ):
         self.config = config
         self.executor = executor
@@ -36,9 +36,8 @@ class EngineCore:
         # Speculative decoding: `draft_source` (engine/spec) makes each request's drafter, as --speculative names.
         speculation = None if draft_source is None else Speculation(
             draft_source, config.num_speculative_tokens, config.speculative_row_cost)
-        # Length-aware scheduling: `predictor` (engine/model/length_predictor.py) for the `predicted` policy.
-        self.predictor = predictor
-        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, predictor)
+        # `policy`: who runs first (None: the config's, as named); launch builds the `predicted` one with its predictor.
+        self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, policy)
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
         held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
         self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size, held)
@@ -60,18 +59,20 @@ class EngineCore:
         return self.executor.model  # in-process execution only
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        cache_salt: bytes = b"", priority: int = 0,
+        self, request: EngineRequest | list[int], params: SamplingParams | None = None,
+        options: RequestOptions = NO_OPTIONS,
     ) -> Request:
-        """Validate and queue a request; raises InvalidRequestError for one that can never run. Only requests with
-        the same `cache_salt` share prefix-cache blocks; `priority` orders admission under the priority policy."""
-        self.limits.check(prompt_token_ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        """Validate and queue a request; raises InvalidRequestError for one that can never run. Prompt token ids
+        with `params` (and `options`) stand for an EngineRequest under a fresh id (the offline shorthand)."""
+        if not isinstance(request, EngineRequest):
+            request = EngineRequest(f"req-{next(self._ids)}", request, params, options)
+        self.limits.check(request.prompt_token_ids, request.params)
+        request_id = request.request_id
         # An id whose batch is still in flight is taken too: that batch's tokens must not reach a newcomer.
         if request_id in self.scheduler.requests or request_id in self.scheduler.in_flight:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
-        req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id,
-                      cache_salt=cache_salt, priority=priority)
+        req = Request(request_id, list(request.prompt_token_ids), request.params, time.monotonic(), self.eos_token_id,
+                      request.options)
         self.scheduler.add(req)
         return req
 
@@ -110,7 +111,6 @@ class EngineCore:
         return updated
 
     def close(self) -> None:
-        """Stop the executor's processes, if it has any; keep what the length predictor learnt."""
-        if self.predictor is not None:
-            self.predictor.save()
+        """Stop the executor's processes, if it has any; keep what the scheduling policy learnt."""
+        self.scheduler.policy.close()
         self.executor.close()

@@ -172,5 +172,5 @@ class KVCacheManager:
         """Extend `req.block_names` to its first `num_full` full blocks (names depend only on the salt and the tokens)."""
         bs = self.block_size
         for i in range(len(req.block_names), num_full):
-            parent = req.block_names[i - 1] if i else salt_root(req.cache_salt)
+            parent = req.block_names[i - 1] if i else salt_root(req.options.cache_salt)
             req.block_names.append(chain_hash(parent, req.token_ids(i * bs, (i + 1) * bs)))

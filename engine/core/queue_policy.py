@@ -5,22 +5,67 @@ when more hold KV blocks than one iteration takes.
 among equals. `predicted`: shortest predicted remaining output first, from a length predictor that reads the
 model's own hidden state (engine/model/length_predictor.py), aged so that nobody waits for ever. A preempted
 request goes back to the place its key gives it, so under FCFS it is in front of everybody who arrived after it.
+
+A length-aware policy keeps its requests' length bookkeeping (Request.length, a LengthState) through the hooks
+the scheduler calls (QueuePolicy's); fcfs and priority implement none. A policy outside the engine (a benchmark's)
+is named `module:name`: the engine imports `module`, in its own process too, and the module registers it.
 """
 
 from __future__ import annotations
 
 import bisect
+import importlib
+import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.core.request import Request
 
+log = logging.getLogger("orcinus.scheduler")
 
-class Fcfs:
-    """Orca's order: arrival."""
+PROBE_EVERY = 16  # outputs between a request's length probes (the `predicted` policy)
+LONG_POOL_TOKENS = 64  # a request predicted at least this long from its prompt is in the "long" pool (metrics)
+
+
+class QueuePolicy:
+    """The order (`key`, `rank`) and the hooks for a request's length, which do nothing here (fcfs and priority keep
+    no length)."""
 
     RUNNING_PER_SEQ = 1  # requests that may hold KV blocks, per request an iteration takes (max_num_seqs)
     NEWCOMERS_ALONE = False  # new prompts join the running requests' decodes (Orca's selective batching)
+    probing = False  # whether the scheduler asks `probes` at all (it would ask per request per step)
+
+    def key(self, req: Request) -> tuple:
+        """Its place in the waiting queue (and among the running, where more hold blocks than run): lowest first;
+        ends with the request's arrival order, so no two are equal."""
+        raise NotImplementedError
+
+    def rank(self, req: Request) -> float:
+        """Who gives up its blocks first when they run out: the highest rank, the newest admitted among equals."""
+        raise NotImplementedError
+
+    def probes(self, req: Request) -> bool:
+        """Whether this step should return the final hidden state at the request's last known token (`probed`)."""
+        return False
+
+    def probed(self, req: Request, hidden: list[float]) -> None:
+        """A probe came back: the hidden state at the request's last known token, before this step's outputs."""
+
+    def finished(self, req: Request) -> None:
+        """The request ended, other than by an error."""
+
+    def drain_length_outcomes(self) -> list[tuple[float, str, float]]:
+        """Per request finished since the last call whose length was predicted: (prediction / real length, its
+        pool "short" or "long", seconds it waited for admission)."""
+        return []
+
+    def close(self) -> None:
+        """Keep what it learnt (where it learns)."""
+
+
+class Fcfs(QueuePolicy):
+    """Orca's order: arrival."""
 
     @staticmethod
     def key(req: Request) -> tuple:
@@ -28,7 +73,6 @@ class Fcfs:
 
     @staticmethod
     def rank(req: Request) -> int:
-        """Who gives up its blocks first when they run out: the highest rank, the newest admitted among equals."""
         return 0
 
 
@@ -37,11 +81,11 @@ class Priority(Fcfs):
 
     @staticmethod
     def key(req: Request) -> tuple:
-        return (req.priority, req.arrival_order)
+        return (req.options.priority, req.arrival_order)
 
     @staticmethod
     def rank(req: Request) -> int:
-        return req.priority
+        return req.options.priority
 
 
 class LengthPredictor(Protocol):
@@ -57,7 +101,17 @@ class LengthPredictor(Protocol):
         """Keep what it learnt (where it was given a file)."""
 
 
-class Predicted:
+@dataclass
+class LengthState:
+    """A request's length bookkeeping under a length-aware policy (Request.length)."""
+
+    # (outputs so far, final hidden state at its last known token) per probe: what the predictor learns from
+    probes: list[tuple[int, list[float]]] = field(default_factory=list)
+    predicted: float | None = None  # the length predictor's latest estimate of its whole output
+    first_predicted: float | None = None  # its estimate from the prompt alone (what metrics judge)
+
+
+class Predicted(QueuePolicy):
     """Shortest predicted remaining work first, aged: a request's key is its arrival time plus its predicted
     remaining tokens over AGING, so one predicted L tokens longer than another counts as arriving L / AGING
     seconds later. Nobody arriving more than (its prediction / AGING) seconds after a request overtakes it: its
@@ -71,12 +125,21 @@ class Predicted:
     RUNNING_PER_SEQ = 2  # requests that may hold KV blocks, per request an iteration takes (max_num_seqs)
     NEWCOMERS_ALONE = True  # a new prompt's iteration leaves the decodes out: its first token waits for none
 
+    def __init__(self, predictor: LengthPredictor | None = None):
+        self.predictor = predictor  # None: no probes, no predictions (every request keys at its arrival)
+        self.length_outcomes: list[tuple[float, str, float]] = []  # since the last drain
+
+    @property
+    def probing(self) -> bool:
+        return self.predictor is not None
+
     @staticmethod
     def remaining(req: Request) -> float:
-        if req.predicted_output_tokens is None:
+        length = req.length
+        if length is None or length.predicted is None:
             return 0.0
         left = req.params.max_tokens - req.num_output_tokens  # max_tokens bounds any prediction
-        return max(1.0, min(float(left), req.predicted_output_tokens - req.num_output_tokens))
+        return max(1.0, min(float(left), length.predicted - req.num_output_tokens))
 
     @classmethod
     def rank(cls, req: Request) -> float:
@@ -86,23 +149,77 @@ class Predicted:
     def key(cls, req: Request) -> tuple:
         return (cls.rank(req), req.arrival_order)
 
+    def probes(self, req: Request) -> bool:
+        """At its first sample (the prompt's last token), then every PROBE_EVERY outputs."""
+        length = req.length
+        return length is None or req.num_output_tokens - length.probes[-1][0] >= PROBE_EVERY
 
-class Oracle(Predicted):
-    """`predicted` with the true lengths: each request's `priority` field carries its real output length. A
-    benchmark's ceiling (loadtest/bench_length_aware.py measures them first), not a policy for users."""
+    def probed(self, req: Request, hidden: list[float]) -> None:
+        t = req.num_output_tokens
+        if req.length is None:
+            req.length = LengthState()
+        length = req.length
+        length.probes.append((t, hidden))
+        remaining = self.predictor.predict(hidden, t)
+        if remaining is not None:
+            length.predicted = t + remaining
+            if len(length.probes) == 1:
+                length.first_predicted = length.predicted
 
-    @staticmethod
-    def remaining(req: Request) -> float:
-        return max(1.0, float(min(req.priority, req.params.max_tokens) - req.num_output_tokens))
+    def finished(self, req: Request) -> None:
+        length = req.length
+        if length is None or self.predictor is None:
+            return
+        self.predictor.observe(length.probes, req.num_output_tokens)
+        predicted = length.first_predicted
+        if predicted is not None:
+            pool = "short" if predicted < LONG_POOL_TOKENS else "long"
+            self.length_outcomes.append((predicted / max(1, req.num_output_tokens), pool, req.queue_seconds or 0.0))
+
+    def drain_length_outcomes(self) -> list[tuple[float, str, float]]:
+        outcomes, self.length_outcomes = self.length_outcomes, []
+        return outcomes
+
+    def close(self) -> None:
+        if self.predictor is not None:
+            self.predictor.save()
 
 
-QUEUE_POLICIES = {"fcfs": Fcfs, "priority": Priority, "predicted": Predicted, "oracle": Oracle}
+QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {"fcfs": Fcfs, "priority": Priority, "predicted": Predicted}
+# Names that left the engine, and the names that replaced them: still accepted, with a warning.
+RENAMED = {"oracle": "bench.serving.length_oracle:oracle"}
+
+
+def register_policy(name: str, policy: type[QueuePolicy]) -> None:
+    """Make `policy` known as `name` ("module:name" for a module outside the engine, which registers at import)."""
+    QUEUE_POLICIES[name] = policy
+
+
+def policy_name(name: str) -> str:
+    """`name` as registered (a deprecated one replaced, with a warning); ValueError if no policy has it."""
+    if name in RENAMED:
+        log.warning("--scheduling-policy %s is deprecated: use %s", name, RENAMED[name])
+        name = RENAMED[name]
+    if name not in QUEUE_POLICIES and ":" in name:
+        module = name.partition(":")[0]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"scheduling policy {name!r}: cannot import {module}: {e}") from e
+    if name not in QUEUE_POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}: {', '.join(QUEUE_POLICIES)}, or module:name")
+    return name
+
+
+def queue_policy(name: str) -> type[QueuePolicy]:
+    """The policy class registered as `name` (see policy_name)."""
+    return QUEUE_POLICIES[policy_name(name)]
 
 
 class WaitingQueue:
     """Waiting requests, kept sorted by the policy's key, computed when each is added."""
 
-    def __init__(self, policy: type[Fcfs | Predicted]):  # Priority and Oracle are their subclasses
+    def __init__(self, policy: QueuePolicy):
         self.policy = policy
         self._keys: list[tuple] = []  # sorted; each ends with the request's arrival order, so no two are equal
         self._requests: list[Request] = []  # in the same order

@@ -49,6 +49,28 @@ class SampledTokens(msgspec.Struct, array_like=True):
     hidden: list[float] | None = None  # the final hidden state at its last known token, where the step probed it
 
 
+class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
+    """What a caller asks of the engine besides a prompt and its sampling: the same for every choice of an API
+    request, read by the engine where it applies (a new option is a field here, set by the caller, read by its user)."""
+
+    cache_salt: bytes = b""  # opaque; mixed into its first block's name: only requests with the same salt share blocks
+    priority: int = 0  # lower is admitted first under the `priority` scheduling policy
+
+
+NO_OPTIONS = RequestOptions()
+
+
+class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence to generate, built once by its caller (the gateway, per choice; LLM.generate) and taken as it is
+    by EngineCore.add_request, across the engine frame (AddRequest) where there is one. Request is the engine's
+    own state of it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    options: RequestOptions = NO_OPTIONS
+
+
 @dataclass(eq=False)
 class Request:
     """One generation: the scheduler catches `num_computed_tokens` up to `num_tokens`."""
@@ -58,12 +80,9 @@ class Request:
     params: SamplingParams
     arrival_time: float = 0.0
     eos_token_id: int | None = None  # None when the caller asked to ignore eos
-    priority: int = 0  # lower is admitted first under the `priority` scheduling policy
+    options: RequestOptions = NO_OPTIONS  # as its caller sent them
     arrival_order: int = 0  # its place among the scheduler's arrivals (numbered as they are added)
-    predicted_output_tokens: float | None = None  # the length predictor's latest estimate of its whole output
-    first_predicted_output_tokens: float | None = None  # its estimate from the prompt alone (what metrics judge)
-    # (outputs so far, final hidden state at its last known token) per length probe: what the predictor learns from
-    length_probes: list[tuple[int, list[float]]] = field(default_factory=list)
+    length: object | None = None  # its probes and predictions (core/queue_policy.py's LengthState), where probed
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -83,7 +102,6 @@ class Request:
     matcher: object | None = None  # a constrained request's llguidance matcher, compiled by the engine process for its sampler
     speculation: object | None = None  # its drafter and acceptance estimate (core/speculation.py), from its first draft
     num_delivered_tokens: int = 0  # outputs already handed to its caller (the engine process's deltas)
-    cache_salt: bytes = b""  # opaque; mixed into its first block's name, so only requests with the same salt share blocks
     error: str | None = None  # why it failed (status FINISHED_ERROR)
 
     @property

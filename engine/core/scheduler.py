@@ -9,7 +9,7 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
-from engine.core.queue_policy import QUEUE_POLICIES, LengthPredictor, WaitingQueue
+from engine.core.queue_policy import QueuePolicy, WaitingQueue, queue_policy
 from engine.core.request import Failure, Request, RequestStatus, SampledTokens, TokenLogprobs
 from engine.core.speculation import Speculation, StepDrafts
 
@@ -17,8 +17,6 @@ from engine.core.speculation import Speculation, StepDrafts
 # In a chunk scheduled ahead (async scheduling): the token the batch before samples for this request, which only
 # the device knows yet; the executor puts it in place.
 PLACEHOLDER = -1
-PROBE_EVERY = 16  # outputs between a request's length probes (engine/core/queue_policy.py's `predicted`)
-LONG_POOL_TOKENS = 64  # a request predicted at least this long from its prompt is in the "long" pool (metrics)
 
 
 class PromptLogprobRows(msgspec.Struct, array_like=True):
@@ -88,21 +86,19 @@ class Scheduler:
     preempts the newest of the policy's highest rank when blocks run out."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, kv_window: int | None = None,
-                 speculation: Speculation | None = None, predictor: LengthPredictor | None = None):
+                 speculation: Speculation | None = None, policy: QueuePolicy | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.kv_window = kv_window  # every layer's sliding window: blocks before it go back as requests move on
         self.kv = KVCacheManager(num_blocks, config.block_size, config.kv_policy, config.prefix_caching)
         self.admission = ADMISSION_POLICIES[config.scheduling]()
-        self.policy = QUEUE_POLICIES[config.scheduling_policy]
+        # The config's, unless given one built with more (the `predicted` policy's length predictor).
+        self.policy = policy if policy is not None else queue_policy(config.scheduling_policy)()
         self.waiting = WaitingQueue(self.policy)
         self.max_running = config.max_num_seqs * self.policy.RUNNING_PER_SEQ  # requests holding KV blocks
         # More may hold blocks than an iteration takes: the policy's order picks who runs, and newcomers may take
         # slots and blocks from running requests that rank after them.
         self.reorders = self.max_running > config.max_num_seqs
-        self.predictor = predictor  # None: no length probes, no predictions
-        # Per request finished since the last drain: (first prediction / real length, its pool, its queue seconds).
-        self.length_outcomes: list[tuple[float, str, float]] = []
         self.num_arrived = 0
         self.running: list[Request] = []  # in admission order: oldest first
         self.requests: dict[str, Request] = {}
@@ -323,18 +319,11 @@ class Scheduler:
         sample = end == known + req.num_pending_outputs
         # The optional parts are asked for only where they can be there: this runs per request per step.
         prompt_rows = None if req.params.prompt_logprobs is None else self._prompt_logprob_rows(req, start, end)
-        probe = sample and self.predictor is not None and self._probes(req)
+        probe = sample and self.policy.probing and self.policy.probes(req)
         return ScheduledRequest(
             req.request_id, token_ids + draft if draft else token_ids, start, list(req.block_table), sample,
             prompt_rows, len(draft), probe,
         )
-
-    def _probes(self, req: Request) -> bool:
-        """Whether this step should return the request's hidden state for the length predictor: at its first sample
-        (the prompt's last token), then every PROBE_EVERY outputs."""
-        if self.predictor is None:
-            return False
-        return not req.length_probes or req.num_output_tokens - req.length_probes[-1][0] >= PROBE_EVERY
 
     @staticmethod
     def _prompt_logprob_rows(req: Request, start: int, end: int) -> PromptLogprobRows | None:
@@ -423,8 +412,8 @@ class Scheduler:
             req.num_computed_tokens += len(sr.token_ids) - sr.num_draft + num_accepted
             if sr.prompt_logprobs is not None:
                 req.prompt_logprobs += prompt_logprobs[sr.request_id]
-            if result is not None and result.hidden is not None and self.predictor is not None:
-                self._predict(req, result.hidden)
+            if result is not None and result.hidden is not None:
+                self.policy.probed(req, result.hidden)
             status = self._append(req, result) if sr.sample else None
             self.kv.cache_full_blocks(req)
             if self.kv_window:  # the next query (at num_computed_tokens) sees keys from here on
@@ -450,20 +439,6 @@ class Scheduler:
                 return status
         return None
 
-    def drain_length_outcomes(self) -> list[tuple[float, str, float]]:
-        outcomes, self.length_outcomes = self.length_outcomes, []
-        return outcomes
-
-    def _predict(self, req: Request, hidden: list[float]) -> None:
-        """A length probe came back: the hidden state at the request's last known token, before this step's outputs."""
-        t = req.num_output_tokens
-        req.length_probes.append((t, hidden))
-        remaining = self.predictor.predict(hidden, t)
-        if remaining is not None:
-            req.predicted_output_tokens = t + remaining
-            if len(req.length_probes) == 1:
-                req.first_predicted_output_tokens = req.predicted_output_tokens
-
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         if token_id in req.stop_token_ids and req.num_output_tokens >= req.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
@@ -472,14 +447,10 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if self.speculation is not None and status != RequestStatus.FINISHED_ERROR:
-            self.speculation.finished(req)
-        if self.predictor is not None and req.length_probes and status != RequestStatus.FINISHED_ERROR:
-            self.predictor.observe(req.length_probes, req.num_output_tokens)
-            predicted = req.first_predicted_output_tokens
-            if predicted is not None:
-                pool = "short" if predicted < LONG_POOL_TOKENS else "long"
-                self.length_outcomes.append((predicted / max(1, req.num_output_tokens), pool, req.queue_seconds or 0.0))
+        if status != RequestStatus.FINISHED_ERROR:
+            if self.speculation is not None:
+                self.speculation.finished(req)
+            self.policy.finished(req)
         req.status = status
         self.running.remove(req)
         self.kv.free(req)

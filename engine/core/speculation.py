@@ -239,7 +239,7 @@ class Speculation:
         Once they are scheduled (their blocks allocated), `join` counts them in the step."""
         state = req.speculation
         if state is None:
-            drafters = self.source.new_drafters(req.cache_salt)
+            drafters = self.source.new_drafters(req.options.cache_salt)
             self.priors += [self.PRIOR] * (len(drafters) - len(self.priors))
             state = req.speculation = RequestSpeculation(drafters, self.priors[:len(drafters)])
         limit = min(limit, self.max_tokens)
@@ -311,7 +311,7 @@ class Speculation:
 
     def finished(self, req: Request) -> None:
         if req.speculation is not None:
-            self.source.finished(req.output_token_ids, req.cache_salt)
+            self.source.finished(req.output_token_ids, req.options.cache_salt)
 
     def drain_accepted_lengths(self) -> list[int]:
         lengths, self.accepted_lengths = self.accepted_lengths, []

@@ -82,7 +82,7 @@ class GrammarGate:
         """Drop a waiting request; False if none of that id waits here."""
         for grammar_id, grammar in list(self._grammars.items()):
             for i, msg in enumerate(grammar.waiting):
-                if msg.request_id == request_id:
+                if msg.request.request_id == request_id:
                     del grammar.waiting[i]
                     self._forget_if_done(grammar_id, grammar)
                     return True

@@ -6,9 +6,8 @@ from typing import Union
 
 import msgspec
 
-from engine.core.request import TokenLogprobs
+from engine.core.request import EngineRequest, TokenLogprobs
 from engine.core.request_limits import RequestLimits
-from engine.core.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- gateway -> engine
 
@@ -27,12 +26,10 @@ class ReleaseGrammar(msgspec.Struct, tag=True, array_like=True):
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams  # `grammar` unset when `grammar_id` names one
-    cache_salt: bytes = b""  # opaque to the engine (the gateway derives it from the API key and `cache_salt`)
+    """A request for EngineCore.add_request, as the gateway built it."""
+
+    request: EngineRequest  # its params' `grammar` unset when `grammar_id` names one
     grammar_id: str | None = None  # an AddGrammar sent before: the request waits until it has compiled
-    priority: int = 0  # lower is admitted first under the `priority` scheduling policy
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -21,7 +21,8 @@ import time
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
-from engine.core.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.request import EngineRequest
+from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.channel import Channel, ChannelHandle
 from engine.ipc.grammar_gate import Compiled, GrammarGate
 from engine.ipc.memory import Memory, this_process
@@ -129,27 +130,28 @@ class EngineWorker:
         elif isinstance(msg, ReleaseGrammar):
             self.grammars.release(msg.grammar_id)
         elif msg.grammar_id is None:
-            self.add(msg, msg.params)
+            self.add(msg.request)
         elif self.grammars is None or not self.grammars.park(msg):
-            self.outbox.send(RequestError(msg.request_id, f"unknown grammar {msg.grammar_id!r}", internal=True))
+            self.outbox.send(RequestError(msg.request.request_id, f"unknown grammar {msg.grammar_id!r}", internal=True))
 
     def add_compiled(self, done: Compiled) -> None:
-        msg = done.request
+        request = done.request.request
         if done.error is not None:
-            self.outbox.send(RequestError(msg.request_id, done.error, "response_format"))
+            self.outbox.send(RequestError(request.request_id, done.error, "response_format"))
             return
-        req = self.add(msg, msgspec.structs.replace(msg.params, grammar=done.grammar))
+        params = msgspec.structs.replace(request.params, grammar=done.grammar)
+        req = self.add(msgspec.structs.replace(request, params=params))
         if req is not None:
             req.matcher = done.matcher
 
-    def add(self, msg: AddRequest, params: SamplingParams):
+    def add(self, request: EngineRequest):
         """Queue a request in the engine; None (and a RequestError to the gateway) if it is invalid."""
         try:
-            req = self.engine.add_request(msg.prompt_token_ids, params, msg.request_id, msg.cache_salt, msg.priority)
+            req = self.engine.add_request(request)
         except InvalidRequestError as e:
-            self.outbox.send(RequestError(msg.request_id, str(e), e.param))
+            self.outbox.send(RequestError(request.request_id, str(e), e.param))
             return None
-        self.prompt_tokens_total += len(msg.prompt_token_ids)
+        self.prompt_tokens_total += len(request.prompt_token_ids)
         return req
 
     def step(self) -> None:
@@ -204,7 +206,7 @@ class EngineWorker:
             e.last_batch_tokens, iteration_seconds, memory.resident_bytes, s.prefix_queried_tokens,
             s.prefix_hit_tokens, s.kv.num_cached_blocks, memory.private_bytes,
             *((spec.num_drafted, spec.num_accepted, spec.drain_accepted_lengths()) if spec is not None else (0, 0, [])),
-            s.drain_length_outcomes(), spec.step_cost.value if spec is not None else 0.0,
+            s.policy.drain_length_outcomes(), spec.step_cost.value if spec is not None else 0.0,
             dict(runner.step_paths) if (runner := getattr(e.executor, "runner", None)) is not None else {},
         ))
 

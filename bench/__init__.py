@@ -1,0 +1,1 @@
+"""Benchmarks, profilers and client checks of Orcinus, run as `python -m bench.<group>.<script>`."""
