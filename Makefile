@@ -44,7 +44,7 @@ test-gpu: install
 	$(PY) -m pytest -q --gpu $(GPU_TESTS)
 
 bench: install
-	$(PY) loadtest/bench_offline.py
+	$(PY) -m bench.offline.bench_offline
 
 clean:
 	rm -rf $(VENV) build *.egg-info engine/kernels/csrc/cpu/*.so engine/kernels/csrc/cpu/*.build.json

@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import parse_metrics  # noqa: F401 - the tests' too: one reading of /metrics
 from engine.model.loader import load_checkpoint
 from engine.model.model_files import GGUFReader, default_model_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "loadtest"))
-from local_server import parse_metrics  # noqa: F401 - the tests' too: one reading of /metrics
 
 # Reference and engine share the 2 cores; fewer threads than cores avoids oversubscription stalls.
 torch.set_num_threads(2)

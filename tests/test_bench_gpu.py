@@ -1,4 +1,4 @@
-"""loadtest/bench_gpu.py runs end to end (its CPU smoke mode) and writes every section of its report."""
+"""bench/gpu/bench_gpu.py runs end to end (its CPU smoke mode) and writes every section of its report."""
 
 import json
 import subprocess
@@ -11,7 +11,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def test_bench_gpu_quick_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "loadtest/bench_gpu.py", "--device", "cpu", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.gpu.bench_gpu", "--device", "cpu", "--quick", "--out", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,8 +39,7 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
 
 
 def test_reports_are_replaced_whole(tmp_path):
-    sys.path.insert(0, str(REPO_ROOT / "loadtest"))
-    from json_report import write_json
+    from bench.common import write_json
 
     out = tmp_path / "sub" / "report.json"
     write_json(out, {"rows": [1]})

@@ -1,13 +1,8 @@
-"""loadtest/bench_multiturn.py end to end on a tiny workload, against the conftest servers (caching on, then off)."""
+"""bench/serving/bench_multiturn.py end to end on a tiny workload, against the conftest servers (caching on, off)."""
 
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "loadtest"))
-
-import bench_multiturn  # noqa: E402
+from bench.serving import bench_multiturn
 
 
 def test_bench_multiturn_tiny_workload(server_factory, tmp_path, capsys):

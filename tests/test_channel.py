@@ -34,6 +34,8 @@ from engine.ipc.messages import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+# A child process's environment: it imports this checkout's engine, not another's.
+CHECKOUT = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture
@@ -187,11 +189,8 @@ def test_attach_rejects_foreign_segment():
 
 
 # Run as its own process so the resource_tracker (which prints "leaked shared_memory" warnings when
-# its owner exits) writes into a stderr we capture.
+# its owner exits) writes into a stderr we capture. It imports this checkout's engine: CHECKOUT puts it first.
 _ECHO_SCRIPT = """
-import sys
-ROOT = {root!r}
-sys.path.insert(0, ROOT)
 import json, multiprocessing, os, time
 from engine.ipc.channel import *
 from engine.ipc.messages import *
@@ -273,8 +272,9 @@ if __name__ == "__main__":
 
 def test_cross_process_echo_spawn_no_leak_warning(tmp_path):
     script = tmp_path / "echo_channel.py"
-    script.write_text(_ECHO_SCRIPT.format(root=str(ROOT)))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    script.write_text(_ECHO_SCRIPT.format())
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=CHECKOUT)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["exitcode"] == 0 and result["in_order"] and result["last"] == "EngineStats"
@@ -290,13 +290,13 @@ def test_unrelated_attacher_process_neither_unlinks_nor_warns(channels):
     ch = channels(ToEngine, capacity=4096)
     ch.send(Abort("r9"))
     h = ch.handle()
-    code = _ECHO_SCRIPT.split("import json", 1)[0].format(root=str(ROOT)) + (
+    code = (
         "from engine.ipc.channel import Channel, ChannelHandle\nfrom engine.ipc.messages import ToEngine\n"
         f"c = Channel.attach(ChannelHandle({h.shm_name!r}, {h.doorbell_path!r}), ToEngine)\n"
         "print(c.recv_all()[0].request_id)\n"
         "c.close()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=CHECKOUT)
     assert proc.returncode == 0 and proc.stdout.strip() == "r9", proc.stderr
     assert proc.stderr == ""
     assert os.path.exists(f"/dev/shm/{h.shm_name}")  # its exit did not unlink our segment

@@ -1,13 +1,8 @@
-"""loadtest/compare_scheduling.py: both modes at each rate back to back, compared at a fixed latency target."""
-
-import sys
-from pathlib import Path
+"""bench/serving/compare_scheduling.py: both modes at each rate back to back, compared at a fixed latency target."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "loadtest"))
-
-from compare_scheduling import summarize_modes, sweep  # noqa: E402
+from bench.serving.compare_scheduling import summarize_modes, sweep
 
 
 def point(rate, throughput, latency):

@@ -1,5 +1,5 @@
 """A lent GPU machine can import the engine and the gateway: every third-party module they import at
-module level is on the machine's image or among the wheels loadtest/gpu_wheels.sh carries there."""
+module level is on the machine's image or among the wheels bench/gpu/gpu_wheels.sh carries there."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WHEELS = ROOT / "loadtest" / "gpu_wheels.txt"  # gpu_wheels.sh fetches exactly these
+WHEELS = ROOT / "bench" / "gpu" / "gpu_wheels.txt"  # gpu_wheels.sh fetches exactly these
 
 # The lent H100/H200 image, as read there (benchmarks/gpu/README.md, the GPU desk check), with transformers' needs.
 DEVICE_IMAGE = frozenset({
@@ -71,7 +71,7 @@ def third_party_imports() -> dict[str, set[str]]:
 def test_every_module_level_import_reaches_the_gpu_machine():
     missing = {d: sorted(files) for d, files in third_party_imports().items()
                if d not in DEVICE_IMAGE | carried()}
-    assert not missing, f"add these to loadtest/gpu_wheels.txt (and their dependencies the image lacks): {missing}"
+    assert not missing, f"add these to bench/gpu/gpu_wheels.txt (and their dependencies the image lacks): {missing}"
 
 
 def test_the_walk_sees_module_level_imports_only():
@@ -92,4 +92,4 @@ def test_the_walk_sees_module_level_imports_only():
 def test_carried_wheels_do_not_shadow_the_image():
     # gpu_check.sh installs the wheels ahead of the machine's packages: a second torch or numpy would win.
     assert not carried() & DEVICE_IMAGE
-    assert "loadtest/gpu_wheels.txt" in (ROOT / "loadtest" / "gpu_wheels.sh").read_text()
+    assert "bench/gpu/gpu_wheels.txt" in (ROOT / "bench" / "gpu" / "gpu_wheels.sh").read_text()

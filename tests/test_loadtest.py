@@ -18,7 +18,7 @@ def test_locust_headless_records_requests_and_no_failures(server, tmp_path):
         pytest.skip("locust is not installed")
     prefix = tmp_path / "run"
     proc = subprocess.run(
-        [str(BIN / "locust"), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", server, "--headless",
+        [str(BIN / "locust"), "-f", str(ROOT / "bench" / "serving" / "locustfile.py"), "--host", server, "--headless",
          "-u", "4", "-r", "4", "-t", "8s", "--csv", str(prefix), "--only-summary", "--stop-timeout", "30"],
         capture_output=True, text=True, timeout=120,
     )
@@ -34,9 +34,9 @@ def test_locust_headless_records_requests_and_no_failures(server, tmp_path):
 def test_bench_serving_tiny_workload(server, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "loadtest" / "bench_serving.py"), "--base-url", server, "--num-prompts", "6",
+        [sys.executable, "-m", "bench.serving.bench_serving", "--base-url", server, "--num-prompts", "6",
          "--input-len", "8", "24", "--output-len", "2", "6", "--request-rate", "4", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -49,15 +49,14 @@ def test_bench_serving_tiny_workload(server, tmp_path):
 
 def test_bench_serving_timed_closed_loop_sends_the_same_requests_to_any_server(server, tmp_path):
     """A timed run (how compare_llama_server.py drives both servers) takes the seeded requests in order."""
-    sys.path.insert(0, str(ROOT / "loadtest"))
-    from bench_serving import Workload
+    from bench.serving.bench_serving import Workload
 
     out = tmp_path / "timed.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "loadtest" / "bench_serving.py"), "--base-url", server, "--duration", "2",
+        [sys.executable, "-m", "bench.serving.bench_serving", "--base-url", server, "--duration", "2",
          "--max-concurrency", "2", "--input-len", "8", "24", "--output-len", "2", "6", "--seed", "5",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""loadtest/soak.py in a few seconds against the shared live server: Locust's CSVs, the RSS samples and plot,
+"""bench/serving/soak.py in a few seconds against the shared live server: Locust's CSVs, the RSS samples and plot,
 and a summary. The real soak runs for 10 minutes; this checks that every output it will need is there."""
 
 import csv
@@ -15,9 +15,9 @@ def test_soak_smoke_run_writes_rss_samples_plot_and_locust_csvs(server, tmp_path
     # A subprocess, as the real run: locust must never be imported into pytest (gevent patches everything).
     out = tmp_path / "soak"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "loadtest" / "soak.py"), "--base-url", server, "--duration", "4",
+        [sys.executable, "-m", "bench.serving.soak", "--base-url", server, "--duration", "4",
          "--interval", "1", "--users", "4", "--out", str(out)],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "rss.csv")))

@@ -1,1 +1,2 @@
-"""Served benchmarks: `orcinus serve` under load, compared with other servers and across its own options."""
+"""Served benchmarks: a live `orcinus serve` under load (throughput, latency, scheduling, speculation,
+length-aware ordering, multi-turn, abuse, soak), alone or against llama-server."""

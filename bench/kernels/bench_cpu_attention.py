@@ -1,0 +1,83 @@
+"""The CPU attention op alone (engine/kernels/csrc/cpu/paged_decode_attention.cpp): n query rows spread over some
+requests (a decode, or decodes verifying draft tokens) at several context lengths, SmolLM2's 9 query / 3 KV heads of 64,
+float32, microseconds a call (one layer), median of many calls; `--layers 30` cycles through 30 layers' caches, so their
+keys come from memory, as in a model's step, not from the last-level cache. `--against FILE` builds another copy of the
+op's source (`git show REV:engine/kernels/csrc/cpu/paged_decode_attention.cpp > FILE`) and times it call for call
+against this tree's, comparing their outputs' bits.
+
+    .venv/bin/python -m bench.kernels.bench_cpu_attention --threads 2 \\
+        --out benchmarks/results/kernels/cpu_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", default=None, help="another paged_decode_attention.cpp to time beside this one")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[100, 300, 1000])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 9, 17, 32])
+    ap.add_argument("--requests", type=int, default=1, help="the rows split over this many requests, in runs")
+    ap.add_argument("--layers", type=int, default=1, help="caches cycled through, one a call")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    from engine.attention.cpu_backend import _kernels
+    from engine.kernels.cpu_ops import load_cpu_extension_copy
+
+    ops = {"tree": _kernels().paged_decode_attention}
+    if args.against:
+        ops["against"] = load_cpu_extension_copy("orcinus_cpu_attention", args.against).paged_decode_attention
+    torch.set_num_threads(args.threads)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    result = {"command": "python " + " ".join(sys.argv), "requests": args.requests, "median_us": {}}
+    for ctx in args.contexts:
+        for n in args.rows:
+            q = torch.randn(n, heads, head_dim)
+            per_table = -(-(ctx + n) // block_size)
+            num_blocks = per_table * args.requests + 8
+            caches = [torch.randn(2, kv_heads, num_blocks, block_size, head_dim) for _ in range(args.layers)]
+            tables = torch.randperm(num_blocks)[: per_table * args.requests].int().view(args.requests, per_table)
+            requests = torch.tensor([r * args.requests // n for r in range(n)], dtype=torch.int32)
+            lens = torch.tensor([ctx + 1 + r - int((requests == requests[r]).nonzero()[0]) for r in range(n)],
+                                dtype=torch.int32)  # a request's rows: ctx + 1, ctx + 2, ... keys
+            calls = [(q, cache, tables, requests, lens, 0.125, 0, 0.0) for cache in caches]
+            outputs = {k: op(*calls[0]) for k, op in ops.items()}
+            for _ in range(20):
+                for op in ops.values():
+                    op(*calls[0])
+            times = {k: [] for k in ops}
+            sweeps = {k: [] for k in ops}  # a sweep: every layer once
+            for i in range(args.calls):
+                for k in sorted(ops, reverse=i % 2 == 1):  # who goes first alternates
+                    sweep = 0.0
+                    for call in calls:
+                        start = time.perf_counter()
+                        ops[k](*call)
+                        times[k].append(time.perf_counter() - start)
+                        sweep += times[k][-1]
+                    sweeps[k].append(sweep)
+            row = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+            line = f"context {ctx:>5}, {n:>2} rows: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items())
+            if args.against:  # the median of paired sweeps' ratios: the machine's speed drifts between pairs
+                row["against_over_tree"] = statistics.median(a / t for a, t in zip(sweeps["against"], sweeps["tree"]))
+                row["same_bits"] = torch.equal(outputs["tree"], outputs["against"])
+                line += f"; against / tree {row['against_over_tree']:.2f}x, same bits {row['same_bits']}"
+            result["median_us"][f"{ctx}x{n}"] = row
+            print(line, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
