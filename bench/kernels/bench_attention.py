@@ -1,6 +1,6 @@
 """Check and time the CUDA attention backend (engine/attention/cuda_backend.py) on a GPU.
 
-    python -m bench.kernels.bench_attention --out benchmarks/results/kernels/attention.json
+    python -m bench.kernels.bench_attention --out benchmarks/results/gpu/bench_attention.json
 
 (a) correctness: fresh random ragged batches (prefill-only, decode-only, mixed; GQA 1, 3, 8; lengths
     1..8192 incl. block boundaries) against float32 SDPA per request, by relative error;

@@ -6,7 +6,7 @@ two kinds alternate pass by pass, so both see the same machine; medians over the
 per-pair ratios.
 
     .venv/bin/python -m bench.kernels.bench_block_matmul --threads 2 --rows 1 2 4 8 32 128 --passes 30 \\
-        --out benchmarks/results/kernels/int16_matmul.json
+        --out benchmarks/results/kernels/block_matmul_int16.json
 
 `--against FILE` times the int16 op built from another int16_matmul.cpp (`git show REV:engine/kernels/csrc/cpu/...`) in
 place of the float32 path, and checks that both give the same bits. With `--march haswell` both sides are built for AVX2

@@ -2,7 +2,7 @@
 engine does (the served defaults), and reports its peak RSS and what it holds after. Checkouts alternate per round.
 
     python -m bench.offline.bench_load_memory --trees . /tmp/old-checkout --rounds 2 \\
-        --out benchmarks/results/memory/load_memory.json
+        --out benchmarks/results/memory/load_bundled.json
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="checkouts to load from")
     ap.add_argument("--model", default="", help="as `orcinus serve --model` (default: the bundled model)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/memory/load_memory.json")
+    ap.add_argument("--out", default="benchmarks/results/memory/load_bundled.json")
     args = ap.parse_args()
     trees = [t.resolve() for t in args.trees]
     report = {"command": "python " + " ".join(sys.argv), "machine": platform.platform(), **provenance(),

@@ -7,7 +7,7 @@ its defaults in the given dtype (on the CPU: the GGUF's own blocks); in bfloat16
 and SiLU-and-multiply in place of the fused C++ token ops, `--compare-batch-invariant` its defaults with
 `batch_invariant=True`, each for an A/B in one run.
 
-    .venv/bin/python -m bench.offline.bench_offline --out benchmarks/results/offline/offline_cpu.json
+    .venv/bin/python -m bench.offline.bench_offline --out benchmarks/results/offline/vs_transformers.json
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="Orcinus's runs only (ratios to the first)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default: ~10-token prompts)")
-    ap.add_argument("--out", default="benchmarks/results/offline/offline_cpu.json")
+    ap.add_argument("--out", default="benchmarks/results/offline/vs_transformers.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

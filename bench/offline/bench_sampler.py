@@ -3,7 +3,7 @@ temperature 0.7 (what chat clients send), and torch.multinomial's draw over the 
 engine/model/sampling/draw.py replaced). Median of many calls.
 
     .venv/bin/python -m bench.offline.bench_sampler --threads 2 --rows 1 8 24 64 \\
-        --out benchmarks/results/offline/sampler.json
+        --out benchmarks/results/kernels/sampler.json
 """
 
 from __future__ import annotations

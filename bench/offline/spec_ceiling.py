@@ -10,11 +10,11 @@ pass over the weights after the first (a pass multiplies P rows: 4 with AVX2, 8 
 engine's rule then sees those costs as measured (its StepCost primed with them). Each policy runs twice: drafting
 from the request's own context alone, and (`shared`) from the earlier requests' outputs too where that has no match.
 
-    python -m bench.offline.spec_ceiling --prompts 60 --out benchmarks/results/speculative/spec_ceiling.json
+    python -m bench.offline.spec_ceiling --prompts 60 --out benchmarks/results/speculative/ceiling_replay.json
     python -m bench.offline.spec_ceiling --prompts 60 --pass-rows 4 --row-cost 0.115 --pass-cost 0.15 --max-k 8 16 24 \
-        --out benchmarks/results/speculative/spec_ceiling_avx2.json
+        --out /tmp/ceiling_avx2.json
     python -m bench.offline.spec_ceiling --prompts 80 --pass-rows 12 --row-cost 0.118 --max-k 11 16 \
-        --out benchmarks/results/speculative/spec_ceiling_shared.json
+        --out /tmp/ceiling_shared.json
 """
 
 from __future__ import annotations

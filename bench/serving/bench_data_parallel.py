@@ -8,7 +8,7 @@ arrive over --think-time seconds and think that long on average between turns, s
 step) on `--data-parallel-size 2` under each routing policy: prefix-cache hit rate and TTFT p50 of turns 2+. Variants run
 in alternation, a fresh server each, --rounds times; medians over the rounds.
 
-    python -m bench.serving.bench_data_parallel --out benchmarks/results/serving/data_parallel.json
+    python -m bench.serving.bench_data_parallel --out benchmarks/results/scaling/data_parallel.json
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--think-time", type=float, default=4.0,
                     help="chat users' mean seconds between a reply and their next turn (exponential; 0: none)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/serving/data_parallel.json")
+    ap.add_argument("--out", default="benchmarks/results/scaling/data_parallel.json")
     args = ap.parse_args()
     out = Path(args.out)
     result = {**provenance(), "config": vars(args), "closed_loop": {}, "routing": {}}

@@ -4,7 +4,7 @@ checkout whose install built the ops (`make install`) compiles nothing at either
 installs, and trees without the ops built in place to compare run-time builds.
 
     python -m bench.serving.bench_first_start --trees . /tmp/old-checkout --rounds 2 \\
-        --out benchmarks/results/serving/first_start.json
+        --out benchmarks/results/startup/first_start.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--flags", default="", help="extra `orcinus serve` flags")
     ap.add_argument("--cached-only", action="store_true",
                     help="time only starts with the C++ ops already built (each tree builds them once, untimed)")
-    ap.add_argument("--out", default="benchmarks/results/serving/first_start.json")
+    ap.add_argument("--out", default="benchmarks/results/startup/first_start.json")
     args = ap.parse_args()
     trees = [t.resolve() for t in args.trees]
     report = {"command": "python " + " ".join(sys.argv), "machine": platform.platform(), **provenance(),

@@ -13,7 +13,7 @@ latency and TTFT (a request shares every step it runs in, and gets no more of it
 
     python -m bench.serving.eval_length_predictor --train 2000 --predictor /tmp/length.safetensors
     python -m bench.serving.bench_length_aware --length-predictor /tmp/length.safetensors \\
-        --out benchmarks/results/length_aware/length_aware.json
+        --out benchmarks/results/length_aware/served.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ every system): no system's prefix cache or suffix tree sees a prompt, or its ans
     W=/tmp/peer PORT=8102 EXTRA="--spec-type ngram-simple" ../shared/peers/start_llama_server.sh
     python -m bench.serving.bench_speculative --variant off="--speculative off" --variant ngram="--speculative ngram" \\
         --peer llama=http://127.0.0.1:8101 --peer llama-ngram=http://127.0.0.1:8102 \\
-        --out benchmarks/results/speculative/speculative.json
+        --out benchmarks/results/speculative/all_workloads.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ drives each with a closed loop at saturation (--max-concurrency clients, Orca-sh
 interleaves the servers over repeats so machine drift hits them alike. Reports median output tok/s
 and req/s per stage count, and the ratio to 1 stage.
 
-    python -m bench.serving.compare_pipeline --out benchmarks/results/serving/pipeline.json
+    python -m bench.serving.compare_pipeline --out benchmarks/results/scaling/pipeline.json
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-cache-memory", type=int, default=512 * 2**20)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--out", default="benchmarks/results/serving/pipeline.json")
+    ap.add_argument("--out", default="benchmarks/results/scaling/pipeline.json")
     args = ap.parse_args()
 
     t_start = time.perf_counter()

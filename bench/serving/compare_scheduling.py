@@ -6,8 +6,8 @@ at each rate (so drift hits both alike), and writes the points, a plot of median
 throughput (like the paper's Figures 8-10) and a summary: each mode's throughput at one p50 normalized
 latency, and their ratio. The JSON is rewritten after every point, so a run cut off keeps its points.
 
-    python -m bench.serving.compare_scheduling --out benchmarks/results/scheduling/scheduling.json \\
-        --plot benchmarks/results/scheduling/scheduling.png
+    python -m bench.serving.compare_scheduling --out benchmarks/results/scheduling/cpu.json \\
+        --plot benchmarks/results/scheduling/cpu.png
     python -m bench.serving.compare_scheduling --model dummy:llama-1b --latency-target 0.008 \
         --rates 20 40 80 120 160 200 240 ...       # on a GPU: a fixed 8 ms/token (gpu_check.sh --long)
 """
@@ -129,8 +129,8 @@ def main() -> int:
     ap.add_argument("--latency-target", type=float, default=None,
                     help="p50 normalized latency (s/token) at which to compare, fixed (0.008 for a GPU run); "
                          "default 2x the best seen, which shrinks as the engine gets faster")
-    ap.add_argument("--out", default="benchmarks/results/scheduling/scheduling.json")
-    ap.add_argument("--plot", default="benchmarks/results/scheduling/scheduling.png")
+    ap.add_argument("--out", default="benchmarks/results/scheduling/cpu.json")
+    ap.add_argument("--plot", default="benchmarks/results/scheduling/cpu.png")
     args = ap.parse_args()
 
     t_start = time.perf_counter()

@@ -3,7 +3,7 @@
 against the real lengths, beside the taus of max_tokens and of the prompt's length.
 
     python -m bench.serving.eval_length_predictor --train 2000 --held-out 400 --predictor /tmp/length.safetensors \\
-        --out benchmarks/results/length_aware/length_predictor.json
+        --out benchmarks/results/length_aware/predictor.json
 """
 
 from __future__ import annotations

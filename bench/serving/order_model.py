@@ -8,7 +8,7 @@ decodes at ~40-70% of saturation's tok/s: c ~0.5-1.5; a GPU's decode step, nearl
 Every policy knows the true lengths (the oracle's ceiling): `all` runs every request every step (Orca, FCFS's
 batches); `cap N` runs the N shortest remaining; `half N` the shorter half, at least N; `srpt` one at a time.
 
-    python -m bench.serving.order_model --out benchmarks/results/length_aware/length_order_model.json
+    python -m bench.serving.order_model --out benchmarks/results/length_aware/order_model.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ reads the gateway's and the engine's resident memory from /metrics into rss.csv.
 rss.png, Locust's CSVs (locust_*.csv) and summary.json into --out; a server it started is stopped with
 SIGTERM and checked for shared-memory segments left in /dev/shm.
 
-    python -m bench.serving.soak --duration 600 --out benchmarks/results/memory/soak
+    python -m bench.serving.soak --duration 600 --out benchmarks/results/serving/soak
 
 Locust never runs in this process: it monkey-patches everything with gevent.
 """
@@ -155,7 +155,7 @@ def main() -> int:
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads of a server this script starts")
     ap.add_argument("--api-key", default=os.environ.get("ORCINUS_API_KEY"), help="for /metrics if it needs one")
     ap.add_argument("--warmup-requests", type=int, default=1000, help="finished requests before RSS growth counts")
-    ap.add_argument("--out", default="benchmarks/results/memory/soak", help="output directory")
+    ap.add_argument("--out", default="benchmarks/results/serving/soak", help="output directory")
     args = ap.parse_args()
     if not LOCUST.exists():
         sys.exit(f"{LOCUST} not found: pip install -e '.[test]'")
