@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
-from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS
+from gateway.web.in_flight import DEFAULT_MAX_QUEUED_TOKENS
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
-    from gateway.replicas import Replicas
+    from gateway.engines.replicas import Replicas
 
 # Flags shared by every subcommand that builds an engine; names follow EngineConfig's fields.
 _ENGINE_FLAGS = {
@@ -134,7 +134,7 @@ def _positive_seconds(text: str) -> float:
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """--api-key (repeated) and --api-key-file; neither given: $ORCINUS_API_KEY, if set."""
-    from gateway.auth import check_key, read_keys_file
+    from gateway.web.auth import check_key, read_keys_file
 
     keys = list(args.api_key or [])
     for path in args.api_key_file or []:
@@ -149,7 +149,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine.model.tokenizer.chat_template import load_chat_template
     from gateway.config import GatewayConfig
-    from gateway.guards import default_allowed_hosts
+    from gateway.web.guards import default_allowed_hosts
 
     try:
         keys = api_keys(args)
@@ -193,9 +193,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def launch_engines(config: GatewayConfig) -> Replicas:
     """The config's engine replicas, their processes spawned already (the app adopts them when it starts)."""
-    from gateway.replicas import Replicas
+    from gateway.config import make_replicas
 
-    replicas = Replicas.for_server(config)
+    replicas = make_replicas(config)
     replicas.launch()
     return replicas
 
@@ -204,10 +204,10 @@ def run_server(app, *, host: str, port: int, shutdown_timeout: float, header_tim
                send_timeout: float = 30.0, max_connections: int | None = None) -> None:
     """uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
     cleanly just before it), then the app's shutdown stops the engine and frees its shared memory. Connections
-    are guarded against slow clients and capped (gateway/connections.py)."""
+    are guarded against slow clients and capped (gateway/web/connections.py)."""
     import uvicorn
 
-    from gateway.connections import default_max_connections, guarded_h11, raise_fd_limit
+    from gateway.web.connections import default_max_connections, guarded_h11, raise_fd_limit
 
     fd_limit = raise_fd_limit()
     protocol = guarded_h11(max_connections or default_max_connections(fd_limit), header_timeout, send_timeout)

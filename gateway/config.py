@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.core.config import EngineConfig
-from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS
-from gateway.routing import RoutingPolicy
+from gateway.engines.replicas import Replicas
+from gateway.engines.routing import RoutingPolicy
+from gateway.web.in_flight import DEFAULT_MAX_QUEUED_TOKENS
+from gateway.web.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,9 @@ class GatewayConfig:
     allowed_origins: tuple[str, ...] | None = None  # CORS origins; None = http://localhost:* and http://127.0.0.1:*
     allowed_hosts: tuple[str, ...] | None = None  # Host header values answered ("*.example.com", "*"); None = any
     url: str | None = None  # where clients reach the server, for the startup log (None: not logged)
+
+
+def make_replicas(config: GatewayConfig) -> Replicas:
+    """A server's replicas, with metrics of their own (raises ValueError for a combination they cannot run)."""
+    return Replicas(config.engine, Metrics(), config.engine_hang_timeout, config.data_parallel_size, config.routing,
+                    config.engine_unresponsive_timeout)

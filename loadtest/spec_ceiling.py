@@ -36,7 +36,7 @@ from bench_speculative import chat, grounded  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.core.request import Request  # noqa: E402
 from engine.core.speculation import Speculation  # noqa: E402
-from engine.spec.sources import NgramSource  # noqa: E402
+from engine.drafting.sources import NgramSource  # noqa: E402
 
 
 def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step_cost: Callable[[int], float],

@@ -13,7 +13,7 @@ from engine.core.request import Request, RequestStatus, SampledTokens
 from engine.core.scheduler import Scheduler
 from engine.ipc.messages import EngineStats
 from engine.model.length_predictor import RidgeLengthPredictor
-from gateway.metrics import Metrics
+from gateway.web.metrics import Metrics
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
