@@ -16,7 +16,7 @@ from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.sharding import check_splittable
 from engine.runner.device import resolve_device
 from engine.runner.local_executor import LocalExecutor
-from engine.spec import DRAFT_SOURCES
+from engine.drafting import DRAFT_SOURCES
 
 
 def make_executor(config: EngineConfig, ckpt: Checkpoint, max_model_len: int) -> Executor:

@@ -16,23 +16,23 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from engine.model.tokenizer.chat_template import load_chat_template
-from gateway import errors
-from gateway.admission import Admission
-from gateway.auth import APIKeyMiddleware, CacheSalts
+from gateway.web import errors
+from gateway.web.in_flight import InFlightLimit
+from gateway.web.auth import APIKeyMiddleware, CacheSalts
 from gateway.banner import startup_block
-from gateway.chat import create_chat_completion
-from gateway.config import GatewayConfig
-from gateway.cors import add_cors
-from gateway.completions import create_completion
-from gateway.guards import TrustedHostMiddleware, page_headers
-from gateway.openapi import openapi_document
-from gateway.protocol import ModelCard, ModelList
-from gateway.replicas import Replicas
-from gateway.responses import create_response, delete_response, retrieve_response
-from gateway.serving import ServerState, json_response
-from gateway.special_tokens import ContentTokens
-from gateway.structured import GrammarCompiler
-from gateway.tokenize import detokenize, tokenize, tokenizer_info
+from gateway.api.chat import create_chat_completion
+from gateway.config import GatewayConfig, make_replicas
+from gateway.web.cors import add_cors
+from gateway.api.completions import create_completion
+from gateway.web.guards import TrustedHostMiddleware, page_headers
+from gateway.api.openapi import openapi_document
+from gateway.api.protocol import ModelCard, ModelList
+from gateway.engines.replicas import Replicas
+from gateway.api.responses import create_response, delete_response, retrieve_response
+from gateway.api.serving import ServerState, json_response
+from gateway.api.special_tokens import ContentTokens
+from gateway.api.structured import SchemaCompiler
+from gateway.api.tokenize import detokenize, tokenize, tokenizer_info
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
@@ -63,16 +63,16 @@ def load_gateway_tokenizer(model: str | None):
 
 def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlette:
     """The app; `client`: the config's replicas made (and perhaps launched) already, else made here."""
-    client = client or Replicas.for_server(config)
+    client = client or make_replicas(config)
     metrics = client.metrics
-    admission = Admission(config.engine.max_num_seqs * config.data_parallel_size, config.max_waiting, metrics,
-                          config.max_queued_tokens)
+    in_flight = InFlightLimit(config.engine.max_num_seqs * config.data_parallel_size, config.max_waiting, metrics,
+                              config.max_queued_tokens)
     tokenizer = load_gateway_tokenizer(config.engine.model)
     if tokenizer is not None and config.chat_template is not None:
         tokenizer.chat_template = load_chat_template(config.chat_template)
     content_tokens = None if tokenizer is None else ContentTokens(tokenizer, config.special_tokens_in_content)
-    state = ServerState(client, tokenizer, metrics, served_name(config), admission,
-                        CacheSalts(config.prefix_cache_scope), GrammarCompiler(), content_tokens, config.shutdown_timeout)
+    state = ServerState(client, tokenizer, metrics, served_name(config), in_flight, CacheSalts(config.prefix_cache_scope),
+                        SchemaCompiler(), content_tokens, config.shutdown_timeout)
     started = int(time.time())
     keyed = bool(config.api_keys)
     metrics_need_key = keyed and config.metrics_need_key

@@ -17,10 +17,10 @@ import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
 from engine.core.queue_policy import policy_name
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, make_replicas
 
 if TYPE_CHECKING:
-    from gateway.replicas import Replicas
+    from gateway.engines.replicas import Replicas
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
@@ -172,7 +172,7 @@ def _positive_seconds(text: str) -> float:
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """--api-key (repeated) and --api-key-file; neither given: $ORCINUS_API_KEY, if set."""
-    from gateway.auth import check_key, read_keys_file
+    from gateway.web.auth import check_key, read_keys_file
 
     keys = list(args.api_key or [])
     for path in args.api_key_file or []:
@@ -186,7 +186,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine.model.tokenizer.chat_template import load_chat_template
-    from gateway.guards import default_allowed_hosts
+    from gateway.web.guards import default_allowed_hosts
 
     try:
         keys = api_keys(args)
@@ -230,9 +230,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def launch_engines(config: GatewayConfig) -> Replicas:
     """The config's engine replicas, their processes spawned already (the app adopts them when it starts)."""
-    from gateway.replicas import Replicas
 
-    replicas = Replicas.for_server(config)
+    replicas = make_replicas(config)
     replicas.launch()
     return replicas
 
@@ -241,10 +240,10 @@ def run_server(app, *, host: str, port: int, shutdown_timeout: float, header_tim
                send_timeout: float = 30.0, max_connections: int | None = None) -> None:
     """uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
     cleanly just before it), then the app's shutdown stops the engine and frees its shared memory. Connections
-    are guarded against slow clients and capped (gateway/connections.py)."""
+    are guarded against slow clients and capped (gateway/web/connections.py)."""
     import uvicorn
 
-    from gateway.connections import default_max_connections, guarded_h11, raise_fd_limit
+    from gateway.web.connections import default_max_connections, guarded_h11, raise_fd_limit
 
     fd_limit = raise_fd_limit()
     protocol = guarded_h11(max_connections or default_max_connections(fd_limit), header_timeout, send_timeout)

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.core.config import EngineConfig
-from gateway.admission import DEFAULT_MAX_QUEUED_TOKENS
-from gateway.routing import RoutingPolicy
+from gateway.engines.replicas import Replicas
+from gateway.engines.routing import RoutingPolicy
+from gateway.web.in_flight import DEFAULT_MAX_QUEUED_TOKENS
+from gateway.web.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,9 @@ class GatewayConfig:
     """Host header values the server answers to (api.example.com, *.example.com; * for any); unset: any."""
     url: str | None = None
     """Where clients reach the server, for the startup log (None: not logged)."""
+
+
+def make_replicas(config: GatewayConfig) -> Replicas:
+    """A server's replicas, with metrics of their own (raises ValueError for a combination they cannot run)."""
+    return Replicas(config.engine, Metrics(), config.engine_hang_timeout, config.data_parallel_size, config.routing,
+                    config.engine_unresponsive_timeout)

@@ -215,7 +215,7 @@ def test_the_flag_overrides_the_models_template(gpt2_vocab, tmp_path):
 
 
 def test_a_bad_chat_template_flag_stops_the_server_before_the_engines_start(monkeypatch):
-    monkeypatch.setattr("gateway.replicas.Replicas.launch", lambda self: pytest.fail("engines started"))
+    monkeypatch.setattr("gateway.engines.replicas.Replicas.launch", lambda self: pytest.fail("engines started"))
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--chat-template", "/nonexistent/template.jinja"])
     assert str(e.value) == ("orcinus serve: --chat-template '/nonexistent/template.jinja' is neither a file nor a "

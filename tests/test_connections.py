@@ -1,4 +1,4 @@
-"""Slow clients at the connection (gateway/connections.py), on uvicorn's protocol with a fake transport: the
+"""Slow clients at the connection (gateway/web/connections.py), on uvicorn's protocol with a fake transport: the
 request-head deadline, the cap on open connections and its two log lines, the write-stall deadline."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from gateway.connections import default_max_connections, guarded_h11
+from gateway.web.connections import default_max_connections, guarded_h11
 
 
 class Transport(asyncio.Transport):

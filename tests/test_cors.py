@@ -63,7 +63,7 @@ def test_allowed_origins_replace_the_default():
 def test_the_cli_flag(monkeypatch, argv, want):
     seen = {}
     monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
-    monkeypatch.setattr("gateway.replicas.Replicas.launch", lambda self: None)  # no engine process
+    monkeypatch.setattr("gateway.engines.replicas.Replicas.launch", lambda self: None)  # no engine process
     monkeypatch.setattr("gateway.app.build_app", lambda config, client: seen.setdefault("config", config))
     assert cli_main(["serve", *argv]) == 0
     assert seen["config"].allowed_origins == want

@@ -49,7 +49,7 @@ def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:
 def engines(url: str) -> list[int]:
     gateway = gateway_pid(url)
     children = Path(f"/proc/{gateway}/task/{gateway}/children").read_text().split()
-    return sorted(int(c) for c in children if "engine.ipc.worker" in cmdline(int(c)))
+    return sorted(int(c) for c in children if "engine.ipc.engine_loop" in cmdline(int(c)))
 
 
 def series(m: dict[str, float], name: str, **labels: str) -> float:

@@ -1,4 +1,4 @@
-"""gateway.detokenizer: streamed text equals the one-shot decode, never splits a character, and honours stops."""
+"""gateway.api.detokenizer: streamed text equals the one-shot decode, never splits a character, and honours stops."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from engine.model.model_files import ModelNotFoundError, default_model_path
 from engine.model.tokenizer import Tokenizer, load_tokenizer
-from gateway.detokenizer import IncrementalDetokenizer, token_text
+from gateway.api.detokenizer import IncrementalDetokenizer, token_text
 
 TEXTS = [
     "Hello, world!",

@@ -105,7 +105,7 @@ def test_step_inputs_stage_values_and_shapes():
     ({"OMP_WAIT_POLICY": "PASSIVE"}, None),  # and so does a wait policy, which sets its own spin
 ])
 def test_the_engine_process_gets_a_bounded_openmp_spin(monkeypatch, env, want):
-    from gateway.engine_process import engine_env
+    from gateway.engines.process import engine_env
 
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)

@@ -44,7 +44,7 @@ def test_a_constrained_survivor_of_a_sampling_fault_advances_its_grammar_once(ch
     matcher (nor a seeded generator) a second token, so the survivor's output equals a fault-free run's."""
     import json
 
-    from gateway.structured import json_schema_grammar
+    from gateway.api.structured import json_schema_grammar
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, grammar=json_schema_grammar(schema))

@@ -16,7 +16,7 @@ import pytest
 from conftest import parse_metrics, wait_for_metrics
 
 from engine import LLM, SamplingParams
-from gateway.detokenizer import token_text
+from gateway.api.detokenizer import token_text
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"

@@ -44,7 +44,7 @@ def wait_for_metrics(url: str, pred, timeout: float, what: str) -> dict[str, flo
 
 def idle(m: dict[str, float]) -> bool:
     return (m["orcinus_requests_running"] == m["orcinus_requests_waiting"] == m["orcinus_kv_blocks_used"]
-            == m["orcinus_sequences_admitted"] == 0)
+            == m["orcinus_sequences_in_flight"] == 0)
 
 
 def sse_lines_to_events(lines: list[str]) -> tuple[list[dict], bool]:
@@ -81,7 +81,7 @@ def gateway_pid(url: str) -> int:
 
 def engine_pid(gateway: int) -> int:
     children = Path(f"/proc/{gateway}/task/{gateway}/children").read_text().split()
-    engines = [int(c) for c in children if "engine.ipc.worker" in cmdline(int(c))]
+    engines = [int(c) for c in children if "engine.ipc.engine_loop" in cmdline(int(c))]
     assert len(engines) == 1, f"expected one engine process among {children}"
     return engines[0]
 
@@ -173,7 +173,7 @@ def test_overload_refuses_the_excess_at_once_and_serves_every_admitted_request(s
     # The bound held throughout: never more than 2 running, 4 queued, 6 admitted.
     assert max(s["orcinus_requests_running"] for s in samples) <= 2
     assert max(s["orcinus_requests_waiting"] for s in samples) <= 4
-    assert max(s["orcinus_sequences_admitted"] for s in samples) <= 6
+    assert max(s["orcinus_sequences_in_flight"] for s in samples) <= 6
     after = wait_for_metrics(url, idle, 30, "the server did not go idle")
     assert after["orcinus_requests_rejected_total"] - before["orcinus_requests_rejected_total"] == len(refused)
     # Memory stayed bounded: a refused request leaves nothing behind.
@@ -330,7 +330,7 @@ def test_kill_9_of_the_gateway_leaves_no_ring_or_doorbell_and_its_engine_exits(t
 
 GATEWAY_LAUNCHING = """import os, signal, sys, time
 from engine.core.config import EngineConfig
-from gateway.engine_process import EngineProcess
+from gateway.engines.process import EngineProcess
 engine = EngineProcess(EngineConfig(model=sys.argv[1], num_threads=1), lambda frame: None)
 engine.launch()
 if sys.argv[2] == "stopped":  # held before its first line of Python: it will look for its gateway too late

@@ -1,4 +1,5 @@
-"""The package layout's rules: imports run one way, no cycles, the gateway stays above the engine."""
+"""The package layout's rules: imports run one way, no cycles, the gateway stays above the engine, and its wings
+import one way too."""
 
 from __future__ import annotations
 
@@ -9,17 +10,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "engine"
+GATEWAY = ROOT / "gateway"
 
 # Which engine packages each one may import (besides itself). Lower layers never import higher ones.
 ALLOWED = {
     "core": set(),
     "kernels": set(),
     "attention": {"kernels"},
-    "spec": set(),
+    "drafting": set(),
     "model": {"core", "attention", "kernels"},
     "runner": {"core", "attention", "kernels", "model"},
     "parallel": {"core", "attention", "kernels", "model", "runner"},
     "ipc": {"core", "launch"},
+}
+
+# Which gateway wings each one may import (besides itself); the modules on top (app, cli, config, banner) take any.
+GATEWAY_ALLOWED = {
+    "web": set(),
+    "engines": {"web"},
+    "api": {"web", "engines"},
 }
 
 
@@ -40,7 +49,7 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-MODULES = {module_name(p): p for p in sorted(ENGINE.rglob("*.py"))}
+MODULES = {module_name(p): p for root in (ENGINE, GATEWAY) for p in sorted(root.rglob("*.py"))}
 GRAPH = {m: {i for i in imports_of(p) if i in MODULES and i != m} for m, p in MODULES.items()}
 
 
@@ -50,16 +59,33 @@ def layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "engine"
 
 
+def wing_of(module: str) -> str:
+    """`gateway.api.chat` -> "api"; the modules on top (`gateway.app`, `gateway`) -> "top"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in GATEWAY_ALLOWED) else "top"
+
+
 def test_no_engine_module_imports_the_gateway():
-    offenders = {m for m, p in MODULES.items() if any(i.split(".")[0] == "gateway" for i in imports_of(p))}
+    offenders = {m for m, p in MODULES.items()
+                 if m.split(".")[0] == "engine" and any(i.split(".")[0] == "gateway" for i in imports_of(p))}
     assert not offenders
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_imports_run_one_way(package):
     bad = {
-        (m, d) for m, deps in GRAPH.items() if layer_of(m) == package
-        for d in deps if layer_of(d) not in ALLOWED[package] | {package}
+        (m, d) for m, deps in GRAPH.items() if m.split(".")[0] == "engine" and layer_of(m) == package
+        for d in deps if d.split(".")[0] == "engine" and layer_of(d) not in ALLOWED[package] | {package}
+    }
+    assert not bad
+
+
+@pytest.mark.parametrize("wing", sorted(GATEWAY_ALLOWED))
+def test_gateway_wings_import_one_way(wing):
+    """No wing imports the modules on top or a wing above it (api above engines above web)."""
+    bad = {
+        (m, d) for m, deps in GRAPH.items() if m.split(".")[0] == "gateway" and wing_of(m) == wing
+        for d in deps if d.split(".")[0] == "gateway" and wing_of(d) not in GATEWAY_ALLOWED[wing] | {wing}
     }
     assert not bad
 
@@ -81,7 +107,12 @@ def test_no_import_cycle():
             visit(m, [m])
 
 
-def test_packages_stay_small_and_say_what_they_own():
-    for package in sorted({p.parent for p in ENGINE.rglob("__init__.py")}):
-        assert len(list(package.glob("*.py"))) - 1 <= 10, package
-        assert ast.get_docstring(ast.parse((package / "__init__.py").read_text())), package
+def test_every_package_says_what_it_owns_and_where_it_stands():
+    """A folder of modules is one concept: a package whose docstring names it, and, directly under engine/ or
+    gateway/, a row in the arrows above (a new layer or wing declares what it may import)."""
+    for root, allowed in ((ENGINE, ALLOWED), (GATEWAY, GATEWAY_ALLOWED)):
+        for folder in sorted({p.parent for p in root.rglob("*.py")}):
+            assert (folder / "__init__.py").is_file(), folder
+            assert ast.get_docstring(ast.parse((folder / "__init__.py").read_text())), folder
+            if folder.parent == root:
+                assert folder.name in allowed, folder

@@ -15,7 +15,7 @@ from engine.core.scheduler import Scheduler
 from engine.ipc.messages import EngineStats
 from engine.model.length_predictor import RidgeLengthPredictor
 from gateway.cli import add_engine_flags
-from gateway.metrics import Metrics
+from gateway.web.metrics import Metrics
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 

@@ -1,10 +1,10 @@
-"""Draft proposers without a second model (engine/spec/): prompt lookup and suffix trees, on integers alone."""
+"""Draft proposers without a second model (engine/drafting/): prompt lookup and suffix trees, on integers alone."""
 
 import random
 
 import pytest
 
-from engine.spec import NgramDrafter, NgramSource, RecentNgrams, RecentOutputs, SuffixDrafter, SuffixTree
+from engine.drafting import NgramDrafter, NgramSource, RecentNgrams, RecentOutputs, SuffixDrafter, SuffixTree
 
 
 def brute_force_lookup(tokens, k, min_n, max_n):

@@ -10,8 +10,8 @@ from starlette.requests import Request
 
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
-from gateway import errors
-from gateway.protocol import (
+from gateway.web import errors
+from gateway.api.protocol import (
     MAX_BODY_BYTES,
     MAX_N,
     MAX_PROMPTS,
@@ -363,7 +363,8 @@ def test_gateway_process_never_imports_torch():
     code = (
         "import sys\n"
         "from gateway.app import load_gateway_tokenizer\n"
-        "import gateway.completions, gateway.chat, gateway.engine_client, engine.ipc.messages, engine.ipc.channel\n"
+        "import gateway.api.completions, gateway.api.chat, gateway.engines.client\n"
+        "import engine.ipc.messages, engine.ipc.channel\n"
         "load_gateway_tokenizer(None)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -15,13 +15,13 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from engine.core.sampling_params import SamplingParams
-from gateway import errors
-from gateway.chat import ChatRun
-from gateway.generation import ChoiceEvent
-from gateway.protocol import ChatMessage, decode_request
-from gateway.response_store import ResponseStore
-from gateway.responses import Turn
-from gateway.responses_protocol import ResponsesRequest
+from gateway.web import errors
+from gateway.api.chat import ChatRun
+from gateway.api.generation import ChoiceEvent
+from gateway.api.protocol import ChatMessage, decode_request
+from gateway.api.response_store import ResponseStore
+from gateway.api.responses import Turn
+from gateway.api.responses_protocol import ResponsesRequest
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],

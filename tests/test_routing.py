@@ -10,7 +10,7 @@ from engine.core.config import EngineConfig
 from engine.core.request import EngineRequest, Request, RequestOptions, SampledTokens
 from engine.core.scheduler import Scheduler
 from engine.ipc.messages import CacheEvents, cache_key
-from gateway.routing import BALANCE_TOKENS, CacheAware, LeastLoaded, RoundRobin, make_router
+from gateway.engines.routing import BALANCE_TOKENS, CacheAware, LeastLoaded, RoundRobin, make_router
 
 BS = 4
 
@@ -115,8 +115,8 @@ def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_r
 def test_replicas_refuse_one_rendezvous_for_several_engines():
     import pytest
 
-    from gateway.metrics import Metrics
-    from gateway.replicas import Replicas, replica_devices
+    from gateway.web.metrics import Metrics
+    from gateway.engines.replicas import Replicas, replica_devices
 
     with pytest.raises(ValueError, match="external-stages"):
         Replicas(EngineConfig(pipeline_stages=2, external_stages=True), Metrics(), size=2)
@@ -127,8 +127,8 @@ def test_replicas_refuse_one_rendezvous_for_several_engines():
 
 
 def test_without_prefix_caching_cache_aware_routing_is_least_loaded():
-    from gateway.metrics import Metrics
-    from gateway.replicas import Replicas
+    from gateway.web.metrics import Metrics
+    from gateway.engines.replicas import Replicas
 
     replicas = Replicas(EngineConfig(prefix_caching=False), Metrics(), size=2, routing="cache-aware")
     assert type(replicas.router) is LeastLoaded and all(c.on_cache is None for c in replicas.clients)
@@ -154,8 +154,8 @@ def live_replicas(size: int):
     """Replicas taking requests in turn, each client with a FakeEngine that is ready and answering."""
     import time
 
-    from gateway.metrics import Metrics
-    from gateway.replicas import Replicas
+    from gateway.web.metrics import Metrics
+    from gateway.engines.replicas import Replicas
 
     replicas = Replicas(EngineConfig(), Metrics(), size=size, routing="round-robin")
     for c in replicas.clients:
@@ -175,7 +175,7 @@ def test_a_request_with_no_token_yet_moves_once_from_a_dead_replica_one_that_str
     import asyncio
 
     from engine.ipc.messages import AddRequest, TokenDelta
-    from gateway.engine_client import EngineUnavailableError
+    from gateway.engines.client import EngineUnavailableError
 
     async def scenario():
         replicas = live_replicas(3)
@@ -255,7 +255,7 @@ def test_where_no_replica_answers_a_request_waits_on_one_that_still_serves():
     """A stall (every replica silent, none exited or judged hung) queues requests as before; none is a 503."""
     import asyncio
 
-    from gateway.engine_client import EngineUnavailableError
+    from gateway.engines.client import EngineUnavailableError
 
     async def scenario():
         replicas = live_replicas(1)

@@ -23,8 +23,8 @@ from engine.model.tokenizer.sentencepiece_model import (
     SentencePieceVocab,
     read_sentencepiece_model,
 )
-from gateway.completions import _echoed_tokens
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.api.completions import _echoed_tokens
+from gateway.api.detokenizer import IncrementalDetokenizer
 
 sentencepiece = pytest.importorskip("sentencepiece")
 mistral_common = pytest.importorskip("mistral_common")

@@ -20,9 +20,9 @@ from engine.ipc.messages import EngineStats
 from engine.model.sampling import sampler as sampler_module
 from engine.model.sampling.sampler import Sampler
 from engine.model.sampling.state import SamplingState
-from engine.spec import DRAFT_SOURCES
-from gateway.metrics import Metrics
-from gateway.structured import json_schema_grammar
+from engine.drafting import DRAFT_SOURCES
+from gateway.web.metrics import Metrics
+from gateway.api.structured import json_schema_grammar
 
 # Answers that reuse their prompt, so drafts are accepted, beside PROMPTS, whose drafts mostly are not.
 GROUNDED = [

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from gateway.protocol import JsonSchemaFormat, ResponseFormat
-from gateway.structured import ANY_OBJECT, json_schema_grammar
-from gateway.tools import FunctionDef, _parameters
+from gateway.api.protocol import JsonSchemaFormat, ResponseFormat
+from gateway.api.structured import ANY_OBJECT, json_schema_grammar
+from gateway.api.tools import FunctionDef, _parameters
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 16}
 INT = {"type": "integer", "minimum": -1000, "maximum": 1000}
@@ -184,9 +184,9 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
     import asyncio
 
     from engine.ipc.messages import TokenDelta
-    from gateway.admission import Admission
-    from gateway.generation import Generation
-    from gateway.metrics import Metrics
+    from gateway.web.in_flight import InFlightLimit
+    from gateway.api.generation import Generation
+    from gateway.web.metrics import Metrics
 
     sent = []
 
@@ -205,8 +205,8 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
         release = abort = lambda self, rid: None
 
     metrics = Metrics()
-    admission = Admission(8, 8, metrics)
-    ticket = admission.admit(6, 9)
+    limit = InFlightLimit(8, 8, metrics)
+    ticket = limit.reserve(6, 9)
     params = SamplingParams(max_tokens=4, seed=5, grammar="start: /[0-9]+/")
     gen = Generation(Client(), metrics, None, [[1, 2], [3]], params, 3, [], ticket)
 
@@ -214,7 +214,7 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
         return [e async for e in gen.events()]
 
     events = asyncio.run(run())
-    assert len(events) == 6 and admission.in_flight == 0
+    assert len(events) == 6 and limit.in_flight == 0
     kinds = [s[0] for s in sent]
     assert kinds == ["grammar"] + ["request"] * 6 + ["release"]
     gid = sent[0][1]

@@ -12,7 +12,7 @@ import pytest
 from tokenizer_texts import varied_texts
 
 from engine.model.tokenizer import ByteLevelBPE, load_tokenizer
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.api.detokenizer import IncrementalDetokenizer
 
 mistral_common = pytest.importorskip("mistral_common")
 from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy

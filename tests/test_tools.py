@@ -100,7 +100,7 @@ def test_auto_turns_a_call_shaped_answer_into_a_tool_call_whole_and_streamed(cli
 
 
 def plan_of(choice="auto"):
-    from gateway.protocol import ChatCompletionRequest, decode_request
+    from gateway.api.protocol import ChatCompletionRequest, decode_request
 
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": choice}
     return decode_request(json.dumps(body).encode(), ChatCompletionRequest).tool_plan()
@@ -108,7 +108,7 @@ def plan_of(choice="auto"):
 
 def streamed(plan, pieces, parallel=True, stopped=True):
     """Feed `pieces` to a ToolCallStream: (content, [(index, id, name, arguments fragment)], made calls)."""
-    from gateway.tool_stream import ToolCallStream
+    from gateway.api.tool_stream import ToolCallStream
 
     stream, content, deltas = ToolCallStream(plan, parallel), "", []
     for piece in pieces:
@@ -199,7 +199,7 @@ def test_bad_tools_are_400s(client, model, kw, param):
 def test_a_template_that_renders_tools_gets_them_and_its_wrappers_are_understood(tokenizer):
     import copy
 
-    from gateway.protocol import ChatCompletionRequest, decode_request
+    from gateway.api.protocol import ChatCompletionRequest, decode_request
 
     tok = copy.copy(tokenizer)
     tok.chat_template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
@@ -221,12 +221,12 @@ def test_each_schema_of_a_request_compiles_once_however_often_it_is_asked_for():
     import asyncio
     from types import SimpleNamespace
 
-    from gateway.protocol import ChatCompletionRequest, decode_request
-    from gateway.serving import ServerState
-    from gateway.structured import GrammarCompiler
+    from gateway.api.protocol import ChatCompletionRequest, decode_request
+    from gateway.api.serving import ServerState
+    from gateway.api.structured import SchemaCompiler
 
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 5}
-    state = SimpleNamespace(grammars=GrammarCompiler())
+    state = SimpleNamespace(grammars=SchemaCompiler())
 
     async def three():
         reqs = [decode_request(json.dumps(body).encode(), ChatCompletionRequest) for _ in range(3)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from gateway.completions import _echoed_tokens
+from gateway.api.completions import _echoed_tokens
 
 FRAGMENTS = [
     # prose and contractions

@@ -31,7 +31,7 @@ from bench.serving.bench_speculative import chat, grounded
 from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.core.speculation import Speculation
-from engine.spec.sources import NgramSource
+from engine.drafting.sources import NgramSource
 
 
 def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step_cost: Callable[[int], float],

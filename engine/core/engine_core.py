@@ -33,7 +33,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         num_blocks = executor.num_blocks
-        # Speculative decoding: `draft_source` (engine/spec) makes each request's drafter, as --speculative names.
+        # Speculative decoding: `draft_source` (engine/drafting) makes each request's drafter, as --speculative names.
         speculation = None if draft_source is None else Speculation(
             draft_source, config.num_speculative_tokens, config.speculative_row_cost)
         # `policy`: who runs first (None: the config's, as named); launch builds the `predicted` one with its predictor.

@@ -35,7 +35,7 @@ class Drafter(Protocol):
 
 
 class DraftSource(Protocol):
-    """Makes each request's drafters (engine/spec/sources.py) and learns from finished outputs; a request's drafters
+    """Makes each request's drafters (engine/drafting/sources.py) and learns from finished outputs; a request's drafters
     see only the outputs of requests with its cache salt, so one API key's drafts never show another's answers."""
 
     def new_drafters(self, salt: bytes) -> list[Drafter]:

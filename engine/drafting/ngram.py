@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from engine.spec.pools import SaltedPools
+from engine.drafting.pools import SaltedPools
 
 
 def _check_sizes(min_n: int, max_n: int) -> None:
@@ -60,7 +60,7 @@ class _OutputNgrams:
 
 class RecentNgrams:
     """The n-grams of the latest finished outputs (at most `capacity` tokens of them, all salts together), apart per
-    cache salt (engine/spec/pools.py). Shared by the requests of a salt as a drafter (`drafter`): answers to similar
+    cache salt (engine/drafting/pools.py). Shared by the requests of a salt as a drafter (`drafter`): answers to similar
     requests share their structure (a JSON record's keys, a docstring's sections, a list's phrasing), which a
     request's own context holds only from its second occurrence on."""
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 import uuid
 
-from gateway.protocol import FunctionCallDelta, ToolCallChunk
-from gateway.tools import TAG_CLOSE, TAG_OPEN, ToolCall, ToolPlan
+from gateway.api.protocol import FunctionCallDelta, ToolCallChunk
+from gateway.api.tools import TAG_CLOSE, TAG_OPEN, ToolCall, ToolPlan
 
 _NAME = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 # The first call: an array's `[` or a template's tag may come first. A later one: the previous call's closing `}`

@@ -5,7 +5,7 @@ a generic system message describes them and asks for a call as one JSON object `
 {...}}`. With `tool_choice` `required` or a named function that object is enforced by a grammar built
 from the functions' parameter schemas (one call); with `auto` the model may answer in text or with such objects,
 and an answer that parses as calls of known functions becomes them (several with `parallel_tool_calls`, the
-default). Streamed, gateway/tool_stream.py sends them as they are generated.
+default). Streamed, gateway/api/tool_stream.py sends them as they are generated.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Literal
 from msgspec import Struct
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.structured import check_depth, strict_schema
+from gateway.api.structured import check_depth, strict_schema
 
 SYSTEM_PROMPT = (
     "You can call these functions:\n{tools}\n"
@@ -92,7 +92,7 @@ class ToolPlan:
                 raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
                                           "tool_choice")
             offered = [self.functions[choice.function.name]]
-        self.checked = offered  # every one's schema must compile (gateway/serving.py), or the request is a 400
+        self.checked = offered  # every one's schema must compile (gateway/api/serving.py), or the request is a 400
         self.offered = offered if self.mode != "none" else []
 
     @property

@@ -11,15 +11,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.detokenizer import token_text
-from gateway.generation import ChoiceEvent, Generation
-from gateway.protocol import (
+from gateway.api.detokenizer import token_text
+from gateway.api.generation import ChoiceEvent, Generation
+from gateway.api.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, ToolCallChunk, TopLogprob, Usage, decode_request,
 )
-from gateway.tool_stream import ToolCallStream
-from gateway.tools import ToolPlan
-from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
+from gateway.api.tool_stream import ToolCallStream
+from gateway.api.tools import ToolPlan
+from gateway.api.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
 @dataclass

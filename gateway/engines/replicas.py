@@ -18,11 +18,10 @@ import msgspec
 from engine.core.config import EngineConfig
 from engine.core.request import EngineRequest
 from engine.ipc.messages import AddRequest, EngineReady
-from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient, EngineUnavailableError
-from gateway.engine_process import EngineProcess
-from gateway.metrics import Metrics
-from gateway.routing import RoutingPolicy, make_router
+from gateway.engines.client import EngineClient, EngineUnavailableError
+from gateway.engines.process import EngineProcess
+from gateway.web.metrics import Metrics
+from gateway.engines.routing import RoutingPolicy, make_router
 
 
 def replica_config(config: EngineConfig, size: int) -> EngineConfig:
@@ -69,12 +68,6 @@ class Replicas:
         self.constrained: dict[str, str] = {}  # request id -> its grammar, to send along should the request move
         self.moved: set[str] = set()  # requests sent to a second replica: a second loss fails them
         self._moving: set[asyncio.Task] = set()  # re-submissions under way
-
-    @classmethod
-    def for_server(cls, config: GatewayConfig) -> Replicas:
-        """A server's replicas, with metrics of their own (raises ValueError for a combination they cannot run)."""
-        return cls(config.engine, Metrics(), config.engine_hang_timeout, config.data_parallel_size, config.routing,
-                   config.engine_unresponsive_timeout)
 
     def launch(self) -> None:
         """Spawn every replica's first engine now (no event loop needed); start() adopts them."""

@@ -11,9 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.detokenizer import token_text
-from gateway.protocol import ChatMessage, TokenId, decode_request
-from gateway.serving import ServerState, json_response, read_body
+from gateway.api.detokenizer import token_text
+from gateway.api.protocol import ChatMessage, TokenId, decode_request
+from gateway.api.serving import ServerState, json_response, read_body
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=False):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.spec.ngram import NgramDrafter, RecentNgrams, SaltedNgrams
-from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter
+from engine.drafting.ngram import NgramDrafter, RecentNgrams, SaltedNgrams
+from engine.drafting.suffix_tree import RecentOutputs, SuffixDrafter
 
 
 class NgramSource:

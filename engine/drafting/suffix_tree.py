@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.spec.pools import SaltedPools
+from engine.drafting.pools import SaltedPools
 
 
 class _Node:
@@ -143,7 +143,7 @@ class SuffixDrafter:
 
 
 class RecentOutputs:
-    """The last `capacity` finished outputs (all salts together), in a tree per cache salt (engine/spec/pools.py);
+    """The last `capacity` finished outputs (all salts together), in a tree per cache salt (engine/drafting/pools.py);
     the oldest is taken back as a new one comes."""
 
     def __init__(self, depth: int = 24, capacity: int = 256):

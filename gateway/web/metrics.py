@@ -53,8 +53,10 @@ class Metrics:
         self.gateway_private = Gauge("orcinus_gateway_private_memory_bytes",
                                      "Resident memory of the gateway process, shared-memory pages excluded", registry=r)
         self.gateway_private.set_function(_private_bytes)
-        self.admitted = Gauge("orcinus_sequences_admitted", "Sequences sent to the engine and not finished",
-                              registry=r)
+        self.in_flight = Gauge("orcinus_sequences_in_flight", "Sequences sent to the engine and not finished",
+                               registry=r)
+        self.admitted = Gauge("orcinus_sequences_admitted", "Deprecated: use orcinus_sequences_in_flight (the same "
+                              "gauge)", registry=r)
         self.rejected = Counter("orcinus_requests_rejected", "Requests refused with 429 at capacity", registry=r)
         self.routed = Counter("orcinus_routed_requests", "Sequences sent to each replica, by why: the prompt's prefix "
                               "cached there (cache), the fewest tokens in flight (load), the loads out of balance "

@@ -8,7 +8,7 @@ import hmac
 import secrets
 from pathlib import Path
 
-from gateway import errors
+from gateway.web import errors
 
 TENANT = "orcinus.tenant"  # scope["state"] key: the matched API key (bytes), None without keys
 
@@ -66,7 +66,7 @@ class CacheSalts:
 
     Scope `key`: each API key's requests share cached prefixes only among themselves, so one key cannot learn
     from timings or /metrics what another's prompts were (vLLM's CVE-2025-46570), nor from the tokens a step drafts
-    what another's answers were (engine/spec/pools.py). `global`: keys share the cache and the drafts' outputs.
+    what another's answers were (engine/drafting/pools.py). `global`: keys share the cache and the drafts' outputs.
     A request's `cache_salt` (vLLM's field) splits its key's cache further. The salt is an HMAC under a secret
     made at startup: the engine never sees a key, and the salt of a known key and salt cannot be computed.
     """

@@ -8,7 +8,7 @@ import hashlib
 import ipaddress
 import re
 
-from gateway import errors
+from gateway.web import errors
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 

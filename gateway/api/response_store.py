@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.protocol import ChatMessage
+from gateway.api.protocol import ChatMessage
 
 KEY_RESPONSES = 4096  # kept responses of one API key
 KEY_BYTES = 64 * 1024 * 1024  # their encoded bytes

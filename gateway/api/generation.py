@@ -13,10 +13,10 @@ import msgspec
 from engine.core.request import NO_OPTIONS, EngineRequest, RequestOptions, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.ipc.messages import PromptLogprobsPart, TokenDelta
-from gateway.admission import Ticket
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.replicas import Replicas
-from gateway.metrics import Metrics
+from gateway.web.in_flight import Ticket
+from gateway.api.detokenizer import IncrementalDetokenizer
+from gateway.engines.replicas import Replicas
+from gateway.web.metrics import Metrics
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The engine process: drain the inbound ring, step the engine, publish token deltas; sleep on the doorbell when idle.
 
-Started by the gateway as `python -m engine.ipc.worker SPEC_JSON` (a `WorkerSpec`), so nothing crosses
-the process boundary as pickle: the spec is JSON, every frame after it msgspec.
+Started by the gateway as `python -m engine.ipc.engine_loop ARGS_JSON` (an `EngineLoopArgs`), so nothing crosses
+the process boundary as pickle: the arguments are JSON, every frame after it msgspec.
 
 The gateway owns this process's lifetime: it drains requests on SIGTERM and then sends Shutdown, so
 SIGINT and SIGTERM (which a terminal or a service manager may send to the whole process group) are
@@ -52,7 +52,9 @@ HEARTBEAT_INTERVAL = 0.25  # seconds between Heartbeats: the gateway's sign that
 PARENT_POLL = 0.2  # seconds between looks at whether the gateway is still there
 
 
-class WorkerSpec(msgspec.Struct):
+class EngineLoopArgs(msgspec.Struct):
+    """What the gateway starts an engine process with (its one command-line argument, as JSON)."""
+
     config: EngineConfig
     to_engine: ChannelHandle
     from_engine: ChannelHandle
@@ -63,7 +65,7 @@ class WorkerSpec(msgspec.Struct):
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
-    """Every core by default, with a bounded OpenMP spin (gateway/engine_process.py): two threads once
+    """Every core by default, with a bounded OpenMP spin (gateway/engines/process.py): two threads once
     collapsed under load with the sleeping default (benchmarks/pipeline.json); benchmarks/README.md has
     today's figures beside llama-server."""
     if config.num_threads is not None:
@@ -71,16 +73,16 @@ def serving_config(config: EngineConfig) -> EngineConfig:
     return config.with_(num_threads=os.cpu_count() or 1)
 
 
-class EngineWorker:
+class EngineLoop:
     """Glues an EngineCore to the two channels."""
 
-    def __init__(self, spec: WorkerSpec, parent: int):
+    def __init__(self, args: EngineLoopArgs, parent: int):
         from engine.launch import build_engine, cpp_ops_origin, grammar_compiler
 
         self.parent = parent  # the gateway; when getppid() differs, it has died
-        self.inbox = Channel.attach(spec.to_engine, ToEngine)
-        self.outbox = Channel.attach(spec.from_engine, FromEngine)
-        self.engine = build_engine(serving_config(spec.config))
+        self.inbox = Channel.attach(args.to_engine, ToEngine)
+        self.outbox = Channel.attach(args.from_engine, FromEngine)
+        self.engine = build_engine(serving_config(args.config))
         e = self.engine
         c = e.config  # resolved: the device and dtype are what "auto" became
         summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
@@ -88,7 +90,7 @@ class EngineWorker:
                                 getattr(e.executor, "describe", lambda: "")(), cpp_ops_origin())
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
-        self.cache_events = spec.cache_events and c.prefix_caching
+        self.cache_events = args.cache_events and c.prefix_caching
         if self.cache_events:
             e.scheduler.kv.record_events()
         self.outbox.send(EngineReady(e.model_name, e.limits, summary))
@@ -239,16 +241,16 @@ def exit_when_orphaned(parent: int) -> None:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    spec = msgspec.json.decode(argv[1], type=WorkerSpec)
-    parent = spec.gateway_pid or os.getppid()  # first thing: the gateway may die while the model loads
+    args = msgspec.json.decode(argv[1], type=EngineLoopArgs)
+    parent = args.gateway_pid or os.getppid()  # first thing: the gateway may die while the model loads
     threading.Thread(target=exit_when_orphaned, args=(parent,), name="orcinus-orphan-watch", daemon=True).start()
     # uvicorn's format, so the engine's start-up lines (graph capture time and memory) read like the gateway's.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine] %(message)s")
-    worker = EngineWorker(spec, parent)
+    engine_loop = EngineLoop(args, parent)
     try:
-        worker.run()
+        engine_loop.run()
     finally:
-        worker.close()
+        engine_loop.close()
     # All is closed, stopped or saved above: tearing down the interpreter (torch, the model) took ~0.8 s of every
     # server's shutdown and did nothing more.
     sys.stdout.flush()

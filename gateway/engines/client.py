@@ -32,9 +32,9 @@ from engine.ipc.messages import (
     RequestError,
     TokenDelta,
 )
-from gateway import errors
-from gateway.engine_process import EngineProcess
-from gateway.metrics import Metrics
+from gateway.web import errors
+from gateway.engines.process import EngineProcess
+from gateway.web.metrics import Metrics
 
 log = logging.getLogger("orcinus.engine_client")
 

@@ -9,9 +9,9 @@ request drafts only from those of requests with its salt; `sources.py` makes eac
 engine (engine/core/speculation.py decides how far it drafts).
 """
 
-from engine.spec.ngram import NgramDrafter, RecentNgrams, SaltedNgrams
-from engine.spec.sources import DRAFT_SOURCES, NgramSource, SuffixSource
-from engine.spec.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
+from engine.drafting.ngram import NgramDrafter, RecentNgrams, SaltedNgrams
+from engine.drafting.sources import DRAFT_SOURCES, NgramSource, SuffixSource
+from engine.drafting.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
 
 __all__ = ["DRAFT_SOURCES", "NgramDrafter", "NgramSource", "RecentNgrams", "RecentOutputs", "SaltedNgrams",
            "SuffixDrafter", "SuffixSource", "SuffixTree"]

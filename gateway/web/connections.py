@@ -20,7 +20,7 @@ import resource
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gateway.errors import ErrorDetail, ErrorResponse
+from gateway.web.errors import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("uvicorn.error")
 

@@ -10,9 +10,9 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from engine.core.request import RequestOptions
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-from gateway.errors import request_too_large
-from gateway.structured import ANY_OBJECT, strict_schema
-from gateway.tools import Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
+from gateway.web.errors import request_too_large
+from gateway.api.structured import ANY_OBJECT, strict_schema
+from gateway.api.tools import Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
 
 MAX_N = 16  # choices per prompt (`n`)
 # Stop strings per request (OpenAI allows 4; vLLM and llama.cpp any number). Each token costs the detokenizer a

@@ -1,7 +1,7 @@
 """JSON schemas (`response_format`, tools) -> the llguidance grammars the engine constrains decoding with.
 
 Compiling a large schema takes a while (a 0.4 MB one about half a second), so the handlers do it in a pool of
-threads (`GrammarCompiler`; llguidance drops the GIL while it works): the request waits, the event loop serves
+threads (`SchemaCompiler`; llguidance drops the GIL while it works): the request waits, the event loop serves
 everyone else. A schema past MAX_SCHEMA_BYTES or MAX_JSON_DEPTH, or one that does not compile, is a 400.
 """
 
@@ -105,7 +105,7 @@ def json_schema_grammar(schema: dict, param: str = "response_format") -> str:
     return grammar
 
 
-class GrammarCompiler:
+class SchemaCompiler:
     """Compiles schemas in a thread pool. A schema compiled before is answered from a cache (LRU, bounded in
     bytes); one compiling now is waited for, not compiled twice."""
 

@@ -11,13 +11,13 @@ from importlib import metadata
 
 import msgspec
 
-from gateway.errors import ErrorResponse
-from gateway.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from gateway.protocol import (
+from gateway.web.errors import ErrorResponse
+from gateway.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from gateway.api.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest,
     CompletionResponse, ModelCard, ModelList,
 )
-from gateway.responses_protocol import (
+from gateway.api.responses_protocol import (
     ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, ErrorEvent, OutputItemEvent, ResponseEvent,
     ResponseObject, ResponsesRequest, TextDeltaEvent, TextDoneEvent,
 )

@@ -15,19 +15,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway import errors
-from gateway.auth import TENANT
-from gateway.chat import ChatRun, start_chat
-from gateway.engine_client import EngineUnavailableError
-from gateway.protocol import ChatMessage, decode_request
-from gateway.responses_protocol import (
+from gateway.web import errors
+from gateway.web.auth import TENANT
+from gateway.api.chat import ChatRun, start_chat
+from gateway.engines.client import EngineUnavailableError
+from gateway.api.protocol import ChatMessage, decode_request
+from gateway.api.responses_protocol import (
     ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, ErrorEvent, FunctionCallItem, IncompleteDetails,
     InputTokensDetails, OutputItemEvent, OutputMessage, OutputText, ResponseError, ResponseEvent, ResponseObject,
     ResponsesRequest, ResponseUsage, TextConfig, TextDeltaEvent, TextDoneEvent,
 )
-from gateway.serving import ServerState, as_api_error, json_response, read_body, until_done_or_disconnect
-from gateway.tool_stream import ToolCallStream
-from gateway.tools import FunctionCall, ToolCall
+from gateway.api.serving import ServerState, as_api_error, json_response, read_body, until_done_or_disconnect
+from gateway.api.tool_stream import ToolCallStream
+from gateway.api.tools import FunctionCall, ToolCall
 
 
 def _owner(request: Request) -> bytes:

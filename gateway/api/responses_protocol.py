@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct, field
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.protocol import (
+from gateway.api.protocol import (
     MIN_FACTOR, ChatCompletionRequest, ChatMessage, ContentPart, JsonSchemaFormat, MaxTokens, ResponseFormat,
 )
-from gateway.tools import FunctionCall, FunctionDef, FunctionName, NamedToolChoice, Tool, ToolCall
+from gateway.api.tools import FunctionCall, FunctionDef, FunctionName, NamedToolChoice, Tool, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # OpenAI's limits on `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512.

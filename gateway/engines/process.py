@@ -19,7 +19,7 @@ import msgspec
 from engine.core.config import EngineConfig
 from engine.ipc.channel import Channel
 from engine.ipc.messages import FromEngine, Shutdown, ToEngine
-from engine.ipc.worker import WorkerSpec
+from engine.ipc.engine_loop import EngineLoopArgs
 
 log = logging.getLogger("orcinus.engine_process")
 
@@ -64,14 +64,14 @@ class EngineProcess:
         """Create the channels and spawn the engine process."""
         self.to_engine = Channel.create(ToEngine)
         self.from_engine = Channel.create(FromEngine)
-        spec = WorkerSpec(self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events,
-                          os.getpid())
+        args = EngineLoopArgs(self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events,
+                              os.getpid())
         env = engine_env()
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.ipc.worker", msgspec.json.encode(spec).decode()], env=env)
+                [sys.executable, "-m", "engine.ipc.engine_loop", msgspec.json.encode(args).decode()], env=env)
         except BaseException:
             self.discard()
             raise

@@ -17,18 +17,18 @@ from engine.core.request import NO_OPTIONS, RequestOptions
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from engine.model.tokenizer.chat_template import SHIPPED, NoChatTemplateError
-from gateway import errors
-from gateway.admission import Admission
-from gateway.auth import TENANT, CacheSalts
-from gateway.response_store import ResponseStore
-from gateway.engine_client import EngineUnavailableError
-from gateway.generation import Generation
-from gateway.guards import is_json
-from gateway.metrics import Metrics
-from gateway.replicas import Replicas
-from gateway.special_tokens import ContentTokens
-from gateway.structured import GrammarCompiler
-from gateway.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
+from gateway.web import errors
+from gateway.web.in_flight import InFlightLimit
+from gateway.web.auth import TENANT, CacheSalts
+from gateway.api.response_store import ResponseStore
+from gateway.engines.client import EngineUnavailableError
+from gateway.api.generation import Generation
+from gateway.web.guards import is_json
+from gateway.web.metrics import Metrics
+from gateway.engines.replicas import Replicas
+from gateway.api.special_tokens import ContentTokens
+from gateway.api.structured import SchemaCompiler
+from gateway.api.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
 
 _json = msgspec.json.Encoder()
 NO_CHAT_TEMPLATE = ("the model has no chat template, and none shipped fits its architecture: pass --chat-template "
@@ -42,9 +42,9 @@ class ServerState:
     tokenizer: object | None  # None for dummy models without the default tokenizer: token-id prompts only
     metrics: Metrics
     model_name: str
-    admission: Admission
+    in_flight: InFlightLimit
     salts: CacheSalts
-    grammars: GrammarCompiler
+    grammars: SchemaCompiler
     content_tokens: ContentTokens | None  # how chat messages' special-token text is tokenized; None: no tokenizer
     drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
@@ -118,7 +118,7 @@ class ServerState:
     def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
                    options: RequestOptions = NO_OPTIONS) -> Generation:
         """Admit the request's sequences (429 past the queue's bound); the caller must `close()` the Generation."""
-        ticket = self.admission.admit(len(prompts) * n, n * sum(map(len, prompts)))
+        ticket = self.in_flight.reserve(len(prompts) * n, n * sum(map(len, prompts)))
         gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, options)
         self.live.add(gen)
         return gen

@@ -1,4 +1,7 @@
-"""Admission control: what the gateway has sent to the engine and not yet seen finish, bounded by memory.
+"""The in-flight limit: what the gateway has sent to the engine and not yet seen finish, bounded by memory.
+
+("Admission" is the scheduler's word, for a waiting request joining the running batch; this is the gateway's
+bound on what it hands the engine at all.)
 
 The gateway counts every sequence it has submitted (a request with `p` prompts and `n` choices is
 `p * n`) and their prompt tokens until they finish, fail or are aborted. The engine runs at most
@@ -12,17 +15,17 @@ loop, so the check is exact and needs no round trip.
 
 from __future__ import annotations
 
-from gateway import errors
-from gateway.metrics import Metrics
+from gateway.web import errors
+from gateway.web.metrics import Metrics
 
 RETRY_AFTER = 1.0  # seconds a refused client is asked to wait; sequences finish every few iterations
 DEFAULT_MAX_WAITING = 4096  # sequences queued beyond the batch: a Request and a Generation each, ~10 KB in all
-# Prompt tokens admitted at once: as Python ints in lists in the gateway and the engine, ~0.3 GB at the bound.
+# Prompt tokens in flight at once: as Python ints in lists in the gateway and the engine, ~0.3 GB at the bound.
 DEFAULT_MAX_QUEUED_TOKENS = 4 * 1024 * 1024
 
 
-class Admission:
-    """Counts admitted sequences and their prompt tokens; `admit` hands out a Ticket or raises 429 (or 400 if
+class InFlightLimit:
+    """Counts in-flight sequences and their prompt tokens; `reserve` hands out a Ticket or raises 429 (or 400 if
     the request could never fit)."""
 
     def __init__(self, max_running: int, max_waiting: int | None, metrics: Metrics,
@@ -36,10 +39,10 @@ class Admission:
 
     @property
     def capacity(self) -> int:
-        """Sequences admitted at once: the engine's batch and its queue."""
+        """Sequences in flight at once: the engine's batch and its queue."""
         return self.max_running + self.max_waiting
 
-    def admit(self, num_sequences: int, num_tokens: int = 0) -> Ticket:
+    def reserve(self, num_sequences: int, num_tokens: int = 0) -> Ticket:
         """`num_tokens`: the prompt tokens of all `num_sequences` (each choice holds its prompt's)."""
         if num_sequences > self.capacity:
             raise errors.invalid_request(
@@ -61,14 +64,15 @@ class Admission:
     def _change(self, sequences: int, tokens: int) -> None:
         self.in_flight += sequences
         self.in_flight_tokens += tokens
-        self.metrics.admitted.set(self.in_flight)
+        self.metrics.in_flight.set(self.in_flight)
+        self.metrics.admitted.set(self.in_flight)  # the deprecated name of the same gauge
 
 
 class Ticket:
-    """The admitted sequences of one request; each is given back once (release), the rest on close."""
+    """The in-flight sequences of one request; each is given back once (release), the rest on close."""
 
-    def __init__(self, admission: Admission, held: int, tokens: int = 0):
-        self._admission = admission
+    def __init__(self, limit: InFlightLimit, held: int, tokens: int = 0):
+        self._limit = limit
         self.held = held
         self.tokens = tokens  # prompt tokens still held: each sequence gives back its share, the last one the rest
 
@@ -78,7 +82,7 @@ class Ticket:
             tokens = self.tokens if count == self.held else self.tokens * count // self.held
             self.held -= count
             self.tokens -= tokens
-            self._admission._change(-count, -tokens)
+            self._limit._change(-count, -tokens)
 
     def close(self) -> None:
         self.release(self.held)

@@ -11,13 +11,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.core.request import TokenLogprobs
-from gateway.detokenizer import IncrementalDetokenizer, token_text
-from gateway.generation import ChoiceEvent
-from gateway.protocol import (
+from gateway.api.detokenizer import IncrementalDetokenizer, token_text
+from gateway.api.generation import ChoiceEvent
+from gateway.api.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob, Usage,
     decode_request,
 )
-from gateway.serving import ServerState, json_response, read_body, until_done_or_disconnect
+from gateway.api.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
