@@ -85,8 +85,8 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
         state.loop = asyncio.get_running_loop()
         await state.client.start(config.engine_start_timeout)
         # What start-up made (the tokenizer's tables, modules, the app) lives as long as the server: out of the
-        # collector's sight, a full collection scans only what serving makes. Under 1,000 slowloris connections
-        # one took 158 ms, stalling every stream and /health; frozen, none took over 20 ms (as vLLM does).
+        # collector's sight, a full collection scans only what serving makes: under many open connections a full
+        # collection of it all stalls every stream and /health (vLLM freezes it too).
         gc.collect()
         gc.freeze()
         # uvicorn's own logger: the block sits with its "Uvicorn running on ..." lines.

@@ -8,8 +8,8 @@ request does not speculate).
 Every prompt is unique (random names, numbers and identifiers drawn from a seed per round and workload, the same for
 every system): no system's prefix cache or suffix tree sees a prompt, or its answer, twice.
 
-    W=/tmp/peer ../shared/peers/start_llama_server.sh
-    W=/tmp/peer PORT=8102 EXTRA="--spec-type ngram-simple" ../shared/peers/start_llama_server.sh
+    W=/tmp/peer bench/peers/start_llama_server.sh
+    W=/tmp/peer PORT=8102 EXTRA="--spec-type ngram-simple" bench/peers/start_llama_server.sh
     python -m bench.serving.bench_speculative --variant off="--speculative off" --variant ngram="--speculative ngram" \\
         --peer llama=http://127.0.0.1:8101 --peer llama-ngram=http://127.0.0.1:8102 \\
         --out benchmarks/results/speculative/all_workloads.json

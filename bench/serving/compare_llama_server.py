@@ -5,7 +5,7 @@ Controlled: in a round every system gets the same prompts and output lengths (on
 concurrency, shared), each point runs for `--seconds` (60 by default: long enough for a steady state), the
 order of the systems rotates from round to round, and the peer's own command line and `/props` are recorded.
 
-Start the peer first (../shared/peers/README.md: build_llama_server.sh, then start_llama_server.sh), then:
+Start the peer first (bench/peers/README.md: build_llama_server.sh, then start_llama_server.sh), then:
 
     python -m bench.serving.compare_llama_server --out benchmarks/results/serving/vs_llama_server.json \\
         --variant default= --variant passive=OMP_WAIT_POLICY=PASSIVE

@@ -1,6 +1,6 @@
 """POST /v1/responses (streamed and not), GET and DELETE /v1/responses/{id}.
 
-A response runs as a chat completion (gateway/chat.py's start_chat): the request's instructions, the stored turns
+A response runs as a chat completion (gateway/api/chat.py's start_chat): the request's instructions, the stored turns
 of `previous_response_id` and its input items become the messages; its output is a message item, or function_call
 items when the model calls tools. Streamed, the output comes as OpenAI's typed events, each item opened, filled
 (text deltas, argument deltas) and closed; a kept response (`store`) can be continued and read back.
@@ -198,7 +198,7 @@ class Turn:
         message.content.append(OutputText(text=""))
 
     def _open(self, item: OutputMessage | FunctionCallItem):
-        # Each event is encoded as it is yielded (gateway/serving.py's sse), so it shows the item as it is now.
+        # Each event is encoded as it is yielded (gateway/api/serving.py's sse), so it shows the item as it is now.
         yield from self._close("completed")
         self.output.append(item)
         self.current = item

@@ -28,13 +28,9 @@ def engine_env() -> dict[str, str]:
     """The engine's environment: OpenMP threads spin about a millisecond before they sleep (unless the user
     sets OMP_WAIT_POLICY or GOMP_SPINCOUNT).
 
-    libgomp's default spins a waiting thread ~3 ms (300k spins) after every parallel region, holding cores
-    the gateway and the clients may need between iterations: the suspected cause of two threads collapsing
-    under load (benchmarks/pipeline.json). A passive policy sleeps at once, but then every one of a step's
-    ~600 small ops pays a wake-up (a batch-1 step went 19 -> 35 ms; 0.59x the default's tokens/s at one
-    client). A 100k count keeps the threads awake across the gaps inside a step and bounds the spin
-    between steps to ~1 ms; against libgomp's 300k it measured within noise
-    (benchmarks/vs_llama_server_variants.json).
+    libgomp's default spin after every parallel region holds cores the gateway and the clients need between
+    iterations; a passive policy sleeps at once, but then each of a step's many small ops pays a wake-up. A
+    100k count keeps the threads awake across the gaps inside a step and bounds the spin between steps.
     """
     env = dict(os.environ)
     if "OMP_WAIT_POLICY" not in env:
