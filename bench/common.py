@@ -1,8 +1,10 @@
 """What the benchmark scripts share: `orcinus serve` started and stopped on a free loopback port, its /metrics read,
-JSON reports written whole, and the provenance a report records (command, commit, machine)."""
+JSON reports written whole, and the provenance every report records (command, commit, machine, date)."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -58,6 +61,38 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"orcinus_{proc.pid}_*"))
 
 
+def serve_flags(args, *names: str) -> list[str]:
+    """`--name value` for each of the script's options `names` (argparse dests) that is set: the limits a comparison
+    gives each of its servers alike."""
+    return [word for name in names if getattr(args, name, None)
+            for word in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+@contextlib.contextmanager
+def served(flags: list[str], log: Path | None = None, stop_timeout: float = 60, **launch) -> Iterator[str]:
+    """`launch_server(flags, **launch)` for a with-block, yielding its URL, its output into the file `log` if given;
+    stopped however the block leaves."""
+    with contextlib.ExitStack() as stack:
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            launch["log"] = stack.enter_context(log.open("w"))
+        proc, url = launch_server(flags, **launch)
+        try:
+            yield url
+        finally:
+            stop_server(proc, stop_timeout)
+
+
+@contextlib.contextmanager
+def served_all(variants: dict[str, list[str]], log: Callable[[str], Path] | None = None,
+               **kwargs) -> Iterator[dict[str, str]]:
+    """One server per name, all up at once (a comparison alternates between them): yields {name: URL}; every one
+    started is stopped on leaving, a later one failing to start included. `log(name)`: where its output goes."""
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(served(flags, log(name) if log else None, **kwargs))
+               for name, flags in variants.items()}
+
+
 async def chat_chunks(http: httpx.AsyncClient, url: str, body: dict):
     """The parsed SSE chunks of one streamed chat completion; an error status raises."""
     async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -95,6 +130,13 @@ def write_json(path: str | Path, data) -> None:
     os.replace(tmp, path)
 
 
+def write_report(path: str | Path, data: dict) -> None:
+    """`write_json` of a benchmark's report with its provenance: keys the report sets itself (a richer `machine`,
+    say) stay as they are, the rest of `provenance()` is filled in, so no result lacks its command, commit,
+    machine and date."""
+    write_json(path, {**provenance(), **data})
+
+
 def command() -> str:
     """This process's command line as it can be typed again: `python -m bench.<group>.<name> ARGS` for a module."""
     main = sys.modules.get("__main__")
@@ -109,6 +151,7 @@ def provenance() -> dict[str, str]:
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "machine": subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
         "cpu": cpu(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, launch_server, stop_server
+from bench.common import ROOT, served, write_report
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT_TOKENS, OUTPUT_TOKENS, STREAMS = 100, 32, 4
@@ -98,10 +98,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="orcinus-clients-"))
     tokenizer = work / "tokenizer"
     subprocess.run([str(ROOT / ".venv" / "bin" / "orcinus"), "export-tokenizer", str(tokenizer)], check=True)
-    server, base = launch_server([])
-    try:
+    with served([]) as base:
         result = {
-            "command": "python " + shlex.join(sys.argv),
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
             "versions": {name: version(venvs / name, name) for name in clients},
             "workload": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "streams": STREAMS},
@@ -110,9 +108,7 @@ def main() -> None:
             "guidellm_completions": guidellm(clients["guidellm"], base, tokenizer, work, "/v1/completions"),
             "guidellm_chat": guidellm(clients["guidellm"], base, tokenizer, work, "/v1/chat/completions"),
         }
-    finally:
-        stop_server(server)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_report(args.out, result)
     print(json.dumps(result, indent=1))
 
 

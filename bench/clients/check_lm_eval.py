@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, launch_server, stop_server
+from bench.common import ROOT, served, write_report
 
 MODEL = "SmolLM2-135M-Instruct"
 STOPS = ["\n\n", "Question:", "</s>", "<|im_end|>", "###"]
@@ -124,8 +124,7 @@ def main() -> None:
     tokenizer_dir = work / "tokenizer"
     subprocess.run([str(ROOT / ".venv" / "bin" / "orcinus"), "export-tokenizer", str(tokenizer_dir)], check=True)
     tasks = write_tasks(work)
-    server, base = launch_server([])
-    try:
+    with served([]) as base:
         cmd = [str(lm_eval), "run", "--model", "local-completions", "--model_args",
                f"model={MODEL},base_url={base}/v1/completions,tokenizer={tokenizer_dir},"
                f"tokenizer_backend=huggingface,num_concurrent=4,max_retries=1,tokenized_requests=True",
@@ -134,8 +133,6 @@ def main() -> None:
         t = time.time()
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         seconds = time.time() - t
-    finally:
-        stop_server(server)
     if run.returncode != 0:
         sys.exit(f"lm_eval failed ({run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
     mc = samples(work / "results", "orcinus_mc")
@@ -149,7 +146,6 @@ def main() -> None:
     outputs = [s["resps"][0][0] for s in gen]
     stops_sent = [s["arguments"]["gen_args_0"]["arg_1"]["until"] for s in gen]
     result = {
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "lm_eval_command": " ".join(shlex.quote(c) for c in cmd), "lm_eval_seconds": round(seconds, 1),
         "loglikelihood": {"requests": len(logged), "max_abs_diff_vs_engine": worst, "within_1e-4": worst <= 1e-4,
@@ -158,7 +154,7 @@ def main() -> None:
         "generate_until": {"requests": len(gen), "stop_strings_sent": stops_sent[0], "outputs": outputs},
         "lm_eval_stdout_tail": run.stdout[-3000:],
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_report(args.out, result)
     print(json.dumps({k: result[k] for k in ("lm_eval_seconds",)} | {
         "loglikelihood": {k: v for k, v in result["loglikelihood"].items() if k != "pairs"},
         "generate_until": result["generate_until"]}, indent=1))

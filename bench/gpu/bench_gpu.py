@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench.common import write_json
+from bench.common import write_report
 from engine import SamplingParams
 from engine.core.config import DUMMY_SHAPES, EngineConfig, ModelShape
 from engine.core.engine_core import EngineCore
@@ -397,10 +397,10 @@ def main() -> int:
     device = torch.device(args.device)
     torch.manual_seed(0)
 
-    report = {"command": "python " + " ".join(sys.argv), "device": device_info(device), "complete": False}
+    report = {"device": device_info(device), "complete": False}
 
     def save() -> None:
-        write_json(args.out, report)
+        write_report(args.out, report)
 
     save()
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import ROOT, launch_server, stop_server, write_json
+from bench.common import ROOT, launch_server, stop_server, write_report
 
 MODEL = "dummy:llama-1b"
 
@@ -53,10 +53,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/gpu/serve.json")
     args = ap.parse_args()
-    report = {"command": "python " + " ".join(sys.argv), "complete": False}
+    report = {"complete": False}
 
     def save() -> None:
-        write_json(args.out, report)
+        write_report(args.out, report)
 
     save()
     server_log = Path(args.out).with_suffix(".server.log").open("w")

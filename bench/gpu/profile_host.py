@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from bench.common import write_json
+from bench.common import write_report
 from bench.gpu.bench_gpu import graph_runners, make_engine, set_graphs
 from engine import SamplingParams
 
@@ -83,7 +83,7 @@ def main() -> int:
     engine = make_engine(args.shape, args)
     graphs = graph_runners(engine)
     decode_batch(engine, args.batch, args.context, 12 * args.steps + 20)  # outlasts every timed step
-    report = {"command": " ".join(sys.argv), "shape": args.shape, "batch": args.batch,
+    report = {"shape": args.shape, "batch": args.batch,
               "runner": engine.runner.describe(), "modes": {}}
     k = iter(range(10**6))
     cases = {
@@ -110,7 +110,7 @@ def main() -> int:
             row.update(pair_median_ms=median_ms, median_ms=median_ms - decode_ms[mode])
         print(f"== {name}: median {row['median_ms']:.2f} ms, min {min(seconds) * 1e3:.2f} ms", flush=True)
         print(table, flush=True)
-        write_json(args.out, report)
+        write_report(args.out, report)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import write_json
+from bench.common import write_report
 from engine.attention.backend import AttentionMetadata, write_kv
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
@@ -197,12 +197,12 @@ def main(argv=None) -> int:
 
     backend, dtype, gen = CudaAttention(), DTYPES[args.dtype], torch.Generator().manual_seed(0)
     d, hkv, bs = args.head_dim, args.kv_heads, args.block_size
-    results = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "dtype": args.dtype,
+    results = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
                "checks": [], "timings": [], "complete": False}
 
     def save() -> None:
         if args.out:
-            write_json(args.out, results)
+            write_report(args.out, results)
 
     for kind, requests in CHECKS.items():
         for g in (1, 3, 8):

@@ -16,12 +16,10 @@ place of the float32 path, and checks that both give the same bits. With `--marc
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
-from bench.common import ROOT, provenance
+from bench.common import write_report
 
 
 def main() -> None:
@@ -61,7 +59,7 @@ def main() -> None:
                     for g in groups],
              "int16": [Int16BlockLinear([blocks[k] for k in g]) if tree is None else
                        OtherInt16([blocks[k] for k in g], tree) for g in groups]}
-    result = {**provenance(), "threads": args.threads, "march": args.march, "layers": len(groups),
+    result = {"threads": args.threads, "march": args.march, "layers": len(groups),
               "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
     for rows in args.rows:
         inputs = [torch.randn(rows, layer.in_features) for layer in kinds[base]]
@@ -83,7 +81,7 @@ def main() -> None:
         print(f"rows {rows}: {base} {statistics.median(times[base]):.2f} ms, int16 "
               f"{statistics.median(times['int16']):.2f} ms a pass; ratio {statistics.median(ratios):.3f}x{same}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_report(args.out, result)
 
 
 def OtherInt16(parts, ops):

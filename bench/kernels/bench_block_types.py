@@ -9,11 +9,8 @@ One pass is `--layers` layers of llama-1b's projections (fused Q/K/V, O, fused g
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # [N, K]: qkv, o, gate_up, down
 
@@ -30,7 +27,7 @@ def main() -> None:
     import torch
     from gguf import GGMLQuantizationType
 
-    from bench.common import provenance
+    from bench.common import write_report
     from engine.model.quantized import BlockLinear
     from tests.test_quantized import random_blocks
 
@@ -38,8 +35,7 @@ def main() -> None:
     shapes = SHAPES * args.layers
     layers = {t: [BlockLinear([random_blocks(GGMLQuantizationType[t], n, k, seed=i)]) for i, (n, k) in enumerate(shapes)]
               for t in args.types}
-    result = {"command": "python " + " ".join(sys.argv), **provenance(), "threads": args.threads, "shapes": shapes,
-              "median_ms": {}}
+    result = {"threads": args.threads, "shapes": shapes, "median_ms": {}}
     for rows in args.rows:
         xs = [torch.randn(rows, k) for _, k in shapes]
         times: dict[str, list[float]] = {t: [] for t in args.types}
@@ -53,7 +49,7 @@ def main() -> None:
         result["median_ms"][rows] = {t: statistics.median(v) for t, v in times.items()}
         print(f"rows {rows}: " + ", ".join(f"{t} {statistics.median(v):.1f} ms" for t, v in times.items()), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_report(args.out, result)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,10 @@ against this tree's, comparing their outputs' bits.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
+
+from bench.common import write_report
 
 
 def main() -> None:
@@ -40,7 +39,7 @@ def main() -> None:
         ops["against"] = load_cpu_extension_copy("orcinus_cpu_attention", args.against).paged_decode_attention
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    result = {"command": "python " + " ".join(sys.argv), "requests": args.requests, "median_us": {}}
+    result = {"requests": args.requests, "median_us": {}}
     for ctx in args.contexts:
         for n in args.rows:
             q = torch.randn(n, heads, head_dim)
@@ -76,7 +75,7 @@ def main() -> None:
             result["median_us"][f"{ctx}x{n}"] = row
             print(line, flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_report(args.out, result)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,13 @@ def main() -> int:
         # Another checkout's engine: this script again, in a process that imports from that tree first (a tree
         # from before the script existed still compares).
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        return subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child"],
-                              env=env).returncode
+        rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child"],
+                            env=env).returncode
+        if rc == 0 and args.out:  # the child wrote its measurements: the report's provenance is this process's
+            from bench.common import write_report
+
+            write_report(args.out, json.loads(Path(args.out).read_text()))
+        return rc
     import torch
 
     from engine import LLM, SamplingParams
@@ -75,8 +80,13 @@ def main() -> int:
         result[batch] = statistics.median(times) * 1e3
         print(f"batch {batch:>3}: {result[batch]:.2f} ms a step", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "tree": args.tree,
-                                              "dtype": engine.config.dtype, "median_step_ms": result}, indent=2))
+        report = {"tree": args.tree, "dtype": engine.config.dtype, "median_step_ms": result}
+        if args.child:  # another tree's process, which may lack bench.common: the parent adds the provenance
+            Path(args.out).write_text(json.dumps(report))
+        else:
+            from bench.common import write_report
+
+            write_report(args.out, report)
     return 0
 
 

@@ -92,8 +92,9 @@ def main() -> int:
     for tree, ms in summary.items():
         print(f"{tree}: median of runs, ms/step: " + " ".join(f"{k} {v:.3f}" for k, v in ms.items()))
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "batch": args.batch,
-                                              "runs": results, "median_ms": summary}, indent=1) + "\n")
+        from bench.common import write_report  # not at the top: the children import from trees that may lack it
+
+        write_report(args.out, {"batch": args.batch, "runs": results, "median_ms": summary})
     return 0
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import provenance, write_json
+from bench.common import write_report
 
 # Run inside the checkout (its engine package first on the path); prints one JSON line.
 PROBE = """
@@ -50,8 +49,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/memory/load_bundled.json")
     args = ap.parse_args()
     trees = [t.resolve() for t in args.trees]
-    report = {"command": "python " + " ".join(sys.argv), "machine": platform.platform(), **provenance(),
-              "model": args.model or "the bundled model", "samples": {str(t): [] for t in trees}, "median": {}}
+    report = {"model": args.model or "the bundled model", "samples": {str(t): [] for t in trees}, "median": {}}
     scratch = tempfile.TemporaryDirectory(prefix="orcinus-load-memory-")
     extensions = {t: tempfile.mkdtemp(dir=scratch.name) for t in trees}
     for tree in trees:
@@ -61,7 +59,7 @@ def main() -> int:
             samples = report["samples"][str(tree)]
             samples.append(probe(tree, args.model, extensions[tree]))
             report["median"][str(tree)] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-            write_json(args.out, report)
+            write_report(args.out, report)
             print(f"{tree}: peak {samples[-1]['peak_mib']:.0f} MiB, after {samples[-1]['after_mib']:.0f} MiB, "
                   f"{samples[-1]['seconds']:.1f} s", flush=True)
     scratch.cleanup()

@@ -13,16 +13,14 @@ and SiLU-and-multiply in place of the fused C++ token ops, `--compare-batch-inva
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.common import write_report
 from engine import LLM, SamplingParams
 from engine.model.loader import load_checkpoint
 from engine.model.model_files import default_model_path
@@ -151,7 +149,6 @@ def main() -> None:
               + "  ratios " + " ".join(f"{r:.2f}x" for r in results[batch]["ratios"].values()), flush=True)
 
     report = {
-        "command": "python " + " ".join(sys.argv),
         "machine": machine(),
         "what": f"decode tokens/s, greedy, {args.dtype}, prefill excluded; median of interleaved repeats "
                 "(first_token_s: the prefill and first token's time, median)",
@@ -159,8 +156,7 @@ def main() -> None:
         "tokens_per_request": args.tokens,
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import provenance
+from bench.common import write_report
 
 # A worker: reads prompt token counts and seeds, answers the prefill's seconds (each line JSON). Run by `-c` in its
 # tree, it imports that tree's engine: `-c` puts the working directory first on the module path.
@@ -86,7 +86,7 @@ def main() -> int:
     for w in workers:
         w.stdin.close()
         w.wait()
-    result = {"command": "python " + " ".join(sys.argv), **provenance(), "trees": trees, "lengths": {}}
+    result = {"trees": trees, "lengths": {}}
     for n, per_tree in seconds.items():
         result["lengths"][n] = {
             "median_ms": [statistics.median(s) * 1e3 for s in per_tree],
@@ -96,7 +96,7 @@ def main() -> int:
         print(n, "tokens:", json.dumps({k: [round(x, 3) for x in v] if isinstance(v, list) else v
                                         for k, v in result["lengths"][n].items()}))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_report(args.out, result)
     return 0
 
 

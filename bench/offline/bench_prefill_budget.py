@@ -10,12 +10,10 @@ chunk: the step time is the inter-token latency the decodes see. Interleaved rep
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
+from bench.common import write_report
 from engine import LLM, SamplingParams
 from engine.model.loader import load_checkpoint
 
@@ -64,10 +62,9 @@ def main() -> None:
         table[b] = {"prefill_tok_s": args.prompt_len / prefill, "max_step_s": statistics.median(r["max_step_s"] for r in runs)}
         print(f"budget {b:>5}: prefill {table[b]['prefill_tok_s']:7.1f} tok/s beside {args.decodes} decodes, "
               f"longest step {table[b]['max_step_s']:.3f} s", flush=True)
-    report = {"command": "python " + " ".join(sys.argv), "prompt_len": args.prompt_len, "decodes": args.decodes,
+    report = {"prompt_len": args.prompt_len, "decodes": args.decodes,
               "medians": table, "samples": samples}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

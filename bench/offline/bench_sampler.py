@@ -9,12 +9,10 @@ engine/model/sampling/draw.py replaced). Median of many calls.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
-from bench.common import provenance
+from bench.common import write_report
 
 
 def timed(f, calls: int) -> float:
@@ -44,7 +42,7 @@ def main() -> None:
     from engine.model.sampling.state import SamplingState
 
     torch.set_num_threads(args.threads)
-    result = {**provenance(), "threads": args.threads, "vocab": args.vocab, "rows": {}}
+    result = {"threads": args.threads, "vocab": args.vocab, "rows": {}}
     for rows in args.rows:
         logits = torch.randn(rows, args.vocab, generator=torch.Generator().manual_seed(rows)) * 3
         cell = {}
@@ -60,7 +58,7 @@ def main() -> None:
         result["rows"][rows] = cell
         print(f"rows {rows}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_report(args.out, result)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import write_json
+from bench.common import write_report
 from engine import SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -108,7 +107,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/offline/iteration_profile.json")
     args = ap.parse_args()
     rows = {}
-    report = {"command": "python " + " ".join(sys.argv), "threads": torch.get_num_threads(),
+    report = {"threads": torch.get_num_threads(),
               "context": args.context, "rows": rows, "complete": False}
     for b in args.batches:
         engine = decode_engine(b, args.context, args)
@@ -121,13 +120,13 @@ def main() -> None:
               + "  ".join(f"{k} {v:6.1f}" for k, v in ph.items())
               + f"  | model: gemm {split['gemm']:.0%} attention {split['attention']:.0%} other {split['other']:.0%}",
               flush=True)
-        write_json(args.out, report)  # each batch size as it is measured: a time limit keeps what is done
+        write_report(args.out, report)  # each batch size as it is measured: a time limit keeps what is done
         del engine  # its KV cache holds most of a GPU's memory: the next engine needs it
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     report["complete"] = True
-    write_json(args.out, report)
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -108,9 +108,9 @@ def main() -> int:
         for rows, v in r["run_ms_by_rows"].items():
             print(f"    {rows:>4} rows: {v['steps']:5d} steps, run {v['median_ms']} ms (median)")
     if args.out:
-        from bench.common import provenance, write_json
+        from bench.common import write_report
 
-        write_json(args.out, {**provenance(), "command": "python " + " ".join(sys.argv), "results": results})
+        write_report(args.out, {"results": results})
     return 0
 
 

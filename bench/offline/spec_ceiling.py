@@ -25,8 +25,8 @@ import math
 import random
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
+from bench.common import write_report
 from bench.serving.bench_speculative import chat, grounded
 from engine import LLM, SamplingParams
 from engine.core.request import Request
@@ -88,7 +88,7 @@ def main() -> int:
 
     llm = LLM(speculative="off")
     tok = llm.tokenizer
-    result = {"command": " ".join(sys.argv), "row_cost": r, "pass_rows": p, "pass_cost": c, "workloads": {}}
+    result = {"row_cost": r, "pass_rows": p, "pass_cost": c, "workloads": {}}
     for name, make in [("grounded", grounded), ("chat", chat)]:
         rng = random.Random(args.seed)
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": make(rng)}]))
@@ -105,7 +105,7 @@ def main() -> int:
                         print(name, key, json.dumps({k: round(v, 3) for k, v in rows[key].items()}), flush=True)
         result["workloads"][name] = rows
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_report(args.out, result)
     return 0
 
 

@@ -46,7 +46,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from bench.common import launch_server, scrape_metrics, stop_server
+from bench.common import launch_server, scrape_metrics, stop_server, write_report
 
 
 def big_schema(seed: int, target_bytes: int) -> dict:
@@ -447,15 +447,13 @@ def main() -> int:
     finally:
         leaked = stop_server(proc) if proc is not None else []
     del args.schema_bodies
-    result = {"command": "python -m bench.serving.bench_abuse " + shlex.join(sys.argv[1:]),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_model(),
+    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_model(),
                           "uptime_before": uptime_before, "uptime_after": uptime(),
                           "git_commit": git_commit()},
               "note": args.note, "config": vars(args), "phases": rows, "verdict": verdict(rows),
               "leaked_shm": leaked}
     print(json.dumps(result["verdict"]))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_report(args.out, result)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import launch_server, provenance, stop_server
+from bench.common import served, write_report
 from bench.serving.bench_multiturn import WORDS, conversations, median_of, pct, run_mode
 
 CLOSED_LOOP = {"dp2": ["--data-parallel-size", "2", "--num-threads", "1"], "one": ["--num-threads", "2"]}
@@ -78,13 +77,6 @@ async def closed_loop(url: str, clients: int, warmup: float, seconds: float, max
             "ttft_p50_s": pct([d[0] for d in done], 0.5), "latency_p50_s": pct([d[1] for d in done], 0.5)}
 
 
-def serve(flags: list[str], log_path: Path):
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = log_path.open("w")
-    proc, url = launch_server(flags, log=log, timeout=300)
-    return proc, url, log
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", nargs="+", default=["closed-loop", "routing"], choices=["closed-loop", "routing"])
@@ -104,18 +96,13 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/scaling/data_parallel.json")
     args = ap.parse_args()
     out = Path(args.out)
-    result = {**provenance(), "config": vars(args), "closed_loop": {}, "routing": {}}
-
-    def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    result = {"config": vars(args), "closed_loop": {}, "routing": {}}
 
     if "closed-loop" in args.part:
         runs: dict[str, dict[int, list[dict]]] = {v: {c: [] for c in args.clients} for v in CLOSED_LOOP}
         for r in range(args.rounds):
             for variant, flags in CLOSED_LOOP.items():  # alternate, so drift on a shared machine hits both alike
-                proc, url, log = serve(flags, out.with_suffix(f".{variant}-{r}.server.log"))
-                try:
+                with served(flags, out.with_suffix(f".{variant}-{r}.server.log"), timeout=300) as url:
                     for c in args.clients:
                         res = asyncio.run(closed_loop(url, c, args.warmup, args.seconds, args.max_tokens,
                                                       args.seed + r))
@@ -123,17 +110,14 @@ def main() -> int:
                         print(f"round {r} {variant:>4} {c:>3} clients: {res['output_tok_s']:.1f} tok/s, TTFT p50 "
                               f"{res['ttft_p50_s']:.3f} s, latency p50 {res['latency_p50_s']:.2f} s, "
                               f"failed {res['failed']}", flush=True)
-                finally:
-                    stop_server(proc)
-                    log.close()
                 result["closed_loop"] = {"runs": runs}
-                save()
+                write_report(out, result)
         medians = {v: {c: {k: median_of(rs, k) for k in ("output_tok_s", "ttft_p50_s", "latency_p50_s")}
                        for c, rs in by_c.items()} for v, by_c in runs.items()}
         result["closed_loop"] = {"medians": medians, "dp2_over_one_tok_s": {
             c: medians["dp2"][c]["output_tok_s"] / medians["one"][c]["output_tok_s"] for c in args.clients},
             "runs": runs}
-        save()
+        write_report(out, result)
 
     if "routing" in args.part:
         runs_r: dict[int, dict[str, list[dict]]] = {n: {p: [] for p in ROUTING} for n in args.conversations}
@@ -141,18 +125,14 @@ def main() -> int:
             for n in args.conversations:
                 convs = conversations(n, args.turns, (150, 300), (30, 80), args.seed)
                 for policy, flags in ROUTING.items():
-                    proc, url, log = serve(flags, out.with_suffix(f".{policy}-{n}-{r}.server.log"))
-                    try:
+                    with served(flags, out.with_suffix(f".{policy}-{n}-{r}.server.log"), timeout=300) as url:
                         res = asyncio.run(run_mode(url, convs, args.chat_max_tokens, args.think_time))
-                    finally:
-                        stop_server(proc)
-                        log.close()
                     runs_r[n][policy].append(res)
                     print(f"round {r} {n:>3} users {policy:>11}: hit rate {res['hit_rate']:.3f}, TTFT p50 turns 2+ "
                           f"{res['ttft_p50_later_turns_s'] * 1000:.0f} ms, {res['output_tok_s']:.1f} tok/s, "
                           f"failed {res['failed']}", flush=True)
                     result["routing"] = {"runs": runs_r}
-                    save()
+                    write_report(out, result)
         keys = ("hit_rate", "ttft_p50_later_turns_s", "ttft_p50_s", "output_tok_s")
         result["routing"] = {"by_users": {}, "runs": runs_r}
         for n, by_policy in runs_r.items():
@@ -167,7 +147,7 @@ def main() -> int:
                   f"({summary['hit_rate_ratio']:.2f}x; goal >= 1.8x), TTFT p50 turns 2+ "
                   f"{ca['ttft_p50_later_turns_s'] * 1000:.0f} vs {rr['ttft_p50_later_turns_s'] * 1000:.0f} ms "
                   f"({summary['ttft_p50_later_turns_ratio_rr_over_ca']:.2f}x lower; goal >= 1.5x)")
-        save()
+        write_report(out, result)
     if "closed-loop" in args.part:
         for c, ratio in result["closed_loop"]["dp2_over_one_tok_s"].items():
             print(f"{c} clients: two replicas x 1 thread / one engine x 2 threads = {ratio:.2f}x output tok/s")

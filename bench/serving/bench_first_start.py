@@ -10,7 +10,6 @@ installs, and trees without the ops built in place to compare run-time builds.
 from __future__ import annotations
 
 import argparse
-import platform
 import shutil
 import statistics
 import sys
@@ -18,15 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import launch_server, provenance, stop_server, write_json
+from bench.common import served, write_report
 
 
 def time_to_healthy(tree: Path, extensions: str, flags: list[str]) -> float:
     start = time.perf_counter()
-    proc, _ = launch_server(flags, timeout=900, env={"TORCH_EXTENSIONS_DIR": extensions}, root=tree)
-    elapsed = time.perf_counter() - start
-    stop_server(proc)
-    return elapsed
+    with served(flags, timeout=900, env={"TORCH_EXTENSIONS_DIR": extensions}, root=tree):
+        return time.perf_counter() - start
 
 
 def main() -> int:
@@ -39,8 +36,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/startup/first_start.json")
     args = ap.parse_args()
     trees = [t.resolve() for t in args.trees]
-    report = {"command": "python " + " ".join(sys.argv), "machine": platform.platform(), **provenance(),
-              "samples_s": {str(t): {"first": [], "cached": []} for t in trees}, "median_s": {}}
+    report = {"samples_s": {str(t): {"first": [], "cached": []} for t in trees}, "median_s": {}}
     # --cached-only: one extensions folder per tree for the whole run, its ops built by one untimed start.
     kept = {t: tempfile.mkdtemp(prefix="orcinus-ext-") for t in trees} if args.cached_only else {}
     for tree, ext in kept.items():
@@ -55,7 +51,7 @@ def main() -> int:
             if tree not in kept:
                 shutil.rmtree(ext, ignore_errors=True)
             report["median_s"][str(tree)] = {k: statistics.median(v) for k, v in samples.items() if v}
-            write_json(args.out, report)
+            write_report(args.out, report)
             first = f"first start {samples['first'][-1]:.1f} s, " if samples["first"] else ""
             print(f"{tree}: {first}cached {samples['cached'][-1]:.1f} s", flush=True)
     for ext in kept.values():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shutil
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import chat_chunks, launch_server, provenance, scrape_metrics, stop_server
+from bench.common import chat_chunks, scrape_metrics, served_all, write_report
 from bench.serving.length_workload import request
 
 
@@ -165,10 +164,7 @@ def main() -> int:
         name, _, flags = spec.partition("=")
         variants[name] = flags.replace("PREDICTOR", str(predictor)).split()
     oracles = [n for n in variants if n.startswith("oracle")]  # given the true lengths
-    servers, urls = {}, {}
-    try:
-        for name, flags in variants.items():
-            servers[name], urls[name] = launch_server(flags + args.flags.split())
+    with served_all({name: flags + args.flags.split() for name, flags in variants.items()}) as urls:
         model = httpx.get(f"{urls['fcfs']}/v1/models", timeout=10).json()["data"][0]["id"]
         tok_s = asyncio.run(saturation_tokens(urls["fcfs"], model, args.saturation_clients, args.saturation_warmup,
                                               args.saturation_seconds, seed=99))
@@ -216,13 +212,10 @@ def main() -> int:
                       f"median TTFT {f['ttft_median_s'] / a['ttft_median_s']:.2f}x (no order lowers them further)",
                       flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps({
-                **provenance(), "variants": variants, "saturation_output_tok_s": tok_s, "saturation_rate": rate,
+            write_report(args.out, {
+                "variants": variants, "saturation_output_tok_s": tok_s, "saturation_rate": rate,
                 "summary": summary, "runs": runs,
-            }, indent=1))
-    finally:
-        for proc in servers.values():
-            stop_server(proc)
+            })
     return 0
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
 import platform
 import random
@@ -28,7 +26,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from bench.common import launch_server, parse_metrics, stop_server
+from bench.common import parse_metrics, serve_flags, served, write_report
 
 MODES = {"on": [], "off": ["--no-prefix-caching"]}  # caching is on by default
 # Common English words, each one token (with its leading space) for SmolLM2: word counts ~ token counts.
@@ -171,23 +169,9 @@ def median_of(runs: list[dict], key: str):
 
 def launched(args):
     """Default server factory: `orcinus serve` with the shared flags plus the mode's, logged beside --out."""
-    @contextlib.contextmanager
     def serve(mode_flags: list[str], name: str):
-        flags = [*mode_flags, "--max-num-seqs", str(args.max_num_seqs)]
-        if args.kv_cache_memory:
-            flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
-        if args.max_num_batched_tokens:
-            flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        if args.model:
-            flags += ["--model", args.model]
-        log_path = Path(args.out).with_suffix(f".{name}.server.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("w") as log:
-            proc, url = launch_server(flags, log=log, timeout=180)
-            try:
-                yield url
-            finally:
-                stop_server(proc, timeout=30)
+        flags = [*mode_flags, *serve_flags(args, "max_num_seqs", "kv_cache_memory", "max_num_batched_tokens", "model")]
+        return served(flags, Path(args.out).with_suffix(f".{name}.server.log"), stop_timeout=30, timeout=180)
     return serve
 
 
@@ -249,8 +233,7 @@ def main(argv: list[str] | None = None, serve=None) -> int:
         "modes": modes, "runs": runs, "summary": summary, "summary_line": line,
         "elapsed_s": time.perf_counter() - t_start,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_report(args.out, result)
 
     print(f"\n{'caching':<8}{'TTFT p50 by turn (ms)':<28}{'p50 t2+':>9}{'p90 t2+':>9}{'tok/s':>8}{'hit rate':>10}")
     ms = lambda x: fmt(x and x * 1000, ".0f")  # noqa: E731

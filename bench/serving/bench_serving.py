@@ -19,10 +19,11 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import httpx
 from tqdm import tqdm
+
+from bench.common import write_report
 
 
 @dataclass(frozen=True)
@@ -227,11 +228,10 @@ def main() -> int:
     summary = summarize(results, duration)
     print_table(summary)
     if args.out:
-        report = {"command": "python " + " ".join(sys.argv), "workload": asdict(workload),
+        report = {"workload": asdict(workload),
                   "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
                   "summary": summary, "requests": [asdict(r) | {"itl": r.itl} for r in results]}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        write_report(args.out, report)
     return 0 if summary["failed"] == 0 else 1
 
 

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-from bench.common import chat_chunks, launch_server, provenance, scrape_metrics, stop_server
+from bench.common import chat_chunks, scrape_metrics, served_all, write_report
 from bench.serving.compare_llama_server import peer_settings
 
 NAMES = ["Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
@@ -157,10 +155,8 @@ def main() -> int:
     variants = dict(v.split("=", 1) for v in args.variant) or {"off": "--speculative off"}
     peers = dict(p.split("=", 1) for p in args.peer)
 
-    servers, urls = {}, dict(peers)
-    try:
-        for name, flags in variants.items():
-            servers[name], urls[name] = launch_server(shlex.split(flags))
+    with served_all({name: shlex.split(flags) for name, flags in variants.items()}) as servers:
+        urls = {**peers, **servers}
         systems = list(urls)
         runs: dict = {w: {str(c): {s: [] for s in systems} for c in args.concurrency} for w in args.workload}
         for r in range(args.rounds):
@@ -185,14 +181,11 @@ def main() -> int:
             for c, tok_s in by_c.items():
                 print(w, f"c={c}", "  ".join(f"{s} {v:.1f}" for s, v in tok_s.items()))
         if args.out:
-            Path(args.out).write_text(json.dumps({
-                **provenance(), "variants": variants,
+            write_report(args.out, {
+                "variants": variants,
                 "peers": {name: {"url": url, **peer_settings(url)} for name, url in peers.items()},
                 "summary_median_output_tok_s": summary, "runs": runs,
-            }, indent=1))
-    finally:
-        for proc in servers.values():
-            stop_server(proc)
+            })
     return 0
 
 

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import os
 import platform
 import random
-import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-from bench.common import launch_server, stop_server
+from bench.common import served, write_report
 
 # Long enough that most of max_tokens is JSON, bounded so that the document can end.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "tags", "items"], "properties": {
@@ -69,12 +67,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/serving/structured.json")
     args = ap.parse_args()
-    proc = None
-    url = args.base_url
-    if url is None:
-        proc, url = launch_server(["--max-num-seqs", str(args.concurrency)], timeout=180)
     samples: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
-    try:
+    server = served(["--max-num-seqs", str(args.concurrency)], timeout=180) if args.base_url is None else None
+    with server or contextlib.nullcontext(args.base_url) as url:
         asyncio.run(batch(url, prompts(4, 99), 8, True))  # warm-up, both paths
         asyncio.run(batch(url, prompts(4, 98), 8, False))
         for r in range(args.rounds):
@@ -84,20 +79,15 @@ def main() -> int:
                 assert tokens == args.concurrency * args.max_tokens, tokens
                 samples[mode].append(tokens / secs)
                 print(f"round {r} {mode:>13}: {tokens} tokens in {secs:.1f} s = {tokens / secs:.1f} tok/s", flush=True)
-    finally:
-        if proc is not None:
-            stop_server(proc)
     med = {m: statistics.median(v) for m, v in samples.items()}
     ratio = med["json_schema"] / med["unconstrained"]
     line = (f"output tok/s, {args.concurrency} concurrent: json_schema {med['json_schema']:.1f} vs unconstrained "
             f"{med['unconstrained']:.1f} = {ratio:.3f} ({(1 - ratio) * 100:.1f}% lower; goal <= 15%)")
     print(line)
-    result = {"command": "python -m bench.serving.bench_structured " + shlex.join(sys.argv[1:]),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "schema": SCHEMA,
+    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "schema": SCHEMA,
               "config": vars(args), "samples_tok_s": samples, "median_tok_s": med, "ratio": ratio,
               "summary_line": line}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_report(args.out, result)
     return 0
 
 

@@ -20,6 +20,7 @@ the last run's prompts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -30,7 +31,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from bench.common import ROOT, launch_server, stop_server
+from bench.common import ROOT, served, write_report
 
 METRICS = ("output_tok_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s")
 
@@ -85,17 +86,16 @@ def main() -> int:
     args = ap.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant) or {"default": ""}
 
-    servers = {}
-    for name, flags in variants.items():
-        words = shlex.split(flags)
-        env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
-        servers[name] = launch_server([w for w in words if not ("=" in w and not w.startswith("-"))], env=env)
-    systems = {"llama-server": (args.llama_url, "smollm2-135m")}
-    systems |= {f"orcinus {name}": (url, "SmolLM2-135M-Instruct") for name, (_, url) in servers.items()}
-    samples: dict = {c: {s: [] for s in systems} for c in args.concurrency}
-    peer = peer_settings(args.llama_url)
-    names = list(systems)
-    try:
+    with contextlib.ExitStack() as servers:  # not served_all: each variant has an environment of its own
+        systems = {"llama-server": (args.llama_url, "smollm2-135m")}
+        for name, flags in variants.items():
+            words = shlex.split(flags)
+            env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+            url = servers.enter_context(served([w for w in words if not ("=" in w and not w.startswith("-"))], env=env))
+            systems[f"orcinus {name}"] = (url, "SmolLM2-135M-Instruct")
+        samples: dict = {c: {s: [] for s in systems} for c in args.concurrency}
+        peer = peer_settings(args.llama_url)
+        names = list(systems)
         for i, (url, model) in enumerate(systems.values()):  # warm-up: first requests, allocator, threads
             bench(url, model, 4, args, args.seed_base - 1 - i, min(10.0, args.seconds))
         for rep in range(args.repeats):
@@ -108,9 +108,6 @@ def main() -> int:
                     print(f"round {rep} c={c:<3} {name:<28} {r['output_tok_s']:7.1f} tok/s  "
                           f"TTFT p50 {r['ttft_p50_s']:.3f} s  ITL p50 {r['itl_p50_s'] * 1000:.1f} ms  "
                           f"p99 {r['itl_p99_s']:.3f} s", flush=True)
-    finally:
-        for proc, _ in servers.values():
-            stop_server(proc)
 
     table = {}
     for c, by_system in samples.items():
@@ -119,13 +116,12 @@ def main() -> int:
             med[s]["vs_llama_server"] = med[s]["output_tok_s"] / med["llama-server"]["output_tok_s"]
         table[c] = med
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
-    report = {"command": "python " + " ".join(map(shlex.quote, sys.argv)), "variants": variants,
+    report = {"variants": variants,
               "machine": {"cpu": cpu.stdout.strip(), "cores": os.cpu_count()}, "llama_server": peer,
               "workload": {"input_len": args.input_len, "output_len": args.output_len, "seconds": args.seconds,
                            "rounds": args.repeats},
               "medians": table, "samples": samples}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, report)
     print(f"\n{'clients':>7}  {'system':<28}{'tok/s':>8}{'ratio':>7}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}")
     for c, med in table.items():
         for s, m in med.items():

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
-from bench.common import stop_server
+from bench.common import serve_flags, served_all, write_report
 from bench.serving.bench_serving import Workload, run, summarize
-from bench.serving.compare_scheduling import start_server
+from bench.serving.compare_scheduling import LIMITS, server_log
 
 
 def main() -> int:
@@ -49,15 +47,15 @@ def main() -> int:
     configs = {f"{k} stage(s)": ["--pipeline-stages", str(k)] for k in args.stages}
     if not args.no_single_thread_baseline:
         configs["1 stage, 1 thread"] = ["--pipeline-stages", "1", "--num-threads", "1"]
-    servers = {}
-    try:
-        for k, flags in configs.items():
-            servers[k] = start_server(args, *flags)
-        for k, (_, url) in servers.items():  # warm-up
+    servers = {k: [*flags, *serve_flags(args, *LIMITS)] for k, flags in configs.items()}
+    # A log per configuration, named by its own flags: two of them run one stage, with and without threads.
+    logs = {k: server_log(args, "-".join(w.lstrip("-") for w in flags)) for k, flags in configs.items()}
+    with served_all(servers, logs.get, stop_timeout=30, timeout=180) as urls:
+        for k, url in urls.items():  # warm-up
             asyncio.run(run(url, None, Workload(4, (16, 16), (4, 4)), float("inf"), 4, progress=False))
         runs: dict[str, list[dict]] = {k: [] for k in configs}
         for rep in range(args.repeats):
-            for k, (_, url) in servers.items():
+            for k, url in urls.items():
                 results, duration = asyncio.run(run(url, None, workload, float("inf"), args.max_concurrency,
                                                     progress=False))
                 s = summarize(results, duration)
@@ -65,9 +63,6 @@ def main() -> int:
                                 "p50_tpot_s": s["tpot_s"]["p50"], "failed": s["failed"], "duration_s": duration})
                 print(f"repeat {rep}: {k}: {s['output_throughput']:6.1f} output tok/s "
                       f"{s['request_throughput']:.3f} req/s  failed {s['failed']}", flush=True)
-    finally:
-        for proc, _ in servers.values():
-            stop_server(proc, timeout=30)
 
     median = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
     base = median[next(iter(configs))]
@@ -75,7 +70,6 @@ def main() -> int:
     line = ", ".join(f"{k}: {m:.1f} tok/s ({m / base:.2f}x)" for k, m in median.items())
     print(line)
     result = {
-        "command": "python " + " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "model": args.model or "SmolLM2-135M-Instruct (bundled GGUF, fp32 CPU)",
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -83,8 +77,7 @@ def main() -> int:
         "server_flags": configs, "runs": runs, "summary": summary, "summary_line": line,
         "elapsed_s": time.perf_counter() - t_start,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_report(args.out, result)
     print(f"wrote {args.out} in {result['elapsed_s']:.0f} s")
     return 0
 

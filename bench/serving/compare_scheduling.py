@@ -19,30 +19,20 @@ import asyncio
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.common import launch_server, scrape_metrics, stop_server, write_json
+from bench.common import scrape_metrics, serve_flags, served_all, write_report
 from bench.serving.bench_serving import Workload, run, summarize
 
 MODES = ("iteration", "request")
+LIMITS = ("max_num_seqs", "kv_cache_memory", "max_num_batched_tokens", "cuda_graph_max_tokens", "model")
 
 
-def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`orcinus serve` with the shared limits from `args` plus `extra` flags; returns it once /health is 200."""
-    flags = [*extra, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.max_num_batched_tokens:
-        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.cuda_graph_max_tokens:
-        flags += ["--cuda-graph-max-tokens", str(args.cuda_graph_max_tokens)]
-    if args.model:
-        flags += ["--model", args.model]
-    log = Path(args.out).with_suffix(f".{extra[-1]}.server.log")  # extra ends with the scheduling mode
-    log.parent.mkdir(parents=True, exist_ok=True)
-    return launch_server(flags, log=log.open("w"), timeout=180)
+def server_log(args, name: str) -> Path:
+    return Path(args.out).with_suffix(f".{name}.server.log")
 
 
 def throughput_at(points: list[dict], latency: float) -> float:
@@ -136,30 +126,28 @@ def main() -> int:
     t_start = time.perf_counter()
     workload = Workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed=1)
     result = {
-        "command": "python " + " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "model": args.model or "SmolLM2-135M-Instruct (bundled GGUF, the server's CPU defaults)",
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
         "workload": asdict(workload), "modes": {mode: [] for mode in MODES}, "complete": False,
     }
-    servers: dict[str, tuple] = {}
-    try:
-        for mode in MODES:  # both up at once: the sweep alternates between them at every rate
-            servers[mode] = start_server(args, "--scheduling", mode)
+    servers = {mode: ["--scheduling", mode, *serve_flags(args, *LIMITS)] for mode in MODES}
+    # Both up at once: the sweep alternates between them at every rate.
+    with served_all(servers, lambda mode: server_log(args, mode), stop_timeout=30, timeout=180) as urls:
+        for mode in MODES:
             # model=None: Orcinus serves one model and accepts requests that do not name it.
-            asyncio.run(run(servers[mode][1], None, Workload(2, (16, 16), (4, 4)), float("inf"), None,
+            asyncio.run(run(urls[mode], None, Workload(2, (16, 16), (4, 4)), float("inf"), None,
                             progress=False))  # warm-up
 
         def measure(mode: str, rate: float) -> dict:
             n = max(args.num_prompts, math.ceil(rate * args.seconds))
             load = workload if n == workload.num_prompts else replace(workload, num_prompts=n)
-            before = step_paths(servers[mode][1])
-            results, duration = asyncio.run(run(servers[mode][1], None, load, rate, None))
-            after = step_paths(servers[mode][1])
+            before = step_paths(urls[mode])
+            results, duration = asyncio.run(run(urls[mode], None, load, rate, None))
+            after = step_paths(urls[mode])
             s = summarize(results, duration)
             if s["normalized_latency_s"]["p50"] is None:  # every request failed: no curve to draw
-                log = Path(args.out).with_suffix(f".{mode}.server.log")
-                sys.exit(f"{mode} rate {rate}/s: all {s['failed']} requests failed; see {log}")
+                sys.exit(f"{mode} rate {rate}/s: all {s['failed']} requests failed; see {server_log(args, mode)}")
             return {"rate": rate, "throughput": s["request_throughput"], "output_tok_s": s["output_throughput"],
                     "p50_normalized_latency": s["normalized_latency_s"]["p50"], "p50_ttft": s["ttft_s"]["p50"],
                     "failed": s["failed"], "duration_s": duration, "num_prompts": n,
@@ -167,16 +155,13 @@ def main() -> int:
 
         def on_point(mode: str, point: dict) -> None:
             result["elapsed_s"] = time.perf_counter() - t_start
-            write_json(args.out, result)
+            write_report(args.out, result)
             print(f"{mode:>9} rate {point['rate']:6.2f}/s: {point['throughput']:.3f} req/s "
                   f"{point['output_tok_s']:6.1f} tok/s  p50 norm. latency "
                   f"{point['p50_normalized_latency'] * 1000:8.1f} ms/token  failed {point['failed']}  steps "
                   f"{' '.join(f'{k} {v:.0f}' for k, v in sorted(point['steps_by_path'].items()))}", flush=True)
 
         sweep(args.rates, measure, result["modes"], on_point)
-    finally:
-        for proc, _ in servers.values():
-            stop_server(proc, timeout=30)
 
     summary = result["summary"] = summarize_modes(result["modes"], args.latency_target)
     tput, ratio = summary["throughput_req_s"], summary["ratio"]
@@ -187,7 +172,7 @@ def main() -> int:
         + (f"{ratio:.2f}x" if ratio is not None else "- (request-level never meets it)"))
     print(result["summary_line"])
     result["elapsed_s"], result["complete"] = time.perf_counter() - t_start, True
-    write_json(args.out, result)
+    write_report(args.out, result)
     plot(result, args.plot)
     print(f"wrote {args.out} and {args.plot} in {result['elapsed_s']:.0f} s")
     return 0

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import provenance
+from bench.common import write_report
 from bench.serving.length_workload import kendall_tau, requests
 from engine import LLM, SamplingParams
 
@@ -72,8 +72,8 @@ def main() -> int:
                           for k in sorted({r["kind"] for r in held})}}
     print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            **provenance(), "seconds": round(time.time() - t0), **result, "progress": progress, "held_out_rows": held}, indent=1))
+        write_report(args.out, {"seconds": round(time.time() - t0), **result, "progress": progress,
+                                "held_out_rows": held})
     llm.close()
     return 0
 

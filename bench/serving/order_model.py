@@ -14,9 +14,10 @@ batches); `cap N` runs the N shortest remaining; `half N` the shorter half, at l
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
+
+from bench.common import write_report
 
 SIZES = (8, 24, 80, 256, 384)
 
@@ -68,10 +69,7 @@ def main() -> None:
             print(f"c {c} load {load}: all {base:.0f} steps; mean latency all / policy: "
                   + ", ".join(f"{k} {v:.2f}x" for k, v in gains.items()), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "python -m bench.serving.order_model " + " ".join(
-                f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
-                if k != "out" and v is not None), "sizes": SIZES, "results": results}, f, indent=1)
+        write_report(args.out, {"sizes": SIZES, "results": results})
 
 
 if __name__ == "__main__":

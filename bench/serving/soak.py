@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, launch_server, scrape_metrics, stop_server
+from bench.common import ROOT, launch_server, scrape_metrics, stop_server, write_report
 
 LOCUST = Path(sys.executable).parent / "locust"
 MIB = 2**20
@@ -190,7 +190,6 @@ def main() -> int:
     title = f"Orcinus soak: {users} Locust users for {args.duration} s"
     plot(rows, out / "rss.png", title)
     summary = {
-        "command": "python " + " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "server": url if args.base_url else {"max_num_seqs": args.max_num_seqs, "max_waiting": args.max_waiting,
                                              "num_threads": args.num_threads,
@@ -201,7 +200,7 @@ def main() -> int:
         "engine_restarts": rows[-1]["engine_restarts"] - rows[0]["engine_restarts"],
         "shm_segments_left": leaked,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_report(out / "summary.json", summary)
     print(json.dumps({k: summary[k] for k in ("locust", "rss", "engine_restarts", "shm_segments_left")}, indent=1))
     return 0
 
