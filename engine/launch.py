@@ -47,9 +47,9 @@ def resolve_async(config: EngineConfig) -> EngineConfig:
 
 
 def resolve_speculative(config: EngineConfig) -> EngineConfig:
-    """"auto" speculation becomes prompt lookup on the CPU, where benchmarks/speculative.json measured it, and off on
-    a GPU, where nobody has yet, and under --batch-invariant (whether a request drafts depends on the batch's size, and
-    its sampled draws on its drafts)."""
+    """"auto" speculation becomes prompt lookup on the CPU, where it was measured to pay (docs/performance.md), and off
+    on a GPU, where it has not been measured yet, and under --batch-invariant (whether a request drafts depends on the
+    batch's size, and its sampled draws on its drafts)."""
     if config.speculative != "auto":
         return config
     on = torch.device(config.device).type == "cpu" and not config.batch_invariant

@@ -141,9 +141,9 @@ class AttentionBackend(Protocol):
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hkv, D] into their cache slots, in place."""
     if torch.compiler.is_compiling():
-        # An op boundary: traced as an index_put, torch 2.11's Inductor on the H100 copied the whole cache (4 GiB)
-        # around every layer's write; a custom op that mutates its argument is written in place (as vLLM's are).
-        # Eagerly, the plain function: the op's dispatch costs ~90 us a call on the CPU.
+        # An op boundary: traced as an index_put, Inductor (torch 2.11) copied the whole cache around every layer's
+        # write; a custom op that mutates its argument is written in place (as vLLM's are).
+        # Eagerly, the plain function: the op's dispatch would cost more than the write on the CPU.
         torch.ops.orcinus.write_kv(k, v, kv_cache, slot_mapping)
     else:
         scatter_kv(k, v, kv_cache, slot_mapping)

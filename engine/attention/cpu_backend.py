@@ -29,10 +29,8 @@ class CpuAttention(TorchAttention):
     decode query against its p + 1 keys), a long prompt's chunk through SDPA."""
 
     label = "C++ paged, SDPA for prompts past 1024 keys"
-    # Past about this many keys SDPA's blocked kernel beats one query at a time. Whole prefills through the op
-    # against SDPA: 130 prompt tokens 1.06x faster (attention was ~16 of ~98 ms, with SDPA's gathered copy and
-    # mask), 480: 1.05x, 1,800: 0.98-1.00x, 4,000: 0.90-0.92x (benchmarks/README.md, "Short prompts through the
-    # paged op").
+    # Past about this many keys SDPA's blocked kernel beats one query at a time; below it the op wins, sparing
+    # SDPA's gathered copy of the keys and its mask (docs/performance.md, Kernels: prompts through the paged op).
     decode_like_context = 1024
 
     def __init__(self):

@@ -44,7 +44,7 @@ def cuda_backend_available() -> bool:
     """Whether CudaAttention works here: a CUDA device, an importable CuPy, and a kernel that compiles and runs.
 
     `auto` must fall back to the PyTorch reference rather than fail at the first request, so this
-    compiles the module (NVRTC, ~1-3 s, once per process) and launches it on a tiny batch.
+    compiles the module (NVRTC, seconds, once per process) and launches it on a tiny batch.
     """
     return torch.cuda.is_available() and builds(
         lambda: CudaAttention().self_test(), "the CUDA attention kernel is unusable here, using the PyTorch reference")
@@ -118,8 +118,8 @@ class CudaAttention:
                 warnings.warn(f"flash varlen attention is unusable here, prefills go one SDPA each: {e}", stacklevel=2)
                 self.prefill_kernel = "sdpa"
         qsl = meta.query_starts_cpu
-        # Not cuDNN's SDPA: it builds a plan for every new (query, context) shape, ~0.1-0.6 s each, and
-        # prefill chunks come in ever new shapes (seen on an H100: mixed steps 60x slower until warm).
+        # Not cuDNN's SDPA: it builds a plan for every new (query, context) shape, and prefill chunks come in ever
+        # new shapes, so mixed steps ran many times slower until every shape had been seen.
         with sdpa_kernel(PREFILL_SDPA):
             for i, n in enumerate(meta.query_lens_cpu):
                 if n > 1:
@@ -235,7 +235,7 @@ def split_partition(context_len: int, num_splits: int) -> int:
     return max(SPLIT_TILE, -(-per_split // SPLIT_TILE) * SPLIT_TILE)
 
 
-@functools.lru_cache(maxsize=4096)  # a pure function, asked by every layer of a step: its loop is tens of us
+@functools.lru_cache(maxsize=4096)  # a pure function, asked by every layer of a step: its loop runs once a shape
 def plan_splits(num_requests: int, kv_head_blocks: int, max_context_len: int, sm_count: int,
                 blocks_per_sm: int, one_wave: bool = False) -> int:
     """How many KV ranges the decode kernel cuts every context into (its grid: requests x kv_head_blocks x splits).
@@ -244,8 +244,7 @@ def plan_splits(num_requests: int, kv_head_blocks: int, max_context_len: int, sm
     fixed tile's worth; the count whose last wave ends soonest wins, the fewest splits on a tie. Capped so a
     split keeps MIN_PARTITION keys of the longest context, and at MAX_SPLITS. `one_wave`: max_context_len is a
     capacity (a captured step replays for any context), so the splits stop at one wave of blocks: planned for the
-    capacity, short contexts left nearly every block empty (llama-1b, 64 requests of ~140 keys: 124 waves, a
-    76 us kernel per layer on an H200).
+    capacity, short contexts left nearly every block empty (llama-1b, 64 requests of ~140 keys: 124 waves).
     """
     slots = sm_count * max(1, blocks_per_sm)
     blocks = num_requests * kv_head_blocks

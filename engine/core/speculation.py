@@ -12,8 +12,8 @@ A request drafts the k that makes the most tokens a second of the step: the requ
 their rows and expected tokens (a row and a token each, plus their drafts), and it adds 1 + S(1) + ... + S(k) tokens
 for k more rows. What a step of R rows costs is measured (StepCost: a line whose slope is fitted to consecutive
 decode steps), so a device whose rows are nearly free (a GPU's decode) drafts beside many requests, while alone on
-the CPU (a row ~0.1-0.3 of a step) a request drafts several tokens at 0.8 acceptance and beside 31 others only what
-is near certain. A request whose drafts keep failing stops drafting, and probes again with one token once its
+the CPU (a row a good share of a step) a request drafts several tokens at 0.8 acceptance and beside 31 others only
+what is near certain. A request whose drafts keep failing stops drafting, and probes again with one token once its
 estimate has recovered. A request's estimate is taken at what such estimates have been worth (FirstTokenCalibration):
 the drafts that clear a high line are the lucky runs' and hold less often than their estimates say.
 """
@@ -79,7 +79,7 @@ class StepCost:
     consecutive steps (which a shared machine's slow swings in speed hardly move) and starts at the prior 1 + PRIOR R,
     which only steps that differ in rows move. A row cost set in the config fixes the line at 1 + r R."""
 
-    PRIOR = 0.25  # the CPU here: 0.8 ms a row on a 6.5 ms step of one row (benchmarks/README.md)
+    PRIOR = 0.25  # a row's share of a one-row step on a CPU, where rows are far from free; the engine's steps take over
     PRIOR_PAIRS = 20.0  # the prior slope weighs as much as this many pairs of consecutive steps one row apart
     MEMORY = 0.99  # each pair's weight in the slope decays by this at every later step: about the last 100 count
     LEVEL = 0.1  # how far each step moves the level (rows and seconds) the line goes through
@@ -155,8 +155,8 @@ def _tally(counts: dict, key, accepted: bool, memory: float) -> None:
 class DepthAcceptance:
     """The chance that a draft's d-th token (d >= 2) is accepted once the ones before it were, by the draft's kind,
     from all requests' recent drafts: a draft whose first token holds tends to be a copy that goes on, the more so
-    after a long match (replaying 240 greedy outputs through the drafters: 1.028x the modeled tokens a second of one
-    estimate for every token on grounded prompts, 1.023x on chat; benchmarks/README.md, "How deep a draft goes")."""
+    after a long match (replayed through the drafters, greedy outputs model more tokens a second than with one
+    estimate for every token: docs/performance.md, Speculative)."""
 
     PRIOR = 0.8  # a kind's second token before any draft of that kind has reached it
     PRIOR_WEIGHT = 4.0  # the prior weighs as much as this many drafts; a deeper token's prior is the one before's
@@ -246,8 +246,8 @@ class Speculation:
         if limit <= 0:
             return []
         # A draft's d-th token is accepted at most as often as its first: if no drafter's first token would pay
-        # for its row, no draft would, and the lookups are skipped (~15 us a request a step: 2.5% of a step of 32
-        # chat requests, which draft little there).
+        # for its row, no draft would, and the lookups, host time per request per step, are skipped (chat requests
+        # beside many others draft little).
         chances = [self.calibration(i, a) for i, a in enumerate(state.acceptance)]
         if not self._worth_drafting([max(chances)], step):
             self._recover(state, range(len(state.drafters)))

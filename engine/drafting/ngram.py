@@ -64,8 +64,8 @@ class RecentNgrams:
     requests share their structure (a JSON record's keys, a docstring's sections, a list's phrasing), which a
     request's own context holds only from its second occurrence on."""
 
-    # An output's first tokens only: indexing (and forgetting as many older tokens) takes ~2.5 us a token here, in the
-    # engine's step loop, and a 32k-token answer indexed whole would hold every running request for ~80 ms.
+    # An output's first tokens only: indexing (and forgetting as many older tokens) runs in the engine's step loop at
+    # a cost per token, and a long answer indexed whole would stall every running request for several steps.
     MAX_OUTPUT_TOKENS = 4096
 
     def __init__(self, min_n: int = 2, max_n: int = 4, capacity: int = 32768):

@@ -12,9 +12,8 @@ class NgramSource:
     """Prompt lookup: each request drafts from its own context, and where that has no match, from the n-grams of
     recent outputs of the requests with its cache salt (each judged by its own acceptance)."""
 
-    # Matches of up to 8 tokens: on copy-heavy answers (benchmarks/speculative.json's grounded workload) 0.82 of the
-    # draft tokens were accepted against 0.78 with n <= 4, in 254 steps against 271. Recent outputs' matches of up
-    # to 4 drafted as well as up to 8 did (benchmarks/README.md, "Drafts from other requests' outputs").
+    # Matches of up to 8 tokens: on copy-heavy answers longer matches draft more accepted tokens in fewer steps than
+    # n <= 4 did; recent outputs' matches of up to 4 draft as well as up to 8 (docs/performance.md, Speculative).
     def __init__(self, shared: bool = True, min_n: int = 2, max_n: int = 8, shared_max_n: int = 4,
                  shared_capacity: int = 32768):
         self.min_n, self.max_n = min_n, max_n

@@ -65,9 +65,8 @@ class EngineLoopArgs(msgspec.Struct):
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
-    """Every core by default, with a bounded OpenMP spin (gateway/engines/process.py): two threads once
-    collapsed under load with the sleeping default (benchmarks/pipeline.json); benchmarks/README.md has
-    today's figures beside llama-server."""
+    """Every core by default, with a bounded OpenMP spin (gateway/engines/process.py): with OpenMP's sleeping
+    default, two threads once stalled on each other under load (docs/performance.md, Pipeline stages)."""
     if config.num_threads is not None:
         return config
     return config.with_(num_threads=os.cpu_count() or 1)
@@ -251,8 +250,8 @@ def main(argv: list[str]) -> int:
         engine_loop.run()
     finally:
         engine_loop.close()
-    # All is closed, stopped or saved above: tearing down the interpreter (torch, the model) took ~0.8 s of every
-    # server's shutdown and did nothing more.
+    # All is closed, stopped or saved above: tearing down the interpreter (torch, the model) only slowed every
+    # server's shutdown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engine.ipc.messages import AddGrammar, AddRequest
 
 COMPILE_THREADS = 2  # grammars compiled at once; more wait their turn
-BACKGROUND_NICE = 19  # compile threads' niceness: on a 2-core machine they would otherwise stretch every step
+BACKGROUND_NICE = 19  # compile threads' niceness: on a machine with few cores they would otherwise stretch every step
 
 
 def background_thread() -> None:

@@ -2,11 +2,11 @@
 (engine/kernels/csrc/cuda/rope_write_kv.cu) and RMSNorm with its residual add (rms_norm.cu beside it), in place of the
 PyTorch formulas.
 
-Traced by torch.compile, RoPE and the cache write were ~10 kernels a layer on an H200 (~14 us at batch 1, ~22 us at
-batch 64: a tenth of a llama-1b decode step, benchmarks/gpu/2026-11-27-h200/); this is one launch. It gives the
+Traced by torch.compile, RoPE and the cache write were ~10 small kernels a layer, whose launches outweigh their
+few KB of data at decode batch sizes (docs/performance.md, GPU); this is one launch. It gives the
 formula's eager bits (products rounded to the dtype, then their sum). Under torch.compile it is a custom op that
 mutates the cache, so Inductor calls it in place (as it does `write_kv`). Each RMSNorm was two kernels (a looped
-reduction and a pointwise pass, benchmarks/gpu/2026-11-27b-h200/); the kernel is one, the residual's sum written
+reduction and a pointwise pass re-reading the row); the kernel is one, the residual's sum written
 beside the output; its mean sums in another order than PyTorch's, so an output may differ in its last place.
 """
 

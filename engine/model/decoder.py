@@ -205,7 +205,7 @@ class Decoder(nn.Module):
 
 class SkippedInit(torch.overrides.TorchFunctionMode):
     """Modules built inside skip torch.nn.init's random draws, for parameters that are overwritten next. On the meta
-    device those draws run as Python decompositions whose first call imports torch._dynamo: ~1 s of every start."""
+    device those draws run as Python decompositions whose first call imports torch._dynamo, slowing every start."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__module__", None) == "torch.nn.init":

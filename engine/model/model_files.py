@@ -33,8 +33,8 @@ def default_model_path() -> Path:
 
 class GGUFReader(gguf.GGUFReader):
     """gguf's reader, faster to open: every server start opens the model file twice (the gateway for its tokenizer,
-    the engine for its weights), and gguf parses an array's elements one by one into numpy views, 1-2 s for the
-    bundled file's ~100k tokenizer strings. Here the same fields, with the same parts and indices, in ~0.1 s."""
+    the engine for its weights), and gguf parses an array's elements one by one into numpy views, slow for a
+    tokenizer's ~100k strings. Here the same fields, with the same parts and indices, parsed a whole array at once."""
 
     @property
     def data(self) -> np.ndarray:

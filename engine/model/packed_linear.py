@@ -1,8 +1,8 @@
 """Dense bfloat16 projections with their weights in oneDNN's blocked layout, on the CPU.
 
 F.linear gives oneDNN a plain [N, K] weight, which it reorders for its GEMM kernel on every call; a copy
-reordered once at load runs the same arithmetic (bit-identical outputs) without that. Measured on the 2-core
-machine: SmolLM2's LM head at 1 row 2.1 -> 0.57 ms, at 32 rows 4.6 -> 2.4 ms; gate/up at 32 rows 0.17 -> 0.14 ms.
+reordered once at load runs the same arithmetic (bit-identical outputs) without that reorder, which dominates a
+large projection such as the LM head at decode batch sizes (docs/performance.md, Kernels).
 """
 
 from __future__ import annotations

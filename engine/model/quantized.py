@@ -9,8 +9,8 @@ and sums in float32, in an order that does not depend on the batch. So these lay
 An Int16BlockLinear, the default where the CPU has AVX-512 VNNI or AVX2 (the same bits from either), multiplies through
 engine/kernels/csrc/cpu/int16_matmul.cpp: Q4_0, Q4_1 and Q8_0 blocks (the same codes and scales, reordered once) times
 the activations rounded to 16-bit integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is
-1.5-1.9x the float32 path at every row count measured, 1 to 128 (benchmarks/int16_matmul.json), and as
-batch-independent: a row's rounding and each output's order of sums are its own.
+faster than the float32 path at every row count (docs/performance.md, Kernels), and as batch-independent: a row's
+rounding and each output's order of sums are its own.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class BlockLinear(nn.Module):
             raise ValueError("the parts of one BlockLinear must share their input width")
         for i, p in enumerate(parts):
             self.register_buffer(f"blocks{i}", p.data, persistent=False)
-        # The same tensors as a plain list: looked up by name on each of a decode step's ~120 calls they took ~3% of a
-        # batch-1 step's samples (py-spy). Blocks stay on the CPU and are never cast, so the two cannot part.
+        # The same tensors as a plain list: looked up by name on each of a decode step's many calls they showed in a
+        # batch-1 step's profile. Blocks stay on the CPU and are never cast, so the two cannot part.
         self._parts = [p.data for p in parts]
         self.bias = bias
 

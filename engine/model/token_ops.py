@@ -5,9 +5,9 @@ On the CPU each of PyTorch's small ops costs microseconds whatever its size (F.r
 decode batch sizes the norms and the activation cost a tenth of a step; engine/kernels/csrc/cpu/token_ops.cpp does each
 in one pass over the rows. They replace the modules in bfloat16 only (`fuse_token_ops`): there they give PyTorch's bits
 but for rare last-place differences (float32 sums in another order, another exp); float32, the reference the tests
-compare with transformers, keeps PyTorch's ops. Measured on the 2-core machine (benchmarks/offline_cpu_token_ops.json):
-decode 1.15x / 1.08x / 1.05x at batch 1 / 8 / 32. RoPE and the cache write were a dozen small ops a layer (gather the
-table, multiply, swap halves, add, stack, scatter): a third of a batch-1 decode step's host time before they fused.
+compare with transformers, keeps PyTorch's ops (the gain, largest at batch 1: docs/performance.md, Kernels). RoPE and
+the cache write were a dozen small ops a layer (gather the table, multiply, swap halves, add, stack, scatter), a large
+share of a small batch's decode step before they fused.
 Under torch.compile they take PyTorch's formula, which Inductor fuses itself (their C++ call would break the graph).
 """
 

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(1)
     dist.destroy_process_group()
-    # Without the interpreter's teardown, which took ~0.8 s with torch loaded and closed nothing left open.
+    # Without the interpreter's teardown, which is slow with torch loaded and closes nothing left open.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

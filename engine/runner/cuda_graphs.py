@@ -7,8 +7,8 @@ Each segment is captured once per token-count bucket (1, 2, 4, 8, multiples of 8
 largest first, all into one memory pool. Every segment of every bucket reads and writes views of ONE set of
 static buffers sized for the largest bucket (ids, positions, slot mapping, the residual stream x, q,
 the attention output): only one bucket replays at a time, so they can share them, and the pool holds
-only one segment's temporaries. (Keeping each bucket's own outputs alive cost ~34 GiB for SmolLM2 at
-259 buckets.) The pre-attention halves write K/V into the layers' caches, so those exist before capture.
+only one segment's temporaries. (Keeping each bucket's own outputs alive would hold a set per
+bucket, hundreds of them.) The pre-attention halves write K/V into the layers' caches, so those exist before capture.
 
 A batch of T tokens is padded up to the smallest bucket >= T. Padding rows hold stale but valid ids
 and positions, and write their K/V into the scratch block the runner keeps outside the scheduler's

@@ -1,7 +1,7 @@
 """Whole-iteration CUDA graphs: every layer, attention included, in one replay, for steps of decode-like rows.
 
-Piecewise graphs still pay a Python attention call per layer between replays (on an H200, ~0.3 ms of host time a
-layer when a prompt joins decoding requests: a 400-token prompt made a batch-64 step 4x a decode step). Here every
+Piecewise graphs still pay a Python attention call per layer between replays, host time that made a step where a
+prompt joins decoding requests several times a decode step (docs/performance.md, GPU: host-bound steps). Here every
 row of the flattened batch attends as one decode query against its own request's keys up to its own position: a
 decoding request's one row, and each row of a prompt chunk (causal, since row j of a chunk at position p sees keys
 0..p). The whole forward pass (the token-wise segments of engine/runner/token_segments.py, the backend's

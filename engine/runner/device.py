@@ -10,9 +10,9 @@ from engine.runner.decode_graphs import whole_step_rows
 
 CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
 GPU_TOKEN_BUDGET = 2048  # tokens per iteration on a GPU, when the config gives none
-# On the CPU a step's time grows with its tokens, and every running stream waits for the whole step: beside 32
-# decodes, 512-token prefill chunks kept 95% of 2048's prefill rate with a 0.6 s longest step instead of 1.8 s
-# (benchmarks/prefill_budget.json).
+# On the CPU a step's time grows with its tokens, and every running stream waits for the whole step: 512-token
+# prefill chunks keep most of 2048's prefill rate at a third of its longest step (docs/performance.md, CPU offline
+# throughput: token budget).
 CPU_TOKEN_BUDGET = 512
 
 

@@ -34,7 +34,7 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         model = model_class(ckpt.shape)(ckpt.shape, max_position, span, shard)
     # Allocate without torch's random init: every parameter is overwritten next. Untouched, the allocation holds no
     # memory: the layers swapped for the file's blocks below are never written, so never take their float32 size.
-    # (Module.to_empty would call empty_like on meta tensors, whose Python reference imports sympy: 0.5 s a start.)
+    # (Module.to_empty would call empty_like on meta tensors, whose Python reference imports sympy at every start.)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.materialize_buffers()
     blocks = block_weights(config, bool(ckpt.blocks)) and shard.size == 1 and can_use_blocks(device)

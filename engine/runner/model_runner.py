@@ -67,8 +67,8 @@ class StepInputs:
 def graph_max_tokens(config: EngineConfig) -> int:
     """The largest piecewise-graph bucket: by default the token budget, so every iteration replays graphs.
 
-    Capped at 512 until 2026-11-27, a GPU showed mixed iterations of 513-2048 tokens run eagerly cost more than
-    the rest: served llama-1b at 240 req/s, 70 req/s with the cap against 139 without it (benchmarks/gpu/).
+    Not capped below it: mixed iterations past a cap run eagerly and cost more than all the others on a GPU
+    (docs/performance.md, GPU).
     """
     return config.cuda_graph_max_tokens or config.max_num_batched_tokens
 

@@ -1,9 +1,9 @@
 """Drawing one token per row of a distribution: the exponential race, argmax p_i / E_i with E_i = -log U_i ~ Exp(1).
 
 It is what torch.multinomial does for one sample, but multinomial's exponentials on the CPU (`exponential_`) cost
-0.85 ms a row of a 49k vocabulary, 20 ms for a step of 24 sampled rows, more than the model's forward (two threads,
-torch 2.13). An inverse CDF was faster still, but its token hangs on a running sum over the whole vocabulary: noise of
-1e-4 in every logit moved 3% of its draws (the race's: none), and a seeded request drew other tokens with its prompt
+more than the model's forward for a step of sampled rows over a large vocabulary (docs/performance.md, Sampler). An
+inverse CDF was faster still, but its token hangs on a running sum over the whole vocabulary: a last-place change in
+the logits moves some of its draws (the race's: none), and a seeded request drew other tokens with its prompt
 cached than without (a cached prefix is attended as decode queries, not by SDPA). The race compares only the leading
 candidates' ratios.
 

@@ -44,7 +44,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._ll: llguidance.LLTokenizer | None = None  # built on first use (~0.25 s for a 49k vocabulary)
+        self._ll: llguidance.LLTokenizer | None = None  # built on first use: it walks the whole vocabulary
         self._lock = threading.Lock()
 
     def warm_up(self) -> None:
@@ -89,7 +89,7 @@ class GrammarMasks:
         if not rows:
             return
         # A bit per token, 1 = allowed. (llguidance.torch has helpers for this, but importing it runs a torch.compile
-        # decorator: 2.2 s of every engine start.)
+        # decorator, which would slow every engine start.)
         bitmask = torch.full((len(rows), (self._tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)
         consumed: dict[int, int] = {}  # per request (by id()): draft tokens its matcher took to mask the rows after
         try:

@@ -12,7 +12,7 @@
 // for many) or on the thread count (threads split the N outputs, never a sum): a row's result is the same alone or
 // in any batch.
 
-// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): a build parses a fraction of the headers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
@@ -374,7 +374,7 @@ struct BF16 {
   }
 };
 
-// Q2_K, Q3_K and Q6_K decode 16 weights at a time (GCC vectorizes neither's scalar loop: 8-10x slower), each product
+// Q2_K, Q3_K and Q6_K decode 16 weights at a time (GCC vectorizes none of their scalar loops), each product
 // in the order gguf-py's dequantization writes it: a group's scale (d times its integer scale, exact in float32)
 // times the code, less the group's minimum where there is one. Q4_K's and Q5_K's loops GCC vectorizes as they are.
 

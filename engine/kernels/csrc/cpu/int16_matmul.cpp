@@ -9,12 +9,11 @@
 // the file's codes and scales, unchanged; only their order in memory is (`pack`): 16 output rows make a tile, one
 // int32 lane per row, the rows' block b side by side. A block of x is then one broadcast operand, no lane is idle
 // whatever K is (a 576-wide model filled 18 of a group's 32 lanes when a lane held a block), no sum needs a horizontal
-// reduction, and a tile streams through memory in order (2.2-2.6x the throughput of that layout, one core, weights in
-// cache; 1.5-1.9x float32 inputs over a whole decode step's matmuls from memory on two, 1 to 128 rows).
+// reduction, and a tile streams through memory in order (against float32 inputs: docs/performance.md, Kernels).
 //
 // Lane i sums row i's blocks in order: an output's sum does not depend on M, on the tile or on the thread count.
 
-// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): a build parses a fraction of the headers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
@@ -80,7 +79,7 @@ void codes_of(const uint8_t* block, int64_t type, uint8_t* c) {
 // (Q4_1) their minimums. Code slice t (inputs 2t and 2t+1) of row r sits in 16-bit lanes 2r and 2r+1 of a 64-byte
 // vector; Q8_0 stores slices 2u and 2u+1 in one vector's words (low and high byte), a 4-bit format slices 4u .. 4u+3
 // (the word's four nibbles, lowest first), so a load and a shift or mask widens a slice. Every byte of the tile is
-// written, each code straight to its place (a model's load packs ~100 MB: bit by bit into zeroed words took 1.3 s).
+// written, each code straight to its place (a model's load packs every weight: bit by bit into zeroed words was slow).
 void pack_tile(const uint8_t* src, int64_t row_bytes, int64_t type, const Format& f, int64_t nb, uint8_t* dst) {
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* tile = dst + b * kRows * f.bytes();
@@ -139,8 +138,8 @@ inline __m512 load16(const at::BFloat16* v) {  // bfloat16 is float32's upper ha
 
 // x's row (K inputs, float32 or bfloat16) into K / 32 blocks. Lane by lane the scalar steps: |x|'s max (a NaN input
 // skipped), x * id clamped to +-32767 (a NaN product clamped to -32767, as std::max(-32767, NaN) gives), rounded to
-// nearest even. With the rounding on the calling thread for small inputs (below), a pass over a step's weights ran
-// 1.06x as fast at 1 row, 1.09x at 9 and 12, 1.15x at 64, same bits (benchmarks/int16_quantize_vectorized.json).
+// nearest even. Vectorized, with the rounding on the calling thread for small inputs (below): the same bits as the
+// scalar steps, faster at every row count (docs/performance.md, Kernels).
 template <typename T>
 void quantize_row(const T* x, int64_t nb, XBlock* out) {
   const __m512 sign = _mm512_set1_ps(-0.f), lo = _mm512_set1_ps(-kMaxCode), hi = _mm512_set1_ps(kMaxCode);
@@ -220,11 +219,9 @@ inline int32_t pair(const XBlock& x, int t) {
 }
 
 // Weights are read this far ahead of their use: a tile's blocks stream through memory in order, but the hardware
-// prefetchers stop at each 4 KB page (a step's weights from memory at 1 row of x: 1.18x with 32 KB ahead against none,
-// 1.04x more than with 16 KB). Into L2, not L1: fetched into L1 a pass took 1.24x as long at 1 row, 1.13x at 4, 1.09x
-// at 9 (loadtest/bench_block_matmul.py --against, benchmarks/int16_prefetch_l2.json). The AVX2 build, timed on the same
-// Intel machine (--march haswell): 1.40x at 1 row, 1.47x at 4, 1.27x at 9, 1.07x at 32 (int16_prefetch_avx2.json;
-// not yet timed on an AMD CPU, whose L2 prefetcher also stops at a page's end).
+// prefetchers stop at each 4 KB page; 32 KB ahead beat 16 KB. Into L2, not L1: fetched into L1 a pass took longer,
+// most at few rows of x. The AVX2 build gains as much (bench/kernels/bench_block_matmul.py --against;
+// docs/performance.md, Kernels).
 constexpr int kPrefetchBytes = 32768;
 
 inline void prefetch_ahead(const uint8_t* p, int bytes) {
@@ -245,9 +242,8 @@ inline void store16(at::BFloat16* p, __m512 v) {
 template <int R, int Type, typename T>
 void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
   constexpr Format f = format_for(Type);
-  // At least 8 independent sums below 8 rows (4 before): a pass at 1 row waited on vpdpwssd's latency. AMD Zen 5, a
-  // step's matmuls: 1.14x faster at 1 row, 1.04-1.07x at 2-7, against 1.04x at 8-12 rows where nothing changed (the
-  // A/B's own bias), same bits (benchmarks/int16_chains_zen5.json). 12 sums at 4-5 rows spilled: 0.63-0.66x.
+  // At least 8 independent sums below 8 rows: with fewer, a pass at 1 row waits on vpdpwssd's latency
+  // (docs/performance.md, Kernels); same bits. 12 sums at 4-5 rows spill registers and run slower.
   constexpr int per_word = f.per_word(), chains = R >= 8 ? 1 : R >= 4 ? 2 : (8 + R - 1) / R;
   const __m512i nibble = _mm512_set1_epi16(15);
   __m512 acc[R];
@@ -296,8 +292,8 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
 }
 
 // Rows of x a tile's weights serve at once: 12 rows' sums and accumulators, a word's slices and a broadcast fit the
-// 32 registers (a verification step of 8 drafts, 9 rows, went 1.11x against 8 rows and a second pass; 16 spill, 0.94x
-// at 32 rows; loadtest/bench_block_matmul.py --against).
+// 32 registers, so a verification step of 8 drafts (9 rows) takes one pass, not two; 16 rows spill
+// (bench/kernels/bench_block_matmul.py --against; docs/performance.md, Kernels).
 constexpr int kTileRowsOfX = 12;
 
 #else  // AVX2
@@ -379,8 +375,8 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
   half_tile<R, Type>(xb, nb, w, 1, out + 8, ldo);
 }
 
-// As many as VNNI's: with 4, a step's matmuls at 5 to 9 rows (a decoding request and its drafts) took 7-12% longer,
-// the same past 16 (loadtest/bench_block_matmul.py --against, benchmarks/avx2/block_matmul_rows.json).
+// 8 rows, not 4: with 4, a step's matmuls at 5 to 9 rows (a decoding request and its drafts) took longer, the same
+// past 16 (bench/kernels/bench_block_matmul.py --against; docs/performance.md, Kernels).
 constexpr int kTileRowsOfX = 8;
 
 #endif  // ORCINUS_VNNI

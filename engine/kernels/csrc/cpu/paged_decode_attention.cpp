@@ -12,7 +12,7 @@
 // last `window` keys (the blocks before them may already hold another request's tokens); a soft cap turns each
 // score s into cap * tanh(s / cap) (Gemma 2).
 
-// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): a build parses a fraction of the headers.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -103,9 +103,9 @@ struct Rows {
 // The arithmetic of one query, whatever the build: a score is eight lanes of fused multiply-adds over head_dim in
 // order, then transpose_sum; a value sum is, lane by lane (one lane a dimension), a fused multiply-add per key in
 // order. The AVX-512 build does the same operations two at a time in 16-lane registers (two keys or two queries side
-// by side, or 16 dimensions of one sum), so it gives the AVX2 build's bits in half the multiply-adds: 12 rows (a
-// request verifying 11 drafts) 1.19x, 5 rows 1.12-1.14x, a lone decode 1.03x, keys from memory
-// (loadtest/bench_cpu_attention.py --against, benchmarks/cpu_attention_paired_queries.json).
+// by side, or 16 dimensions of one sum), so it gives the AVX2 build's bits in half the multiply-adds, which pays most
+// for a request's many rows (a decode verifying drafts) (bench/kernels/bench_cpu_attention.py --against;
+// docs/performance.md, Kernels).
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define ORCINUS_ATTENTION_WIDE 1
 #include <immintrin.h>
@@ -361,8 +361,8 @@ struct Attention {
     const float* eight[8];
     for (int64_t t0 = 0; t0 < span; t0 += 8) {
       for (int t = 0; t < 8; ++t) eight[t] = t0 + t < span ? w.rows.keys[t0 + t] : w.zero.data();
-      // A block of keys is a page of its own, where the hardware's prefetcher stops: fetch two eights on ahead
-      // (10-20% off a layer whose keys come from memory, not the last-level cache).
+      // A block of keys is a page of its own, where the hardware's prefetcher stops: fetch two eights on ahead, for
+      // a layer whose keys come from memory, not the last-level cache.
       for (int64_t t = t0 + 16; t < std::min(t0 + 24, span); ++t) {
         for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(w.rows.keys[t] + d);
       }

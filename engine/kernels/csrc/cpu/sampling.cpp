@@ -3,11 +3,11 @@
 // holds the same race in torch ops (the reference, and the GPU's); both make U_i from the row's 64-bit key and i alone
 // (SplitMix64 of key + (i + 1) * gamma), so a row's draw depends on nothing else in the batch.
 //
-// Why an op: over a 49k vocabulary, torch.rand, a log and a division cost ~0.3 ms a row on two threads, a quarter of a
-// step of 32 sampled rows. Here most tokens are settled without a log: -log u >= 1 - u, so p_i / E_i <= p_i / (1 - u_i),
-// and a token whose bound does not beat the best score so far cannot win.
+// Why an op: over a large vocabulary, torch.rand, a log and a division per token are a large share of a step of
+// sampled rows (docs/performance.md, Sampler). Here most tokens are settled without a log: -log u >= 1 - u, so
+// p_i / E_i <= p_i / (1 - u_i), and a token whose bound does not beat the best score so far cannot win.
 
-// Only the headers used, not <torch/extension.h>: each build takes half the time.
+// Only the headers used, not <torch/extension.h>: a build parses a fraction of the headers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>

@@ -1,13 +1,13 @@
 // Token-wise ops of a decoder layer fused for the CPU: RMSNorm (optionally after the residual add),
-// SiLU-and-multiply, and RoPE with the K/V cache write, one pass over each row instead of PyTorch's chain of small ops. On the CPU those ops
-// cost ~5-35 us each at decode batch sizes (F.rms_norm runs as pow, mean, add, rsqrt, mul, mul, casts),
-// which adds up to a tenth of a decode step of SmolLM2-135M at small batches.
+// SiLU-and-multiply, and RoPE with the K/V cache write, one pass over each row instead of PyTorch's chain of small
+// ops. On the CPU each of those ops costs its dispatch whatever its size (F.rms_norm runs as pow, mean, add, rsqrt,
+// mul, mul, casts), which adds up to a noticeable share of a small model's decode step at small batches.
 //
 // Math is float32 whatever the dtype. Results round to the tensor's dtype where PyTorch's unfused ops round,
 // so bfloat16 outputs differ from them only now and then in the last place (float32 sums added in another
 // order, an exp that rounds differently).
 
-// Only the headers used, not <torch/extension.h> (all of torch's C++ API): each build takes half the time.
+// Only the headers used, not <torch/extension.h> (all of torch's C++ API): a build parses a fraction of the headers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

@@ -30,8 +30,8 @@
 // groups are merged through shared memory at the end, and, when the KV range is cut into splits
 // (flash-decoding, to fill the GPU), the splits' (m, l, acc) go to a float32 workspace, and the last split of a
 // (request, head block) to finish combines them (a per-launch counter each, reset by that last split): no second
-// kernel, whose launch and serial reads over the splits cost 4.7 us a layer at batch 1 on an H200, more than a third
-// of a short context's attention (benchmarks/gpu/2026-11-27b-h200/lease/profile.log).
+// kernel, whose launch and serial reads over the splits were a large share of a short context's attention at small
+// batches (docs/performance.md, GPU).
 //
 // Per layer (AttentionParams): the softmax scale, a sliding window (only the last `window` keys are read) and a
 // soft cap on the scores (cap * tanh(score / cap), in the base-2 domain the scores are kept in).

@@ -1,8 +1,8 @@
 // RMSNorm of each row of x [T, H], optionally with a residual added first (the sum written out too), in one kernel
 // (engine/model/cuda_token_ops.py launches it through cupy.RawModule, NVRTC).
 //
-// Traced by torch.compile, a norm was two kernels on an H200 (a looped reduction, then a pointwise pass re-reading
-// the row: Inductor keeps reductions of more than 1024 elements out of one kernel), ~3 us a norm at batch 1.
+// Traced by torch.compile, a norm was two kernels (a looped reduction, then a pointwise pass re-reading the row:
+// Inductor keeps reductions of more than 1024 elements out of one kernel), two launches for a few KB at decode sizes.
 //
 // sum = residual + x rounded to T (PyTorch's add); out = (v * rstd) * w rounded once to T, v the row (or the
 // rounded sum), rstd = rsqrt(mean(v^2) + eps) in float32: the order of PyTorch's formula; the mean's order of

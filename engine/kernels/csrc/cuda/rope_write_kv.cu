@@ -1,9 +1,9 @@
 // RoPE on the queries and keys of a fused QKV projection, and this iteration's keys and values into the paged cache,
 // in one kernel (engine/model/cuda_token_ops.py launches it through cupy.RawModule, NVRTC).
 //
-// Traced by torch.compile, the same work was ~10 kernels a layer on an H200 (the table gather, the half swap, the
-// products, a torch.stack of K and V, and an index_put that TensorIterator cuts into four launches because the
-// cache's strides pass 2^31 bytes): ~14 us a layer at batch 1, for a few KB of data.
+// Traced by torch.compile, the same work was ~10 kernels a layer (the table gather, the half swap, the products, a
+// torch.stack of K and V, and an index_put that TensorIterator cuts into four launches because the cache's strides
+// pass 2^31 bytes): launches, not bytes, set its time, for a few KB of data.
 //
 // Layouts:
 //   qkv       [T, (Hq + 2 Hkv) * D], rows `ld` elements apart, read in place (the projection's output)
