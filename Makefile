@@ -15,7 +15,7 @@ CUDA_MAJOR = $$($(PY) -c 'import torch; print((torch.version.cuda or "12").split
 EXTRAS = test$(if $(GPU),$(comma)cuda$(CUDA_MAJOR))
 comma := ,
 
-.PHONY: install serve test test-gpu bench clean
+.PHONY: install serve test lint test-gpu bench clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff as pyproject.toml configures it, pinned in the test extras so every checkout lints alike.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # On a GPU machine: the GPU tests only (kernels vs the PyTorch reference, graphs vs eager...), from every
 # test file that has one: marked `gpu`, or test_cuda_kernels' alias `needs_gpu`.

@@ -58,8 +58,7 @@ def op_builder(ops):
             target = Path(self.get_ext_fullpath(ext.name))
             stamp = ops.build_stamp(ops.CPU_SOURCES / ops.CPU_EXTENSIONS[name][0], ops.cflags(name))
             # This build folder's, or the one an editable install left beside the source (a wheel built after it).
-            fresh = [so for so in (target, ops.prebuilt_path(name))
-                     if so.is_file() and ops.read_stamp(so) == stamp]
+            fresh = [so for so in (target, ops.prebuilt_path(name)) if so.is_file() and ops.read_stamp(so) == stamp]
             if ops.prebuilt_path(name) in fresh:
                 self.in_place.add(ext.name)
             if fresh and fresh[0] != target:
@@ -96,9 +95,15 @@ def ext_modules():
     from torch.utils.cpp_extension import CppExtension
 
     ops = load_ops()
-    modules = [CppExtension(f"engine.kernels.csrc.cpu.{name}", [f"engine/kernels/csrc/cpu/{source}"],
-                            extra_compile_args=ops.cflags(name), extra_link_args=ops.LDFLAGS)
-               for name, (source, _) in ops.CPU_EXTENSIONS.items()]
+    modules = [
+        CppExtension(
+            f"engine.kernels.csrc.cpu.{name}",
+            [f"engine/kernels/csrc/cpu/{source}"],
+            extra_compile_args=ops.cflags(name),
+            extra_link_args=ops.LDFLAGS,
+        )
+        for name, (source, _) in ops.CPU_EXTENSIONS.items()
+    ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": op_builder(ops)}}
 
 

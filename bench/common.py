@@ -28,8 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_server(flags: list[str], log=subprocess.DEVNULL, timeout: float = 300,
-                  env: dict[str, str] | None = None, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+def launch_server(
+    flags: list[str], log=subprocess.DEVNULL, timeout: float = 300, env: dict[str, str] | None = None, root: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
     """`orcinus serve --port P *flags` from the checkout `root` (with `env` added to this process's); returns it and
     its URL once healthy."""
     port = free_port()
@@ -64,8 +65,12 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
 def serve_flags(args, *names: str) -> list[str]:
     """`--name value` for each of the script's options `names` (argparse dests) that is set: the limits a comparison
     gives each of its servers alike."""
-    return [word for name in names if getattr(args, name, None)
-            for word in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    return [
+        word
+        for name in names
+        if getattr(args, name, None)
+        for word in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
+    ]
 
 
 @contextlib.contextmanager
@@ -84,13 +89,16 @@ def served(flags: list[str], log: Path | None = None, stop_timeout: float = 60, 
 
 
 @contextlib.contextmanager
-def served_all(variants: dict[str, list[str]], log: Callable[[str], Path] | None = None,
-               **kwargs) -> Iterator[dict[str, str]]:
+def served_all(
+    variants: dict[str, list[str]], log: Callable[[str], Path] | None = None, **kwargs
+) -> Iterator[dict[str, str]]:
     """One server per name, all up at once (a comparison alternates between them): yields {name: URL}; every one
     started is stopped on leaving, a later one failing to start included. `log(name)`: where its output goes."""
     with contextlib.ExitStack() as stack:
-        yield {name: stack.enter_context(served(flags, log(name) if log else None, **kwargs))
-               for name, flags in variants.items()}
+        yield {
+            name: stack.enter_context(served(flags, log(name) if log else None, **kwargs))
+            for name, flags in variants.items()
+        }
 
 
 async def chat_chunks(http: httpx.AsyncClient, url: str, body: dict):

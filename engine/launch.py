@@ -10,13 +10,13 @@ from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
 from engine.core.queue_policy import Predicted, queue_policy
+from engine.drafting import DRAFT_SOURCES
 from engine.kernels.cpu_ops import ops_origin
 from engine.model.length_predictor import RidgeLengthPredictor
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.sharding import check_splittable
 from engine.runner.device import resolve_device
 from engine.runner.local_executor import LocalExecutor
-from engine.drafting import DRAFT_SOURCES
 
 
 def make_executor(config: EngineConfig, ckpt: Checkpoint, max_model_len: int) -> Executor:
@@ -35,19 +35,20 @@ def is_distributed(config: EngineConfig) -> bool:
 
 
 def resolve_async(config: EngineConfig) -> EngineConfig:
-    """"auto" async scheduling becomes "on" for one process on a GPU, where host work can hide behind the device's;
+    """ "auto" async scheduling becomes "on" for one process on a GPU, where host work can hide behind the device's;
     a CPU step runs in the calling thread, and pipeline stages already keep several batches in flight."""
     mode = config.async_scheduling
     if mode == "auto":
         mode = "on" if torch.device(config.device).type == "cuda" and not is_distributed(config) else "off"
     elif mode == "on" and is_distributed(config):
-        raise ValueError("async scheduling runs one engine process: not with --pipeline-stages or "
-                         "--tensor-parallel-size above 1")
+        raise ValueError(
+            "async scheduling runs one engine process: not with --pipeline-stages or --tensor-parallel-size above 1"
+        )
     return config.with_(async_scheduling=mode)
 
 
 def resolve_speculative(config: EngineConfig) -> EngineConfig:
-    """"auto" speculation becomes prompt lookup on the CPU, where it was measured to pay (docs/performance.md), and off
+    """ "auto" speculation becomes prompt lookup on the CPU, where it was measured to pay (docs/performance.md), and off
     on a GPU, where it has not been measured yet, and under --batch-invariant (whether a request drafts depends on the
     batch's size, and its sampled draws on its drafts)."""
     if config.speculative != "auto":
@@ -73,8 +74,9 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     else:
         policy = queue_policy(config.scheduling_policy)()
     executor = make_executor(config, ckpt, max_model_len)
-    draft_source = (None if config.speculative == "off"
-                    else DRAFT_SOURCES[config.speculative](shared=config.speculative_shared))
+    draft_source = (
+        None if config.speculative == "off" else DRAFT_SOURCES[config.speculative](shared=config.speculative_shared)
+    )
     return EngineCore(config, executor, ckpt.name, ckpt.shape, ckpt.tokenizer, max_model_len, draft_source, policy)
 
 

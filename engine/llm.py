@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Self
 
 from tqdm import tqdm
 
@@ -59,7 +60,7 @@ class LLM:
         """Stop pipeline stage processes, if any (they also exit on their own when this process does)."""
         self.engine.close()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -76,7 +77,10 @@ class LLM:
         outputs = [] if req.params.prompt_only else list(req.output_token_ids)  # the prompt's scores only
         text = self.tokenizer.decode(outputs, skip_special_tokens=True) if self.tokenizer else ""
         return Completion(
-            req.prompt_token_ids, outputs, text, req.finish_reason,
-            list(req.output_logprobs)[:len(outputs)] if req.params.logprobs is not None else None,
+            req.prompt_token_ids,
+            outputs,
+            text,
+            req.finish_reason,
+            list(req.output_logprobs)[: len(outputs)] if req.params.logprobs is not None else None,
             [None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None,
         )

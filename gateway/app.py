@@ -16,23 +16,23 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from engine.model.tokenizer.chat_template import load_chat_template
-from gateway.web import errors
-from gateway.web.in_flight import InFlightLimit
-from gateway.web.auth import APIKeyMiddleware, CacheSalts
-from gateway.banner import startup_block
 from gateway.api.chat import create_chat_completion
-from gateway.config import GatewayConfig, make_replicas
-from gateway.web.cors import add_cors
 from gateway.api.completions import create_completion
-from gateway.web.guards import TrustedHostMiddleware, page_headers
 from gateway.api.openapi import openapi_document
 from gateway.api.protocol import ModelCard, ModelList
-from gateway.engines.replicas import Replicas
 from gateway.api.responses import create_response, delete_response, retrieve_response
 from gateway.api.serving import ServerState, json_response
 from gateway.api.special_tokens import ContentTokens
 from gateway.api.structured import SchemaCompiler
 from gateway.api.tokenize import detokenize, tokenize, tokenizer_info
+from gateway.banner import startup_block
+from gateway.config import GatewayConfig, make_replicas
+from gateway.engines.replicas import Replicas
+from gateway.web import errors
+from gateway.web.auth import APIKeyMiddleware, CacheSalts
+from gateway.web.cors import add_cors
+from gateway.web.guards import TrustedHostMiddleware, page_headers
+from gateway.web.in_flight import InFlightLimit
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
@@ -65,14 +65,24 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
     """The app; `client`: the config's replicas made (and perhaps launched) already, else made here."""
     client = client or make_replicas(config)
     metrics = client.metrics
-    in_flight = InFlightLimit(config.engine.max_num_seqs * config.data_parallel_size, config.max_waiting, metrics,
-                              config.max_queued_tokens)
+    in_flight = InFlightLimit(
+        config.engine.max_num_seqs * config.data_parallel_size, config.max_waiting, metrics, config.max_queued_tokens
+    )
     tokenizer = load_gateway_tokenizer(config.engine.model)
     if tokenizer is not None and config.chat_template is not None:
         tokenizer.chat_template = load_chat_template(config.chat_template)
     content_tokens = None if tokenizer is None else ContentTokens(tokenizer, config.special_tokens_in_content)
-    state = ServerState(client, tokenizer, metrics, served_name(config), in_flight, CacheSalts(config.prefix_cache_scope),
-                        SchemaCompiler(), content_tokens, config.shutdown_timeout)
+    state = ServerState(
+        client,
+        tokenizer,
+        metrics,
+        served_name(config),
+        in_flight,
+        CacheSalts(config.prefix_cache_scope),
+        SchemaCompiler(),
+        content_tokens,
+        config.shutdown_timeout,
+    )
     started = int(time.time())
     keyed = bool(config.api_keys)
     metrics_need_key = keyed and config.metrics_need_key
@@ -91,8 +101,11 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
         gc.freeze()
         # uvicorn's own logger: the block sits with its "Uvicorn running on ..." lines.
         logging.getLogger("uvicorn.error").info(
-            "%s", startup_block(state.client.ready, state.model_name, config.url, keyed, config.data_parallel_size,
-                                state.client.routing))
+            "%s",
+            startup_block(
+                state.client.ready, state.model_name, config.url, keyed, config.data_parallel_size, state.client.routing
+            ),
+        )
         try:
             yield
         finally:
@@ -101,8 +114,10 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
 
     def handler(route):
         """A route handler that takes the server's state (completions, chat, tokenize...), bound to it."""
+
         async def run(request: Request) -> Response:
             return await route(request, state)
+
         return run
 
     async def models(request: Request) -> Response:

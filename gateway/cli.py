@@ -22,14 +22,20 @@ from gateway.config import GatewayConfig, make_replicas
 if TYPE_CHECKING:
     from gateway.engines.replicas import Replicas
 
+
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """Each dataclass field's attribute docstring (the string on the line after it), its whitespace collapsed."""
     [node] = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
-    return {field.target.id: " ".join(doc.value.value.split())
-            for field, doc in zip(node.body, node.body[1:])
-            if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
-            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+    return {
+        field.target.id: " ".join(doc.value.value.split())
+        for field, doc in zip(node.body, node.body[1:])
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(field.target, ast.Name)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+        and isinstance(doc.value.value, str)
+    }
 
 
 def _with_default(text: str, default) -> str:
@@ -107,8 +113,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, dest=name, **{"default": None, **kw})
         for old in deprecated:
             value = {k: v for k, v in kw.items() if k in ("choices", "type", "metavar")}
-            p.add_argument(old, dest=name, action=DeprecatedAlias, replacement=flag, default=None,
-                           help=argparse.SUPPRESS, **value)
+            p.add_argument(
+                old, dest=name, action=DeprecatedAlias, replacement=flag, default=None, help=argparse.SUPPRESS, **value
+            )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -195,10 +202,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         sys.exit(f"orcinus serve: {e}")
     config = GatewayConfig(
-        EngineConfig(**engine_kwargs(args)), args.data_parallel_size, args.routing, keys, args.served_model_name,
+        EngineConfig(**engine_kwargs(args)),
+        args.data_parallel_size,
+        args.routing,
+        keys,
+        args.served_model_name,
         max_waiting=args.max_waiting,
         max_queued_tokens=args.max_queued_tokens,
-        metrics_need_key=args.metrics_need_key, prefix_cache_scope=args.prefix_cache_scope,
+        metrics_need_key=args.metrics_need_key,
+        prefix_cache_scope=args.prefix_cache_scope,
         special_tokens_in_content=args.special_tokens_in_content,
         chat_template=args.chat_template,
         shutdown_timeout=args.shutdown_timeout,
@@ -220,9 +232,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             app = build_app(config, replicas)
         except ValueError as e:
             sys.exit(f"orcinus serve: {e}")
-        run_server(app, host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout,
-                   header_timeout=args.header_timeout, send_timeout=args.send_timeout,
-                   max_connections=args.max_connections)
+        run_server(
+            app,
+            host=args.host,
+            port=args.port,
+            shutdown_timeout=config.shutdown_timeout,
+            header_timeout=args.header_timeout,
+            send_timeout=args.send_timeout,
+            max_connections=args.max_connections,
+        )
     finally:
         replicas.discard()  # engines the app never started (it failed first): none is left running
     return 0
@@ -236,8 +254,16 @@ def launch_engines(config: GatewayConfig) -> Replicas:
     return replicas
 
 
-def run_server(app, *, host: str, port: int, shutdown_timeout: float, header_timeout: float = 10.0,
-               send_timeout: float = 30.0, max_connections: int | None = None) -> None:
+def run_server(
+    app,
+    *,
+    host: str,
+    port: int,
+    shutdown_timeout: float,
+    header_timeout: float = 10.0,
+    send_timeout: float = 30.0,
+    max_connections: int | None = None,
+) -> None:
     """uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
     cleanly just before it), then the app's shutdown stops the engine and frees its shared memory. Connections
     are guarded against slow clients and capped (gateway/web/connections.py)."""
@@ -255,8 +281,11 @@ def run_server(app, *, host: str, port: int, shutdown_timeout: float, header_tim
             if first:  # the app cannot see SIGTERM itself: uvicorn owns the signal handlers
                 app.state.orcinus.begin_shutdown()
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level="info", http=protocol,
-                          timeout_graceful_shutdown=shutdown_timeout)).run()
+    Server(
+        uvicorn.Config(
+            app, host=host, port=port, log_level="info", http=protocol, timeout_graceful_shutdown=shutdown_timeout
+        )
+    ).run()
 
 
 def _gateway_flag(p: argparse.ArgumentParser, name: str, cli: str = "", **kw) -> None:
@@ -281,14 +310,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
-    srv.add_argument("--host", default="127.0.0.1",
-                     help=_with_default("bind address (loopback unless you mean otherwise)", "127.0.0.1"))
+    srv.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=_with_default("bind address (loopback unless you mean otherwise)", "127.0.0.1"),
+    )
     srv.add_argument("--port", type=int, default=8000, help=_with_default("TCP port", 8000))
-    srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                     help="require `Authorization: Bearer KEY` on /v1 routes; repeat for several keys (visible in "
-                          "`ps`: prefer $ORCINUS_API_KEY or --api-key-file)")
-    srv.add_argument("--api-key-file", action="append", default=None, metavar="PATH",
-                     help="API keys, one per line (# comments); with neither flag, $ORCINUS_API_KEY is the key")
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1 routes; repeat for several keys (visible in "
+        "`ps`: prefer $ORCINUS_API_KEY or --api-key-file)",
+    )
+    srv.add_argument(
+        "--api-key-file",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="API keys, one per line (# comments); with neither flag, $ORCINUS_API_KEY is the key",
+    )
     _gateway_flag(srv, "metrics_need_key", action=argparse.BooleanOptionalAction)
     _gateway_flag(srv, "prefix_cache_scope", choices=["key", "global"])
     _gateway_flag(srv, "served_model_name")
@@ -298,18 +340,37 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_flag(srv, "special_tokens_in_content", choices=["allow", "escape"])
     _gateway_flag(srv, "chat_template", metavar="FILE_OR_NAME")
     # The server's default is not the field's: bound to loopback, it answers only loopback names.
-    srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
-                     help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
-                          "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any")
-    srv.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                     help=_with_default("a request's headers must arrive within this, or the connection is closed",
-                                        10.0))
-    srv.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
-                     help=_with_default("a client that reads nothing of a response this long is disconnected, its "
-                                        "requests aborted", 30.0))
-    srv.add_argument("--max-connections", type=int, default=None, metavar="N",
-                     help="open connections beyond this get 503 at once (default: 4096, fewer if the open-files "
-                          "limit is low)")
+    srv.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
+        "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any",
+    )
+    srv.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help=_with_default("a request's headers must arrive within this, or the connection is closed", 10.0),
+    )
+    srv.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help=_with_default(
+            "a client that reads nothing of a response this long is disconnected, its requests aborted", 30.0
+        ),
+    )
+    srv.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open connections beyond this get 503 at once (default: 4096, fewer if the open-files limit is low)",
+    )
     _gateway_flag(srv, "shutdown_timeout", type=float, metavar="SECONDS")
     _gateway_flag(srv, "engine_unresponsive_timeout", type=_positive_seconds, metavar="SECONDS")
     _gateway_flag(srv, "data_parallel_size", type=_positive, metavar="N")
@@ -346,14 +407,25 @@ def flag_reference() -> str:
     parser = build_parser()
     [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {a.dest: a.help for a in commands._choices_actions}
-    out = ["# Command-line flags", "",
-           ("Generated from the parser in `gateway/cli.py`, whose help for each configuration flag is the docstring "
+    out = [
+        "# Command-line flags",
+        "",
+        (
+            "Generated from the parser in `gateway/cli.py`, whose help for each configuration flag is the docstring "
             "of its field in `engine/core/config.py` (`EngineConfig`) or `gateway/config.py` (`GatewayConfig`). Do "
-            "not edit by hand; regenerate with:"),
-           "", "```sh", REGENERATE, "```", "",
-           ("`orcinus generate` and `orcinus serve` take the same engine flags; the offline `LLM(...)` takes them as "
+            "not edit by hand; regenerate with:"
+        ),
+        "",
+        "```sh",
+        REGENERATE,
+        "```",
+        "",
+        (
+            "`orcinus generate` and `orcinus serve` take the same engine flags; the offline `LLM(...)` takes them as "
             "keywords named after the fields (`--max-num-seqs` is `max_num_seqs`, `--scheduling-level` is "
-            "`scheduling`).")]
+            "`scheduling`)."
+        ),
+    ]
     deprecated = []
     for name, sub in commands.choices.items():
         if name == "flags":
@@ -368,8 +440,7 @@ def flag_reference() -> str:
             if action.help == argparse.SUPPRESS:
                 continue
             out.append(f"- `{_invocation(action)}`: {action.help.replace('%%', '%')}")
-    out += ["", "## Deprecated spellings", "",
-            "Still accepted; each use prints a line saying what replaced it.", ""]
+    out += ["", "## Deprecated spellings", "", "Still accepted; each use prints a line saying what replaced it.", ""]
     out += sorted({f"- `{', '.join(a.option_strings)}`: use `{a.replacement}`" for _, a in deprecated})
     return "\n".join(out) + "\n"
 

@@ -62,5 +62,11 @@ class GatewayConfig:
 
 def make_replicas(config: GatewayConfig) -> Replicas:
     """A server's replicas, with metrics of their own (raises ValueError for a combination they cannot run)."""
-    return Replicas(config.engine, Metrics(), config.engine_hang_timeout, config.data_parallel_size, config.routing,
-                    config.engine_unresponsive_timeout)
+    return Replicas(
+        config.engine,
+        Metrics(),
+        config.engine_hang_timeout,
+        config.data_parallel_size,
+        config.routing,
+        config.engine_unresponsive_timeout,
+    )

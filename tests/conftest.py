@@ -24,8 +24,11 @@ torch.set_num_threads(2)
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run the GPU tests (marked `gpu`) on the GPU, and only them")
     parser.addoption("--screenshots", default=None, help="also save the browser tests' screenshots in this folder")
-    parser.addoption("--require-browser", action="store_true",
-                     help="fail, rather than skip, the browser tests where Chromium or its driver is missing (CI)")
+    parser.addoption(
+        "--require-browser",
+        action="store_true",
+        help="fail, rather than skip, the browser tests where Chromium or its driver is missing (CI)",
+    )
 
 
 def pytest_configure(config):
@@ -126,8 +129,9 @@ def hf_model():
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
     with fast_gguf_reader():
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     return model.eval()
 
 
@@ -153,8 +157,11 @@ def unlinked_rings(pid: int) -> set[str]:
         maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
     except OSError:
         return set()
-    return {line.split("/dev/shm/")[1].split()[0] for line in maps
-            if "/dev/shm/orcinus_" in line and line.endswith("(deleted)")}
+    return {
+        line.split("/dev/shm/")[1].split()[0]
+        for line in maps
+        if "/dev/shm/orcinus_" in line and line.endswith("(deleted)")
+    }
 
 
 def _children(pid: int) -> list[int]:
@@ -181,8 +188,12 @@ def start_server(log_dir: Path, *args: str, startup_timeout: float = 120.0) -> t
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *args],
-                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *args],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_timeout
     while True:
@@ -219,7 +230,9 @@ def run_server(log_dir: Path, *args: str, startup_timeout: float = 120.0):
         children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
         assert children, "the server has no engine process"
         assert any(unlinked_rings(c) for c in children), f"no engine of the server maps an orcinus_{proc.pid}_* ring"
-        assert f"  chat page       {url}/" in log_path.read_text(errors="replace"), "no startup block:\n" + _tail(log_path)
+        assert f"  chat page       {url}/" in log_path.read_text(errors="replace"), "no startup block:\n" + _tail(
+            log_path
+        )
         yield url
     finally:
         if proc.poll() is None:

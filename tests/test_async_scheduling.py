@@ -2,7 +2,7 @@
 ahead read those ids on the device. Tokens must equal the synchronous engine's, and every block must come back."""
 
 import pytest
-from conftest import PROMPTS, run_staggered
+from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig, FaultPlan
@@ -20,8 +20,9 @@ def make(num_blocks=64) -> Scheduler:
 
 def req(rid, prompt_len=6, max_tokens=8, **params) -> Request:
     base = 1000 * (1 + sum(map(ord, rid)))
-    return Request(rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params),
-                   eos_token_id=0)
+    return Request(
+        rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params), eos_token_id=0
+    )
 
 
 def rows(batch) -> dict[str, tuple[list[int], int, bool]]:
@@ -89,12 +90,15 @@ def test_prefill_chunks_run_ahead_without_placeholders():
     s = Scheduler(config, 64, max_model_len=1024)
     a = req("a", prompt_len=10)
     s.add(a)
-    assert [rows(s.schedule())["a"] for _ in range(2)] == [(a.prompt_token_ids[:4], 0, False),
-                                                          (a.prompt_token_ids[4:8], 4, False)]
+    assert [rows(s.schedule())["a"] for _ in range(2)] == [
+        (a.prompt_token_ids[:4], 0, False),
+        (a.prompt_token_ids[4:8], 4, False),
+    ]
     assert not s.schedule().requests  # two chunks in flight
 
 
 # ---------------------------------------------------------------- the engine, against the synchronous one
+
 
 def mixed_params(n: int) -> list[SamplingParams]:
     """Greedy ones that stop at eos, seeded random ones, logprobs, a penalty, a stop id, varied lengths."""
@@ -156,7 +160,7 @@ def test_async_gives_the_synchronous_tokens(checkpoint, prompt_ids):
 
 def test_async_under_preemption_gives_the_synchronous_tokens(checkpoint, prompt_ids):
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 8
-    small = dict(kv_cache_memory=12 * 16 * 30 * 2 * 3 * 64 * 4, block_size=16)  # 12 blocks: 8 requests need 24
+    small = {"kv_cache_memory": 12 * 16 * 30 * 2 * 3 * 64 * 4, "block_size": 16}  # 12 blocks: 8 requests need 24
     sync = run(checkpoint, prompt_ids[:8], params, async_scheduling="off", **small)
     ahead = run(checkpoint, prompt_ids[:8], params, async_scheduling="on", **small)
     assert ahead[0] == sync[0]
@@ -208,8 +212,10 @@ def test_async_on_a_gpu_gives_the_synchronous_tokens():
 
     ckpt = load_checkpoint("dummy:smollm2-135m")
     prompt_ids = [[100 + 7 * i + j for j in range(5 + 3 * i)] for i in range(12)]
-    params = [SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True, logprobs=2 if i % 3 else None)
-              for i in range(12)]
+    params = [
+        SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True, logprobs=2 if i % 3 else None)
+        for i in range(12)
+    ]
     sync = run(ckpt, prompt_ids, params, device="cuda", async_scheduling="off", kv_cache_memory=2**30)
     ahead = run(ckpt, prompt_ids, params, device="cuda", async_scheduling="on", kv_cache_memory=2**30)
     assert ahead[0] == sync[0] and ahead[1] == sync[1] and ahead[3] > 50

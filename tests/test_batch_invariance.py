@@ -13,13 +13,20 @@ from engine.runner.device import DeviceError
 NUM_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
 REQUESTS = [(p, GREEDY) for p in PROMPTS[:6]]
-REQUESTS += [(p, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True,
-                                logprobs=3)) for i, p in enumerate(PROMPTS[6:])]
+REQUESTS += [
+    (p, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True, logprobs=3))
+    for i, p in enumerate(PROMPTS[6:])
+]
 # Other traffic: long prompts (two of them past the 512-token step budget together, so prompts get cut across steps),
 # a chat prompt sharing a cached block with one of the 12, and outputs of many lengths, so the batch changes every few
 # steps.
-FILLERS = [(PROMPTS[i % 12] + " and then some more words" * (40 if i % 5 == 0 else 0),
-            SamplingParams(max_tokens=2 + i, temperature=0.7, seed=i)) for i in range(20)]
+FILLERS = [
+    (
+        PROMPTS[i % 12] + " and then some more words" * (40 if i % 5 == 0 else 0),
+        SamplingParams(max_tokens=2 + i, temperature=0.7, seed=i),
+    )
+    for i in range(20)
+]
 
 
 def outputs(completions) -> list[tuple[list[int], list]]:
@@ -55,16 +62,27 @@ def test_its_attention_is_the_references_for_prefill_chunks_and_decodes_together
     # A whole prompt, a chunk late in a prompt, two decodes: 5 + 3 + 1 + 1 queries.
     query_lens, context_lens = [5, 3, 1, 1], [5, 11, 7, 14]
     tables = torch.randperm(num_blocks, generator=g)[:16].view(4, 4).int()
-    meta = AttentionMetadata(torch.tensor([0, 5, 8, 9, 10], dtype=torch.int32), torch.tensor(context_lens).int(),
-                             tables, torch.zeros(10, dtype=torch.int64), query_lens, context_lens)
+    meta = AttentionMetadata(
+        torch.tensor([0, 5, 8, 9, 10], dtype=torch.int32),
+        torch.tensor(context_lens).int(),
+        tables,
+        torch.zeros(10, dtype=torch.int64),
+        query_lens,
+        context_lens,
+    )
     q = torch.randn(10, 4, head_dim, generator=g)
     for params in (AttentionParams.plain(head_dim), AttentionParams(0.2, sliding_window=6)):
-        torch.testing.assert_close(BatchInvariantAttention().forward(q, cache, meta, params),
-                                   TorchAttention().forward(q, cache, meta, params), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            BatchInvariantAttention().forward(q, cache, meta, params),
+            TorchAttention().forward(q, cache, meta, params),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
-@pytest.mark.parametrize("config, error", [(dict(device="cuda"), "CPU only"),
-                                           (dict(attention_backend="torch"), "brings its own attention")])
+@pytest.mark.parametrize(
+    "config, error", [({"device": "cuda"}, "CPU only"), ({"attention_backend": "torch"}, "brings its own attention")]
+)
 def test_where_it_cannot_hold_it_is_a_clear_error(config, error):
     from engine import EngineConfig
     from engine.runner.device import batch_invariant_attention

@@ -12,7 +12,11 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu.bench_gpu", "--device", "cpu", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -23,8 +27,10 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
     assert set(a["steps_by_path"]) == {"eager", "piecewise", "whole"} and all(a["steps_by_path"].values())
     assert "whole-step graphs" in a["runner"] and all("runner" in r for r in report["decode_steps"])
     assert [(r["shape"], r["batch"]) for r in report["decode_steps"]] == [("tiny", 1), ("tiny", 2)]
-    assert all(r["eager_ms"] > 0 and r["piecewise_ms"] > 0 and r["graphs_ms"] > 0 and r["floor_ms"] > 0
-               for r in report["decode_steps"])
+    assert all(
+        r["eager_ms"] > 0 and r["piecewise_ms"] > 0 and r["graphs_ms"] > 0 and r["floor_ms"] > 0
+        for r in report["decode_steps"]
+    )
     assert report["complete"] and report["bandwidth_timer"] == "perf_counter"  # CUDA events on a GPU
     t = report["throughput"]
     systems = {"orcinus", "orcinus_capped", "orcinus_request_level", "transformers"}

@@ -8,8 +8,21 @@ from bench.serving import bench_multiturn
 def test_bench_multiturn_tiny_workload(server_factory, tmp_path, capsys):
     out = tmp_path / "multiturn.json"
     rc = bench_multiturn.main(
-        ["--conversations", "2", "--turns", "2", "--max-tokens", "4", "--repeats", "1", "--system-tokens", "40", "60",
-         "--out", str(out)],
+        [
+            "--conversations",
+            "2",
+            "--turns",
+            "2",
+            "--max-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--system-tokens",
+            "40",
+            "60",
+            "--out",
+            str(out),
+        ],
         # The conftest servers (float32, leak checks on exit) instead of the script's own launcher.
         serve=lambda mode_flags, name: server_factory(*mode_flags),
     )

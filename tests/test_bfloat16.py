@@ -16,7 +16,7 @@ MEAN_ABS_DIFF = 0.3  # logits, averaged over the vocabulary and the positions of
 TOP1_LOGPROB_DIFF = 0.5  # nats: float32's best token keeps about its probability
 CLEAR_MARGIN = 0.5  # where float32's best beats its second by this much, bfloat16 must pick it too
 # Teacher forcing computes every position in one prefill: no prompt may start from cached blocks.
-NO_CACHE = dict(prefix_caching=False)
+NO_CACHE = {"prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def fp32(checkpoint):
 
 
 # "gguf": the file's blocks (the float32 weights exactly), activations in bfloat16; "dense": bfloat16 weights too.
-VARIANTS = {"gguf": dict(dtype="bfloat16"), "dense": dict(dtype="bfloat16", weights="dense")}
+VARIANTS = {"gguf": {"dtype": "bfloat16"}, "dense": {"dtype": "bfloat16", "weights": "dense"}}
 
 
 def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -39,8 +39,9 @@ def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     batch = engine.scheduler.schedule()
     input_ids, positions, meta, _ = engine.runner.prepare(batch)
     with torch.inference_mode():
-        logits = engine.model(input_ids, positions, engine.runner.kv_caches, meta, engine.runner.attention,
-                              torch.arange(len(ids)))
+        logits = engine.model(
+            input_ids, positions, engine.runner.kv_caches, meta, engine.runner.attention, torch.arange(len(ids))
+        )
     engine.abort_request(req.request_id)
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     return logits.float()

@@ -54,9 +54,15 @@ def channels():
 
 def test_round_trip_each_message_type(channels):
     to_engine, from_engine = channels(ToEngine), channels(FromEngine)
-    params = SamplingParams(max_tokens=5, temperature=0.5, seed=3, logit_bias={7: -1.5}, stop_token_ids=(2, 9), logprobs=2)
-    sent_in = [AddRequest(EngineRequest("r1", [1, 2, 3], params, RequestOptions(b"salt", -3))),
-               AddRequest(EngineRequest("r2", [], SamplingParams()), "g"), Abort("r1"), Shutdown()]
+    params = SamplingParams(
+        max_tokens=5, temperature=0.5, seed=3, logit_bias={7: -1.5}, stop_token_ids=(2, 9), logprobs=2
+    )
+    sent_in = [
+        AddRequest(EngineRequest("r1", [1, 2, 3], params, RequestOptions(b"salt", -3))),
+        AddRequest(EngineRequest("r2", [], SamplingParams()), "g"),
+        Abort("r1"),
+        Shutdown(),
+    ]
     sent_out = [
         TokenDelta("r1", [5, 6], None),
         TokenDelta("r1", [7], "stop", logprobs=[TokenLogprobs(7, -0.25, [(7, -0.25), (8, -1.5)])]),
@@ -273,8 +279,9 @@ if __name__ == "__main__":
 def test_cross_process_echo_spawn_no_leak_warning(tmp_path):
     script = tmp_path / "echo_channel.py"
     script.write_text(_ECHO_SCRIPT.format())
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env=CHECKOUT)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=CHECKOUT
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["exitcode"] == 0 and result["in_order"] and result["last"] == "EngineStats"

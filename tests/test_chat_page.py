@@ -36,8 +36,10 @@ def browser(request):
     # Skipped where the browser is missing, with the reason; under --require-browser (.ci/run) a failure instead.
     missing = pytest.fail if request.config.getoption("--require-browser") else pytest.skip
     if CHROMIUM is None or CHROMEDRIVER is None:
-        missing("no Chromium and chromedriver here (Debian: apt-get install chromium chromium-driver; "
-                ".ci/run installs them)")
+        missing(
+            "no Chromium and chromedriver here (Debian: apt-get install chromium chromium-driver; "
+            ".ci/run installs them)"
+        )
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
@@ -65,8 +67,11 @@ def wait_until(pred, timeout: float, what: str):
 
 
 def set_field(driver, field: str, value: str) -> None:
-    driver.execute_script("const e = document.getElementById(arguments[0]); e.value = arguments[1];"
-                          "e.dispatchEvent(new Event('change'));", field, value)
+    driver.execute_script(
+        "const e = document.getElementById(arguments[0]); e.value = arguments[1];e.dispatchEvent(new Event('change'));",
+        field,
+        value,
+    )
 
 
 def send(driver, text: str) -> None:
@@ -80,7 +85,7 @@ def last_reply(driver):
 
 
 def test_chat_in_a_browser_streams_shows_errors_and_stops(browser, server, request, tmp_path):
-    metrics = lambda: parse_metrics(httpx.get(f"{server}/metrics").text)  # noqa: E731
+    metrics = lambda: parse_metrics(httpx.get(f"{server}/metrics").text)
     aborted_before = metrics().get("orcinus_requests_aborted_total", 0.0)
     browser.get(server + "/")
     wait_until(lambda: "model: SmolLM2" in browser.find_element("id", "model").text, 30, "the model's name")
@@ -103,13 +108,23 @@ def test_chat_in_a_browser_streams_shows_errors_and_stops(browser, server, reque
     # A long reply, stopped while it streams: the server aborts it and frees its KV blocks.
     set_field(browser, "max_tokens", "400")
     send(browser, "Tell me a long story about a lighthouse keeper and his cat.")
-    wait_until(lambda: last_reply(browser).get_attribute("data-state") == "streaming" and last_reply(browser).text,
-               120, "streamed text")
+    wait_until(
+        lambda: last_reply(browser).get_attribute("data-state") == "streaming" and last_reply(browser).text,
+        120,
+        "streamed text",
+    )
     browser.find_element("id", "stop").click()
     wait_until(lambda: last_reply(browser).get_attribute("data-state") == "stopped", 30, "the stop")
     after = wait_for_metrics(
-        metrics, lambda m: m.get("orcinus_requests_aborted_total", 0.0) == aborted_before + 1
-        and m["orcinus_requests_running"] == 0 and m["orcinus_kv_blocks_used"] == 0, 30, "the abort in /metrics")
+        metrics,
+        lambda m: (
+            m.get("orcinus_requests_aborted_total", 0.0) == aborted_before + 1
+            and m["orcinus_requests_running"] == 0
+            and m["orcinus_kv_blocks_used"] == 0
+        ),
+        30,
+        "the abort in /metrics",
+    )
     assert after["orcinus_requests_aborted_total"] == aborted_before + 1
     assert len(browser.find_elements("css selector", ".msg.user")) == 3
 

@@ -30,17 +30,28 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
     [SYSTEM, {"role": "user", "content": "Hello"}],
-    [SYSTEM, {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"},
-     {"role": "user", "content": "Who are you?"}],
-    [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "And 2+2?"}],
+    [
+        SYSTEM,
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi there"},
+        {"role": "user", "content": "Who are you?"},
+    ],
+    [
+        {"role": "user", "content": "1 + 1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "And 2+2?"},
+    ],
 ]
-NO_TEMPLATE = ("the model has no chat template, and none shipped fits its architecture: pass --chat-template "
-               "FILE_OR_NAME (names: chatml, gemma, llama3, mistral-v1, mistral-v3, phi3) to orcinus serve")
+NO_TEMPLATE = (
+    "the model has no chat template, and none shipped fits its architecture: pass --chat-template "
+    "FILE_OR_NAME (names: chatml, gemma, llama3, mistral-v1, mistral-v3, phi3) to orcinus serve"
+)
 
 
 def render(name: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
     return compile_template(shipped_template(name)).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token="<BOS>", eos_token="<EOS>")
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token="<BOS>", eos_token="<EOS>"
+    )
 
 
 def copy_without_template(out: Path, architecture: str = "llama", tensors: bool = True) -> Path:
@@ -50,9 +61,15 @@ def copy_without_template(out: Path, architecture: str = "llama", tensors: bool 
 
     src = GGUFReader(default_model_path())
     w = gguf.GGUFWriter(str(out), architecture)
-    tiny = {"llama.block_count": 1, "llama.embedding_length": 32, "llama.feed_forward_length": 64,
-            "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1, "llama.rope.dimension_count": 16,
-            "llama.context_length": 256}
+    tiny = {
+        "llama.block_count": 1,
+        "llama.embedding_length": 32,
+        "llama.feed_forward_length": 64,
+        "llama.attention.head_count": 2,
+        "llama.attention.head_count_kv": 1,
+        "llama.rope.dimension_count": 16,
+        "llama.context_length": 256,
+    }
     for key, f in src.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.chat_template"):
             continue
@@ -69,10 +86,20 @@ def copy_without_template(out: Path, architecture: str = "llama", tensors: bool 
 
         w.add_tensor("token_embd.weight", weight(vocab, 32))
         w.add_tensor("output_norm.weight", np.ones(32, np.float32))
-        for name, shape in [("attn_norm", (32,)), ("ffn_norm", (32,)), ("attn_q", (32, 32)), ("attn_k", (16, 32)),
-                            ("attn_v", (16, 32)), ("attn_output", (32, 32)), ("ffn_gate", (64, 32)),
-                            ("ffn_up", (64, 32)), ("ffn_down", (32, 64))]:
-            w.add_tensor(f"blk.0.{name}.weight", np.ones(shape, np.float32) if name.endswith("norm") else weight(*shape))
+        for name, shape in [
+            ("attn_norm", (32,)),
+            ("ffn_norm", (32,)),
+            ("attn_q", (32, 32)),
+            ("attn_k", (16, 32)),
+            ("attn_v", (16, 32)),
+            ("attn_output", (32, 32)),
+            ("ffn_gate", (64, 32)),
+            ("ffn_up", (64, 32)),
+            ("ffn_down", (32, 64)),
+        ]:
+            w.add_tensor(
+                f"blk.0.{name}.weight", np.ones(shape, np.float32) if name.endswith("norm") else weight(*shape)
+            )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -105,13 +132,16 @@ def test_llama3_gemma_and_phi3_render_their_families_turns():
         "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\nWho are you?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     assert render("gemma", messages) == (
         "<BOS><start_of_turn>user\nYou are terse.\n\nHello<end_of_turn>\n<start_of_turn>model\nHi there<end_of_turn>\n"
-        "<start_of_turn>user\nWho are you?<end_of_turn>\n<start_of_turn>model\n")
+        "<start_of_turn>user\nWho are you?<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert render("phi3", messages) == (
         "<|system|>\nYou are terse.<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there<|end|>\n"
-        "<|user|>\nWho are you?<|end|>\n<|assistant|>\n")
+        "<|user|>\nWho are you?<|end|>\n<|assistant|>\n"
+    )
     assert render("phi3", CONVERSATIONS[0], add_generation_prompt=False) == "<|user|>\nHello<|end|>\n<EOS>"
     import jinja2
 
@@ -151,8 +181,9 @@ def test_a_mistral_model_without_a_template_gets_mistral_commons_tokens(version,
     assert ours.chat_template == shipped_template("mistral-v1" if version == "v1" else "mistral-v3")
     kinds = {"system": SystemMessage, "user": UserMessage, "assistant": AssistantMessage}
     for messages in CONVERSATIONS:
-        want = theirs.encode_chat_completion(ChatCompletionRequest(
-            messages=[kinds[m["role"]](content=m["content"]) for m in messages])).tokens
+        want = theirs.encode_chat_completion(
+            ChatCompletionRequest(messages=[kinds[m["role"]](content=m["content"]) for m in messages])
+        ).tokens
         assert ours.encode(ours.apply_chat_template(messages)) == want, messages
 
 
@@ -161,15 +192,27 @@ def test_the_template_a_model_gets_is_its_architectures_that_fits_its_vocabulary
         source = template_for(architecture, is_token)
         return next((n for n in SHIPPED if shipped_template(n) == source), None)
 
-    smol = lambda text: len(smollm2.encode(text)) == 1  # noqa: E731 - SmolLM2: ChatML's markers, a Llama
+    smol = lambda text: len(smollm2.encode(text)) == 1
     assert [name(a, smol) for a in ("llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3", "gpt2", None)] == [
-        "chatml", "chatml", "chatml", None, None, None, None, None]
+        "chatml",
+        "chatml",
+        "chatml",
+        None,
+        None,
+        None,
+        None,
+        None,
+    ]
     llama3 = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"}
     assert name("llama", llama3.__contains__) == "llama3"
     assert name("llama", lambda text: False) == "mistral-v1"  # Llama 2's and Mistral v1's [INST] as text
     gemma = {"<start_of_turn>", "<end_of_turn>"}
     assert [name(a, gemma.__contains__) for a in ("gemma2", "gemma3", "gemma3_text", "qwen2")] == [
-        "gemma", "gemma", "gemma", None]
+        "gemma",
+        "gemma",
+        "gemma",
+        None,
+    ]
     assert name("phi3", {"<|user|>", "<|assistant|>", "<|end|>"}.__contains__) == "phi3"
 
 
@@ -179,8 +222,10 @@ def test_chat_template_flag_takes_a_name_or_a_file(tmp_path):
     assert load_chat_template(str(tmp_path / "t.jinja")).startswith("{% for m in messages %}")
     with pytest.raises(ValueError) as e:
         load_chat_template("chatml2")
-    assert str(e.value) == ("--chat-template 'chatml2' is neither a file nor a shipped template (chatml, gemma, "
-                            "llama3, mistral-v1, mistral-v3, phi3)")
+    assert str(e.value) == (
+        "--chat-template 'chatml2' is neither a file nor a shipped template (chatml, gemma, "
+        "llama3, mistral-v1, mistral-v3, phi3)"
+    )
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
     with pytest.raises(ValueError, match=r"bad.jinja: line 1: .*endfor"):
         load_chat_template(str(tmp_path / "bad.jinja"))
@@ -201,8 +246,10 @@ def test_chat_without_any_template_is_a_400_that_says_how_to_give_one(gpt2_vocab
     client = TestClient(app)
     for path, body in [("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})]:
         r = client.post(path, json={"messages": [{"role": "user", "content": "Hi"}], **body})
-        assert (r.status_code, r.json()) == (400, {"error": {
-            "message": NO_TEMPLATE, "type": "invalid_request_error", "param": "messages", "code": None}}), path
+        assert (r.status_code, r.json()) == (
+            400,
+            {"error": {"message": NO_TEMPLATE, "type": "invalid_request_error", "param": "messages", "code": None}},
+        ), path
 
 
 def test_the_flag_overrides_the_models_template(gpt2_vocab, tmp_path):
@@ -218,8 +265,10 @@ def test_a_bad_chat_template_flag_stops_the_server_before_the_engines_start(monk
     monkeypatch.setattr("gateway.engines.replicas.Replicas.launch", lambda self: pytest.fail("engines started"))
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--chat-template", "/nonexistent/template.jinja"])
-    assert str(e.value) == ("orcinus serve: --chat-template '/nonexistent/template.jinja' is neither a file nor a "
-                            "shipped template (chatml, gemma, llama3, mistral-v1, mistral-v3, phi3)")
+    assert str(e.value) == (
+        "orcinus serve: --chat-template '/nonexistent/template.jinja' is neither a file nor a "
+        "shipped template (chatml, gemma, llama3, mistral-v1, mistral-v3, phi3)"
+    )
 
 
 def test_a_gguf_stripped_of_its_template_chats_with_its_architectures(server_factory, tmp_path_factory, smollm2):
@@ -231,8 +280,10 @@ def test_a_gguf_stripped_of_its_template_chats_with_its_architectures(server_fac
     path = copy_without_template(tmp_path_factory.mktemp("stripped") / "stripped.gguf")
     messages = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
     want = smollm2.encode(smollm2.apply_chat_template(messages))
-    with server_factory("--model", str(path), "--kv-cache-memory", str(1 << 22)) as url, \
-            httpx.Client(base_url=url, timeout=120) as http:
+    with (
+        server_factory("--model", str(path), "--kv-cache-memory", str(1 << 22)) as url,
+        httpx.Client(base_url=url, timeout=120) as http,
+    ):
         r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(want)

@@ -18,8 +18,14 @@ def test_the_sweep_interleaves_the_modes_at_every_rate():
         return point(rate, rate / 2, 0.001)
 
     sweep([20, 40, 80], measure, points, lambda mode, p: saved.append((mode, p["rate"], len(points[mode]))))
-    assert calls == [("iteration", 20), ("request", 20), ("request", 40), ("iteration", 40),
-                     ("iteration", 80), ("request", 80)]
+    assert calls == [
+        ("iteration", 20),
+        ("request", 20),
+        ("request", 40),
+        ("iteration", 40),
+        ("iteration", 80),
+        ("request", 80),
+    ]
     assert saved == [(m, r, i // 2 + 1) for i, (m, r) in enumerate(calls)]  # each point is saved as it comes
     assert [p["rate"] for p in points["iteration"]] == [p["rate"] for p in points["request"]] == [20, 40, 80]
 

@@ -19,10 +19,17 @@ from engine.runner.decode_graphs import DecodeGraphRunner
 from engine.runner.token_segments import EAGER, Segments, pick_segments
 from gateway.cli import add_engine_flags, engine_kwargs
 
-CONFIG = EngineConfig(model="dummy:tiny", device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
-                      kv_cache_memory=2**20, max_model_len=256)
+CONFIG = EngineConfig(
+    model="dummy:tiny",
+    device="cpu",
+    dtype="float32",
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    kv_cache_memory=2**20,
+    max_model_len=256,
+)
 # Float32 sums in another order and fused multiply-adds: the compiled code's results differ in the last bits.
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +44,9 @@ def compiled():
     segments = pick_segments("on", True, r.model, r.kv_caches, r.scratch_block, backend=counter)
     cpu = torch.device("cpu")
     r.graphs = CudaGraphRunner(r.model, r.kv_caches, 16, r.scratch_block, cpu, torch.float32, segments=segments)
-    r.decode_graphs = DecodeGraphRunner(r.model, r.kv_caches, r.attention, 8, r.scratch_block, cpu, segments=segments,
-                                        max_rows=16)
+    r.decode_graphs = DecodeGraphRunner(
+        r.model, r.kv_caches, r.attention, 8, r.scratch_block, cpu, segments=segments, max_rows=16
+    )
     return eager, graphed, counter
 
 
@@ -123,8 +131,9 @@ def test_compile_on_needs_graphs_and_auto_compiles_only_where_they_run(compiled,
 @pytest.mark.gpu
 def test_compiled_graphs_match_eager_tokens_on_gpu():
     """Float32 on a GPU: graphs with Inductor's Triton kernels against eager PyTorch, the same greedy tokens."""
-    base = EngineConfig(model="dummy:smollm2-135m", device="cuda", dtype="float32", max_num_batched_tokens=256,
-                        kv_cache_memory=2**30)
+    base = EngineConfig(
+        model="dummy:smollm2-135m", device="cuda", dtype="float32", max_num_batched_tokens=256, kv_cache_memory=2**30
+    )
     ckpt = load_checkpoint(base.model)
     torch._dynamo.reset()
     outputs = []
@@ -133,8 +142,12 @@ def test_compiled_graphs_match_eager_tokens_on_gpu():
         engine = build_engine(base.with_(**overrides), ckpt)
         compiled_here = engine.runner.graphs is not None and engine.runner.graphs.segments is not EAGER
         assert compiled_here == ("compile" in overrides)
-        reqs = [engine.add_request(list(range(5 + 7 * i, 40 + 9 * i)), SamplingParams(
-            max_tokens=24, temperature=0.0, ignore_eos=True)) for i in range(8)]
+        reqs = [
+            engine.add_request(
+                list(range(5 + 7 * i, 40 + 9 * i)), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+            )
+            for i in range(8)
+        ]
         while engine.has_unfinished():
             engine.step()
         outputs.append([r.output_token_ids for r in reqs])

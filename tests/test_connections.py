@@ -84,8 +84,9 @@ def test_past_the_cap_a_connection_gets_a_503_and_two_lines_are_logged_whatever_
 
     with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
         state, refused, after = asyncio.run(run())
-    assert all(t.closed and t.written.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in t.written
-               for t in refused)
+    assert all(
+        t.closed and t.written.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in t.written for t in refused
+    )
     assert not after.closed and len(state.connections) == 3
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "3 connections are open" in lines[0] and "50 were refused" in lines[1], lines

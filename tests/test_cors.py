@@ -16,17 +16,29 @@ def client(**config) -> TestClient:
     return TestClient(build_app(GatewayConfig(**config)))
 
 
-@pytest.mark.parametrize("origin", ["http://localhost:3000", "http://127.0.0.1:5173", "http://localhost", "http://[::1]:8080"])
+@pytest.mark.parametrize(
+    "origin", ["http://localhost:3000", "http://127.0.0.1:5173", "http://localhost", "http://[::1]:8080"]
+)
 def test_a_page_on_this_machine_gets_its_preflight_answered(origin):
     r = client().options("/v1/chat/completions", headers={"Origin": origin, **PREFLIGHT})
     assert r.status_code == 200
     assert r.headers[ALLOW_ORIGIN] == origin
     assert "POST" in r.headers["access-control-allow-methods"]
-    assert {"authorization", "content-type"} <= {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+    assert {"authorization", "content-type"} <= {
+        h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")
+    }
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "https://localhost:3000", "http://localhost.evil.example",
-                                    "http://127.0.0.1.evil.example:80", "null"])
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "http://evil.example",
+        "https://localhost:3000",
+        "http://localhost.evil.example",
+        "http://127.0.0.1.evil.example:80",
+        "null",
+    ],
+)
 def test_an_unlisted_origin_gets_no_cors_headers(origin):
     c = client()
     preflight = c.options("/v1/completions", headers={"Origin": origin, **PREFLIGHT})
@@ -55,11 +67,14 @@ def test_allowed_origins_replace_the_default():
     assert none.status_code == 400 and ALLOW_ORIGIN not in none.headers
 
 
-@pytest.mark.parametrize("argv, want", [
-    ([], None),
-    (["--allowed-origins"], ()),
-    (["--allowed-origins", "https://a.example", "*"], ("https://a.example", "*")),
-])
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        ([], None),
+        (["--allowed-origins"], ()),
+        (["--allowed-origins", "https://a.example", "*"], ("https://a.example", "*")),
+    ],
+)
 def test_the_cli_flag(monkeypatch, argv, want):
     seen = {}
     monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))

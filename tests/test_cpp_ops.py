@@ -73,8 +73,13 @@ def test_a_build_killed_midway_leaves_no_lock_that_holds_up_the_next(tmp_path):
     name = "orcinus_test_stale_lock"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": str(ROOT)}
     build_dir, source = tmp_path / "ext" / name, dummy_source(tmp_path, held=True)
-    first = subprocess.Popen([sys.executable, "-c", BUILD, name, str(source)], env=env, start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = subprocess.Popen(
+        [sys.executable, "-c", BUILD, name, str(source)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for(lambda: (build_dir / "lock").exists() or first.poll() is not None, "the first build never began")
         assert first.poll() is None, first.communicate()
@@ -88,8 +93,9 @@ def test_a_build_killed_midway_leaves_no_lock_that_holds_up_the_next(tmp_path):
     # While a live process holds the build folder, the next build waits, and says what for.
     holder = os.open(build_dir / "orcinus-build.lock", os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_EX)
-    second = subprocess.Popen([sys.executable, "-c", BUILD, name, str(source)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+    second = subprocess.Popen(
+        [sys.executable, "-c", BUILD, name, str(source)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         waiting = read_until(second, "waiting for another process")
         assert waiting.endswith(f"waiting for another process building the C++ ops in {build_dir}\n"), waiting
@@ -106,14 +112,25 @@ def test_a_build_killed_midway_leaves_no_lock_that_holds_up_the_next(tmp_path):
 def compile_prebuilt(folder: Path, name: str, source: Path) -> Path:
     """`source` compiled as an install would leave op `name`: beside it, with its stamp."""
     so = folder / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run(["c++", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                    f"-DTORCH_EXTENSION_NAME={name}", str(source), "-o", str(so)], check=True, timeout=120)
+    subprocess.run(
+        [
+            "c++",
+            "-shared",
+            "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}",
+            f"-DTORCH_EXTENSION_NAME={name}",
+            str(source),
+            "-o",
+            str(so),
+        ],
+        check=True,
+        timeout=120,
+    )
     ops.stamp_path(so).write_text(json.dumps(ops.build_stamp(source, ["-O0"])))
     return so
 
 
-def test_a_prebuilt_op_is_used_while_its_stamp_matches_and_built_at_run_time_once_its_source_changes(tmp_path,
-                                                                                                   caplog):
+def test_a_prebuilt_op_is_used_while_its_stamp_matches_and_built_at_run_time_once_its_source_changes(tmp_path, caplog):
     source = dummy_source(tmp_path)
     so = compile_prebuilt(tmp_path, "orcinus_test_prebuilt", source)
     assert ops.load_prebuilt(so, source, ["-O0"]).__name__ == "orcinus_test_prebuilt"
@@ -130,14 +147,17 @@ def test_a_prebuilt_op_is_used_while_its_stamp_matches_and_built_at_run_time_onc
     ops.stamp_path(so).unlink()  # as a copy stopped midway leaves it
     assert ops.load_prebuilt(so, source, ["-O0"]) is None
     assert [r.getMessage() for r in caplog.records] == [
-        f"the prebuilt C++ op {so} has no stamp of what it was built from; building it at run time"]
+        f"the prebuilt C++ op {so} has no stamp of what it was built from; building it at run time"
+    ]
     caplog.clear()
     assert ops.load_prebuilt(tmp_path / "absent.so", source, ["-O0"]) is None
     assert not caplog.records  # nothing was built: nothing to say
 
 
-@pytest.mark.skipif(not os.environ.get("CI") and not any(ops.prebuilt_path(n).exists() for n in ops.CPU_EXTENSIONS),
-                    reason="this checkout's ops were not built by an install (`make install` builds them)")
+@pytest.mark.skipif(
+    not os.environ.get("CI") and not any(ops.prebuilt_path(n).exists() for n in ops.CPU_EXTENSIONS),
+    reason="this checkout's ops were not built by an install (`make install` builds them)",
+)
 def test_the_install_built_every_op_and_the_engine_loads_them_without_compiling():
     """What the startup block's `C++ ops` line says after `make install` (CI's case: its tests then never compile)."""
     for name in ops.CPU_EXTENSIONS:
@@ -146,9 +166,15 @@ def test_the_install_built_every_op_and_the_engine_loads_them_without_compiling(
 
 
 def test_the_origin_names_each_op_where_they_differ(monkeypatch):
-    monkeypatch.setattr(ops, "_ORIGINS", {"orcinus_cpu_attention": "built at run time in /x",
-                                          "orcinus_cpu_sampling": "prebuilt in /k",
-                                          "orcinus_cpu_token_ops": "prebuilt in /k"})
+    monkeypatch.setattr(
+        ops,
+        "_ORIGINS",
+        {
+            "orcinus_cpu_attention": "built at run time in /x",
+            "orcinus_cpu_sampling": "prebuilt in /k",
+            "orcinus_cpu_token_ops": "prebuilt in /k",
+        },
+    )
     assert ops.ops_origin() == "built at run time in /x (attention); prebuilt in /k (sampling, token_ops)"
     monkeypatch.setattr(ops, "_ORIGINS", {})
     assert ops.ops_origin() == ""

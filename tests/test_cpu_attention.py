@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_cuda_kernels import ragged_batch, rel_error
 
-import engine.attention.cpu_backend as cpu_backend
+from engine.attention import cpu_backend
 from engine.attention.backend import AttentionParams
 from engine.attention.cpu_backend import CpuAttention
 from engine.attention.selector import make_backend
@@ -50,9 +50,15 @@ def test_a_short_prompt_s_tokens_get_the_bits_each_gets_as_a_decode_query_alone(
     q, cache, meta = ragged_batch([(40, 97), (1, 300), (33, 1100)], 9, 3, 64, dtype=torch.float32, device="cpu")
     out = cpu.forward(q, cache, meta)
     for j in range(40):  # the chunk's j-th query sits at position 97 - 40 + j: it sees 58 + j keys
-        alone = cpu._decode(q[j:j + 1], cache, meta.block_tables, torch.tensor([0], dtype=torch.int32),
-                            torch.tensor([58 + j], dtype=torch.int32), PLAIN)
-        assert torch.equal(out[j:j + 1], alone)
+        alone = cpu._decode(
+            q[j : j + 1],
+            cache,
+            meta.block_tables,
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([58 + j], dtype=torch.int32),
+            PLAIN,
+        )
+        assert torch.equal(out[j : j + 1], alone)
     assert rel_error(out, TorchAttention().forward(q, cache, meta)) < 1e-5
 
 
@@ -96,16 +102,19 @@ def test_a_request_s_rows_read_together_give_each_row_s_bits_alone(cpu, window, 
     """A decoding request verifying 8 draft tokens sends 9 rows of one request, which share their key reads; each
     row's output must be bit for bit what it gets decoded alone (greedy tokens with and without speculation)."""
     # 17 rows: 51 queries a KV head, two tasks of 25 and 26, the second starting inside a row's query heads.
-    q, cache, meta = ragged_batch([(9, 300), (1, 40), (5, 77), (17, 150)], 9, 3, 64, dtype=torch.float32,
-                                  device="cpu")
+    q, cache, meta = ragged_batch([(9, 300), (1, 40), (5, 77), (17, 150)], 9, 3, 64, dtype=torch.float32, device="cpu")
     params = AttentionParams(PLAIN.scale, sliding_window=window or None)
     d = meta.decode_rows()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         together = cpu._decode(q, cache, meta.block_tables, d.requests, d.context_lens, params)
-        alone = [cpu._decode(q[r:r + 1], cache, meta.block_tables, d.requests[r:r + 1], d.context_lens[r:r + 1],
-                             params) for r in range(q.shape[0])]
+        alone = [
+            cpu._decode(
+                q[r : r + 1], cache, meta.block_tables, d.requests[r : r + 1], d.context_lens[r : r + 1], params
+            )
+            for r in range(q.shape[0])
+        ]
     finally:
         torch.set_num_threads(before)
     assert torch.equal(together, torch.cat(alone))

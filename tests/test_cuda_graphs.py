@@ -61,8 +61,9 @@ def test_no_buckets_below_one_token():
 def engines(checkpoint):
     """An eager engine and one whose runner replays (CPU stand-in) graphs up to 16 tokens, on the same weights."""
     # One token per request per step: the bucket checks count decode rows.
-    config = EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280,
-                          speculative="off")
+    config = EngineConfig(
+        device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280, speculative="off"
+    )
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     r = graphed.runner
     r.graphs = CudaGraphRunner(r.model, r.kv_caches, 16, r.scratch_block, torch.device("cpu"), torch.float32)
@@ -98,8 +99,9 @@ def test_piecewise_padding_rows_write_only_the_scratch_block(engines, tokenizer)
     for c in caches:
         c[:, :, other] = 7.0
         c[:, :, graphed.runner.scratch_block] = 7.0
-    reqs = [graphed.add_request(tokenizer.encode(p)[:n], SamplingParams(max_tokens=1))
-            for p, n in zip(PROMPTS, (4, 4, 3))]
+    reqs = [
+        graphed.add_request(tokenizer.encode(p)[:n], SamplingParams(max_tokens=1)) for p, n in zip(PROMPTS, (4, 4, 3))
+    ]
     batch = graphed.scheduler.schedule()
     graphed.runner.run(batch)
     for r in reqs:
@@ -155,12 +157,19 @@ def test_every_bucket_shares_one_set_of_static_buffers(engines):
 @pytest.fixture(scope="module")
 def decode_engines(checkpoint):
     """An eager engine and one whose steps replay whole-model graphs (CPU stand-in) of up to 32 rows."""
-    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 * 737_280,
-                          max_model_len=256)
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        kv_cache_memory=64 * 737_280,
+        max_model_len=256,
+    )
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     r = graphed.runner
-    r.decode_graphs = DecodeGraphRunner(r.model, r.kv_caches, r.attention, 8, r.scratch_block, torch.device("cpu"),
-                                        max_rows=32)
+    r.decode_graphs = DecodeGraphRunner(
+        r.model, r.kv_caches, r.attention, 8, r.scratch_block, torch.device("cpu"), max_rows=32
+    )
     return eager, graphed
 
 
@@ -242,7 +251,7 @@ def test_whole_step_graphs_take_chunks_after_a_cached_prefix(decode_engines, tok
 
     graphs.forward = spy
     shared = tokenizer.encode(" ".join(PROMPTS))[:48]
-    prompts = [shared + tokenizer.encode(p)[:5 + 3 * i] for i, p in enumerate(PROMPTS[:3])]
+    prompts = [shared + tokenizer.encode(p)[: 5 + 3 * i] for i, p in enumerate(PROMPTS[:3])]
     prompts.append(tokenizer.encode(" ".join(PROMPTS * 2))[:90])
     try:
         outputs = []
@@ -269,8 +278,14 @@ def test_torch_forward_decode_matches_forward_over_wider_tables():
     q = torch.randn(3, 6, 8, generator=gen)
     lens = [5, 1, 9]
     tables = torch.tensor([[3, 7, 0, 0], [11, 0, 0, 0], [1, 2, 4, 0]], dtype=torch.int32)
-    meta = AttentionMetadata(torch.arange(4, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), tables,
-                             torch.tensor([7 * 4, 11 * 4, 4 * 4]), [1, 1, 1], lens)  # positions 4, 0, 8
+    meta = AttentionMetadata(
+        torch.arange(4, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        tables,
+        torch.tensor([7 * 4, 11 * 4, 4 * 4]),
+        [1, 1, 1],
+        lens,
+    )  # positions 4, 0, 8
     want = TorchAttention().forward(q, cache, meta)
     got = TorchAttention().forward_decode(q, cache, meta)
     torch.testing.assert_close(got, want)

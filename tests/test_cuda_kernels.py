@@ -26,9 +26,11 @@ needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also n
 
 
 # Each .cu file and every function its launcher may call.
-LAUNCHED = {cuda_backend.KERNEL_SOURCE: cuda_backend.kernel_names(),
-            cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names(),
-            cuda_token_ops.NORM_SOURCE: cuda_token_ops.norm_kernel_names()}
+LAUNCHED = {
+    cuda_backend.KERNEL_SOURCE: cuda_backend.kernel_names(),
+    cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names(),
+    cuda_token_ops.NORM_SOURCE: cuda_token_ops.norm_kernel_names(),
+}
 
 
 def test_there_are_kernels():
@@ -46,14 +48,29 @@ def test_every_launched_kernel_builds_without_spills(tmp_path):
     builds = {}
     variant = ("-DORCINUS_DECODE_UNROLL=2", "-DORCINUS_DECODE_MIN_BLOCKS=3")
     for source, arch, defines in [(s, a, ()) for s in LAUNCHED for a in ("sm_90", "sm_80")] + [
-            (cuda_backend.KERNEL_SOURCE, "sm_90", variant)]:
+        (cuda_backend.KERNEL_SOURCE, "sm_90", variant)
+    ]:
         out = tmp_path / f"{source.stem}.{arch}{len(defines)}.cubin"
         pasted = tmp_path / source.name  # the text NVRTC gets: the file with its own headers pasted in
         pasted.write_text(kernel_source(source))
-        cmd = ["nvcc", f"-arch={arch}", *NVRTC_OPTIONS, *defines, "-ftz=true", "-Werror", "all-warnings",
-               "--resource-usage", "-cubin", str(pasted), "-o", str(out)]
-        builds[source, arch, defines] = cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                              text=True)
+        cmd = [
+            "nvcc",
+            f"-arch={arch}",
+            *NVRTC_OPTIONS,
+            *defines,
+            "-ftz=true",
+            "-Werror",
+            "all-warnings",
+            "--resource-usage",
+            "-cubin",
+            str(pasted),
+            "-o",
+            str(out),
+        ]
+        builds[source, arch, defines] = (
+            cmd,
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        )
     for (source, arch, _), (cmd, proc) in builds.items():
         log = proc.communicate(timeout=180)[0]
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{log}"
@@ -61,8 +78,9 @@ def test_every_launched_kernel_builds_without_spills(tmp_path):
         usage = dict(re.findall(r"Function properties for (\w+)\n\s*(.*)", log))
         for name in LAUNCHED[source]:
             assert name in usage, f"{arch}: {name} is not in {source.name}:\n{log}"
-            assert usage[name] == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", \
+            assert usage[name] == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", (
                 f"{arch} {name}: {usage[name]}"
+            )
 
 
 # ---------------------------------------------------------------- backend selection (CPU)
@@ -83,8 +101,9 @@ def test_unknown_backend_is_rejected():
 # ---------------------------------------------------------------- correctness on a GPU
 
 
-def ragged_batch(requests, num_q_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.bfloat16,
-                 device="cuda", seed=0):
+def ragged_batch(
+    requests, num_q_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.bfloat16, device="cuda", seed=0
+):
     """requests: (new query tokens n, context length ctx) pairs -> (q, cache, meta). Positions before ctx - n
     hold random values in randomly placed blocks; the n new tokens' K/V are written as the model writes them."""
     gen = torch.Generator().manual_seed(seed)
@@ -107,10 +126,13 @@ def ragged_batch(requests, num_q_heads, num_kv_heads, head_dim, block_size=16, d
     for n, _ in requests:
         qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32), context_lens=torch.tensor([c for _, c in requests],
-                                                                                          dtype=torch.int32),
-        block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_lens_cpu=[n for n, _ in requests], context_lens_cpu=[c for _, c in requests])
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        context_lens=torch.tensor([c for _, c in requests], dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens_cpu=[n for n, _ in requests],
+        context_lens_cpu=[c for _, c in requests],
+    )
     write_kv(k, v, cache, meta.slot_mapping)
     return q.to(device), cache.to(device), to_device(meta, device)
 
@@ -136,8 +158,9 @@ BATCHES = {"prefill": PREFILL, "decode": DECODE, "mixed": MIXED, "long-prefill":
 
 @needs_gpu
 @pytest.mark.parametrize("kind", sorted(BATCHES))
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (6, 2), (16, 2), (34, 2), (24, 1)],
-                         ids=["g1", "g3", "g8", "g17", "g24"])
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads", [(4, 4), (6, 2), (16, 2), (34, 2), (24, 1)], ids=["g1", "g3", "g8", "g17", "g24"]
+)
 def test_matches_reference(kind, num_q_heads, num_kv_heads):
     q, cache, meta = ragged_batch(BATCHES[kind], num_q_heads, num_kv_heads, head_dim=128)
     want = reference(q, cache, meta)
@@ -214,8 +237,7 @@ def test_decode_kernel_with_any_split_count(monkeypatch, splits, num_q_heads, nu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_kernel_dtypes_and_head_dims_with_splits(monkeypatch, splits, dtype, head_dim):
     force_splits(monkeypatch, splits)
-    q, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], 16, 4, head_dim, block_size=24, dtype=dtype,
-                                  seed=7)
+    q, cache, meta = ragged_batch([(1, c) for c in SPLIT_CONTEXTS], 16, 4, head_dim, block_size=24, dtype=dtype, seed=7)
     got = make_backend("cuda").forward(q, cache, meta)
     assert got.dtype == dtype
     assert rel_error(got, reference(q, cache, meta)) < (1e-2 if dtype != torch.float32 else 1e-4)

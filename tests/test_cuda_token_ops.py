@@ -6,8 +6,14 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from engine.model import cuda_token_ops
-from engine.model.cuda_token_ops import (CudaRMSNorm, CudaRotary, cuda_norm_available, cuda_rope_available,
-                                         use_cuda_rms_norm, use_cuda_rotary)
+from engine.model.cuda_token_ops import (
+    CudaRMSNorm,
+    CudaRotary,
+    cuda_norm_available,
+    cuda_rope_available,
+    use_cuda_rms_norm,
+    use_cuda_rotary,
+)
 from engine.model.token_ops import RMSNorm, Rotary
 
 D, BLOCKS, BLOCK_SIZE = 64, 16, 16
@@ -121,8 +127,12 @@ def test_compiled_code_calls_the_norm_ops(monkeypatch):
     with torch.inference_mode():
         got, codes = run_and_get_code(torch.compile(layer, dynamic=True), x, residual)
     torch.testing.assert_close(got, want)
-    calls = [line for code in codes for line in code.splitlines()
-             if "orcinus.add_rms_norm.default(" in line or "orcinus.rms_norm.default(" in line]
+    calls = [
+        line
+        for code in codes
+        for line in code.splitlines()
+        if "orcinus.add_rms_norm.default(" in line or "orcinus.rms_norm.default(" in line
+    ]
     assert len(calls) == 2, codes
 
 
@@ -165,8 +175,10 @@ def test_the_norm_kernel_against_pytorch(dtype, rows, hidden):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows,heads,kv_heads,d,strided", [(1, 32, 8, 64, False), (7, 4, 4, 128, True),
-                                                           (200, 8, 2, 64, True), (3, 14, 2, 128, False)])
+@pytest.mark.parametrize(
+    "rows,heads,kv_heads,d,strided",
+    [(1, 32, 8, 64, False), (7, 4, 4, 128, True), (200, 8, 2, 64, True), (3, 14, 2, 128, False)],
+)
 def test_the_kernel_gives_the_formulas_bits(dtype, rows, heads, kv_heads, d, strided):
     qkv, positions, cache, slots = case(dtype, rows, heads, kv_heads, strided, d, seed=rows)
     rotary = Rotary(d, 10000.0, 512).to(dtype)

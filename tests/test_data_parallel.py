@@ -18,21 +18,31 @@ import pytest
 from conftest import parse_metrics
 from test_hardening import cmdline, gateway_pid, metrics, sse_lines_to_events, wait_for_metrics
 
-SHARED = ("You are a careful assistant for a shipping company. You answer questions about parcels, routes, "
-          "delivery times, customs forms and lost items, briefly and politely, and you never invent tracking numbers. ")
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           SHARED + "Question: how long does a parcel to Spain take?", "1, 2, 3, 4,",
-           SHARED + "Question: what do I need for customs?", "The three primary colours are",
-           "In 1969, the first person to walk on the Moon"]
+SHARED = (
+    "You are a careful assistant for a shipping company. You answer questions about parcels, routes, "
+    "delivery times, customs forms and lost items, briefly and politely, and you never invent tracking numbers. "
+)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    SHARED + "Question: how long does a parcel to Spain take?",
+    "1, 2, 3, 4,",
+    SHARED + "Question: what do I need for customs?",
+    "The three primary colours are",
+    "In 1969, the first person to walk on the Moon",
+]
 GREEDY = {"max_tokens": 16, "temperature": 0}
 
 
 async def complete_all(url: str, prompts: list[str], **body) -> list[dict]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as ac:
+
         async def one(p: str) -> dict:
             r = await ac.post("/v1/completions", json={"prompt": p, **GREEDY, **body})
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]
+
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
@@ -54,8 +64,11 @@ def engines(url: str) -> list[int]:
 
 def series(m: dict[str, float], name: str, **labels: str) -> float:
     """The sum of `name`'s series with these labels (in whatever order /metrics writes them)."""
-    return sum(v for k, v in m.items()
-               if k.startswith(name + "{") and all(f'{label}="{value}"' in k for label, value in labels.items()))
+    return sum(
+        v
+        for k, v in m.items()
+        if k.startswith(name + "{") and all(f'{label}="{value}"' in k for label, value in labels.items())
+    )
 
 
 def healthy(m: dict[str, float]) -> dict[str, float]:
@@ -107,19 +120,23 @@ def test_a_stopped_replica_leaves_routing_and_its_requests_with_no_token_move(ro
         # Sent at once, half are routed to the stopped replica before the gateway finds it out: they move.
         first = asyncio.run(complete_all(url, PROMPTS[:4], logprobs=0))
         assert [c["logprobs"]["tokens"] for c in first] == reference[:4]
-        m = wait_for_metrics(url, lambda m: sorted(healthy(m).values()) == [0.0, 1.0], 60,
-                             "the stopped replica out of routing")
+        m = wait_for_metrics(
+            url, lambda m: sorted(healthy(m).values()) == [0.0, 1.0], 60, "the stopped replica out of routing"
+        )
         [down] = [i for i, up in healthy(m).items() if not up]
         # Found out, it gets nothing more; the other serves everything.
         later = asyncio.run(complete_all(url, PROMPTS[4:], logprobs=0))
         assert [c["logprobs"]["tokens"] for c in later] == reference[4:]
         end = metrics(url)
         routed = series(end, "orcinus_routed_requests_total", replica=down) - series(
-            start, "orcinus_routed_requests_total", replica=down)
+            start, "orcinus_routed_requests_total", replica=down
+        )
         assert series(end, "orcinus_routed_requests_total", replica=down) == series(
-            m, "orcinus_routed_requests_total", replica=down)
+            m, "orcinus_routed_requests_total", replica=down
+        )
         moved = series(end, "orcinus_rerouted_requests_total", replica=down, reason="unresponsive") - series(
-            start, "orcinus_rerouted_requests_total", replica=down, reason="unresponsive")
+            start, "orcinus_rerouted_requests_total", replica=down, reason="unresponsive"
+        )
         assert moved == routed, (moved, routed)  # each request it had got: none had a token
         assert httpx.get(f"{url}/health").status_code == 200
     finally:
@@ -136,6 +153,7 @@ def test_requests_sent_to_a_replica_that_dies_before_their_first_token_go_to_the
 
     async def send_and_kill() -> list[dict]:
         async with httpx.AsyncClient(base_url=url, timeout=300) as ac:
+
             async def one(prompt: str) -> dict:
                 r = await ac.post("/v1/completions", json={"prompt": prompt, **GREEDY, "logprobs": 0})
                 assert r.status_code == 200, r.text
@@ -158,21 +176,27 @@ def test_requests_sent_to_a_replica_that_dies_before_their_first_token_go_to_the
 
     got = asyncio.run(send_and_kill())
     assert [c["logprobs"]["tokens"] for c in got] == reference
-    m = wait_for_metrics(url, lambda m: m["orcinus_engine_restarts_total"] > start["orcinus_engine_restarts_total"],
-                         60, "the death seen")
-    [dead] = [i for i in ("0", "1") if m[f'orcinus_engine_restarts_total{{replica="{i}"}}']
-              > start[f'orcinus_engine_restarts_total{{replica="{i}"}}']]
+    m = wait_for_metrics(
+        url, lambda m: m["orcinus_engine_restarts_total"] > start["orcinus_engine_restarts_total"], 60, "the death seen"
+    )
+    [dead] = [
+        i
+        for i in ("0", "1")
+        if m[f'orcinus_engine_restarts_total{{replica="{i}"}}']
+        > start[f'orcinus_engine_restarts_total{{replica="{i}"}}']
+    ]
     routed = series(m, "orcinus_routed_requests_total", replica=dead) - series(
-        start, "orcinus_routed_requests_total", replica=dead)
+        start, "orcinus_routed_requests_total", replica=dead
+    )
     moved = series(m, "orcinus_rerouted_requests_total", replica=dead) - series(
-        start, "orcinus_rerouted_requests_total", replica=dead)
+        start, "orcinus_rerouted_requests_total", replica=dead
+    )
     assert moved == routed, (moved, routed)
     survivor = "1" if dead == "0" else "0"
     wait_for_metrics(url, lambda m: m[f'orcinus_kv_blocks_used{{replica="{survivor}"}}'] == 0, 60, "blocks freed")
 
 
-def test_cache_aware_routing_follows_a_conversation_and_a_killed_replica_loses_only_its_own(server_factory,
-                                                                                            reference):
+def test_cache_aware_routing_follows_a_conversation_and_a_killed_replica_loses_only_its_own(server_factory, reference):
     with server_factory("--data-parallel-size", "2") as url:  # cache-aware is the default
         # A conversation's turns resend its history: every turn after the first goes where the history is cached,
         # whichever replica the first turn took.
@@ -181,23 +205,33 @@ def test_cache_aware_routing_follows_a_conversation_and_a_killed_replica_loses_o
             before = metrics(url)
             [reply] = asyncio.run(complete_all(url, [history]))
             after = wait_idle(url)
-            hits = [after[f'orcinus_prefix_cache_hit_tokens{{replica="{i}"}}']
-                    - before[f'orcinus_prefix_cache_hit_tokens{{replica="{i}"}}'] for i in (0, 1)]
+            hits = [
+                after[f'orcinus_prefix_cache_hit_tokens{{replica="{i}"}}']
+                - before[f'orcinus_prefix_cache_hit_tokens{{replica="{i}"}}']
+                for i in (0, 1)
+            ]
             if turn:
                 assert min(hits) == 0 and max(hits) >= 16 * ((len(history) // 8) // 16), (turn, hits)
             history += reply["text"] + f" Customer: and what about question {turn}?"
         routed = metrics(url)
         assert routed['orcinus_routed_requests_total{reason="cache"}'] == 3, {  # turns 2-4, summed over replicas
-            k: v for k, v in routed.items() if k.startswith("orcinus_routed")}
+            k: v for k, v in routed.items() if k.startswith("orcinus_routed")
+        }
         finished = sum(v for k, v in routed.items() if k.startswith("orcinus_requests_finished_total"))
         check_greedy_tokens_of_one_engine(url, reference, finished)
 
         # Kill one replica's engine while both serve long requests.
         async def load():
             async with httpx.AsyncClient(base_url=url, timeout=300) as ac:
+
                 async def streamed(i: int):
-                    body = {"prompt": f"Request {i}: tell me a long story.", "max_tokens": 400, "temperature": 0,
-                            "ignore_eos": True, "stream": True}
+                    body = {
+                        "prompt": f"Request {i}: tell me a long story.",
+                        "max_tokens": 400,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": True,
+                    }
                     async with ac.stream("POST", "/v1/completions", json=body) as r:
                         assert r.status_code == 200
                         return [line async for line in r.aiter_lines()]

@@ -7,9 +7,19 @@ import re
 import pytest
 import torch
 
-from engine.attention.cuda_backend import (KERNEL_SOURCE, LANES_PER_KEY, MAX_HEADS_PER_BLOCK, MAX_SPLITS,
-                                           MIN_PARTITION, SPLIT_TILE, WARPS, decode_kernel_name, kernel_names,
-                                           plan_splits, split_partition)
+from engine.attention.cuda_backend import (
+    KERNEL_SOURCE,
+    LANES_PER_KEY,
+    MAX_HEADS_PER_BLOCK,
+    MAX_SPLITS,
+    MIN_PARTITION,
+    SPLIT_TILE,
+    WARPS,
+    decode_kernel_name,
+    kernel_names,
+    plan_splits,
+    split_partition,
+)
 
 H100_SMS = 132
 
@@ -64,10 +74,19 @@ def test_split_ranges_cover_the_context_once(context, splits):
     assert covered == list(range(context))
 
 
-@pytest.mark.parametrize("dtype,head_dim,lanes", [
-    (torch.bfloat16, 64, 8), (torch.bfloat16, 80, 16), (torch.float16, 128, 16), (torch.bfloat16, 256, 32),
-    (torch.float32, 32, 8), (torch.float32, 64, 16), (torch.float32, 128, 32), (torch.bfloat16, 16, 8),
-])
+@pytest.mark.parametrize(
+    "dtype,head_dim,lanes",
+    [
+        (torch.bfloat16, 64, 8),
+        (torch.bfloat16, 80, 16),
+        (torch.float16, 128, 16),
+        (torch.bfloat16, 256, 32),
+        (torch.float32, 32, 8),
+        (torch.float32, 64, 16),
+        (torch.float32, 128, 32),
+        (torch.bfloat16, 16, 8),
+    ],
+)
 def test_each_head_dim_gets_an_instantiation(dtype, head_dim, lanes):
     name = decode_kernel_name(dtype, head_dim)
     assert name.endswith(f"_lpk{lanes}")

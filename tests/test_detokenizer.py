@@ -42,7 +42,7 @@ def groups(ids: list[int], rng: random.Random | None) -> list[list[int]]:
     out, pos = [], 0
     while pos < len(ids):
         n = rng.randint(0, 4)
-        out.append(ids[pos:pos + n])
+        out.append(ids[pos : pos + n])
         pos += n
     return out
 
@@ -71,16 +71,18 @@ def test_stream_equals_decode_without_broken_chars(tok, text, seed):
 def test_multibyte_is_split_across_tokens(tok):
     # The test strings above really exercise the hold-back: an emoji's bytes span several tokens.
     ids = tok.encode("😀👍🏽")
-    assert any(tok.token_bytes(i).decode("utf-8", "replace") != tok.token_bytes(i).decode("utf-8", "ignore")
-               for i in ids)
+    assert any(
+        tok.token_bytes(i).decode("utf-8", "replace") != tok.token_bytes(i).decode("utf-8", "ignore") for i in ids
+    )
     d = IncrementalDetokenizer(tok)
     first = d.push(ids[:1])
     assert first == ""  # an incomplete emoji is held back
 
 
 def _byte_tokens(tok, pred):
-    return [i for i in range(tok.vocab_size) if i not in tok.special_token_ids and (b := tok.token_bytes(i))
-            and pred(b)]
+    return [
+        i for i in range(tok.vocab_size) if i not in tok.special_token_ids and (b := tok.token_bytes(i)) and pred(b)
+    ]
 
 
 def test_invalid_utf8_matches_whole_decode(tok):
@@ -102,7 +104,7 @@ def test_invalid_utf8_matches_whole_decode(tok):
         expected = tok.decode(ids, skip_special_tokens=True)
         assert "\ufffd" in expected
         for seed in (None, 3):
-            d, pieces = stream(tok, ids, rng=None if seed is None else random.Random(seed))
+            d, _pieces = stream(tok, ids, rng=None if seed is None else random.Random(seed))
             assert d.text == expected, ids
 
 
@@ -156,7 +158,7 @@ def stop_case(tok, text, stop, rng=None):
 
 
 def test_stop_single_token(tok):
-    d, pieces, ids = stop_case(tok, "The end of the story.", [" of"])
+    d, _pieces, _ids = stop_case(tok, "The end of the story.", [" of"])
     assert d.text == "The end" and d.stopped
     assert d.num_tokens == 3  # the token that completed the stop is the last one taken
     assert d.push(tok.encode(" more")) == "" and d.flush() == ""
@@ -190,7 +192,7 @@ def test_earliest_occurrence_wins(tok):
 
 def test_stop_never_occurs(tok):
     text = "Hello world, ST OP here 😀"
-    d, pieces, ids = stop_case(tok, text, ["STOP", "😀!"])
+    d, _pieces, ids = stop_case(tok, text, ["STOP", "😀!"])
     assert d.text == text == tok.decode(ids) and not d.stopped
 
 
@@ -213,7 +215,7 @@ def test_stop_with_emoji(tok):
     for stop in (["👍🏽"], ["🏽 really"], ["🎉 y"]):
         for seed in (None, 9):
             d, pieces, _ = stop_case(tok, text, stop, rng=None if seed is None else random.Random(seed))
-            assert d.stopped and d.text == text[:text.index(stop[0])]
+            assert d.stopped and d.text == text[: text.index(stop[0])]
             assert not any("\ufffd" in p for p in pieces)
 
 
@@ -222,17 +224,17 @@ def test_stop_fuzz_against_reference(tok):
     text = "the cat sat on the mat 😀 and the 日本 dog sat too; 🇯🇵 then the end"
     ids = tok.encode(text)
     # Decoded text after each token: the byte prefix, an incomplete last character dropped.
-    prefix_len = [len(tok.decode_bytes(ids[:k + 1]).decode("utf-8", "ignore")) for k in range(len(ids))]
+    prefix_len = [len(tok.decode_bytes(ids[: k + 1]).decode("utf-8", "ignore")) for k in range(len(ids))]
     for _ in range(150):
         a = rng.randrange(len(text))
-        stops = [text[a:a + rng.randint(1, 6)] for _ in range(rng.randint(1, 3))]
+        stops = [text[a : a + rng.randint(1, 6)] for _ in range(rng.randint(1, 3))]
         stops += rng.sample(["zz", "cat!", "日本語", "😀😀"], 1)
         # Reference: the first token that completes an occurrence; the cut is the earliest among those completed.
         occ = [(i, i + len(s)) for s in set(stops) for i in range(len(text)) if text.startswith(s, i)]
         first_end = min(e for _, e in occ)
         done = next(k for k, n in enumerate(prefix_len) if n >= first_end)
         cut = min(i for i, e in occ if e <= prefix_len[done])
-        d, pieces = stream(tok, ids, stop=stops, rng=rng)
+        d, _pieces = stream(tok, ids, stop=stops, rng=rng)
         assert d.stopped and d.text == text[:cut], stops
         assert d.num_tokens == done + 1
 

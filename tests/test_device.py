@@ -65,7 +65,9 @@ def test_gpu_kv_budget_refuses_when_nothing_is_left():
 
 
 def test_kv_cache_bytes_on_cpu_is_the_configured_or_default_size():
-    assert kv_cache_bytes(EngineConfig(device="cpu", dtype="float32"), DUMMY_SHAPES["smollm2-135m"]) == CPU_KV_CACHE_MEMORY
+    assert (
+        kv_cache_bytes(EngineConfig(device="cpu", dtype="float32"), DUMMY_SHAPES["smollm2-135m"]) == CPU_KV_CACHE_MEMORY
+    )
     config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=12345)
     assert kv_cache_bytes(config, DUMMY_SHAPES["smollm2-135m"]) == 12345
 
@@ -83,8 +85,15 @@ def test_activation_reserve_grows_with_the_token_budget_and_covers_the_graph_poo
 def test_cli_passes_gpu_flags_through():
     p = argparse.ArgumentParser()
     add_engine_flags(p)
-    args = p.parse_args(["--device", "cuda", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--dtype", "float16"])
-    assert engine_kwargs(args) == {"device": "cuda", "gpu_memory_utilization": 0.5, "enforce_eager": True, "dtype": "float16"}
+    args = p.parse_args(
+        ["--device", "cuda", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--dtype", "float16"]
+    )
+    assert engine_kwargs(args) == {
+        "device": "cuda",
+        "gpu_memory_utilization": 0.5,
+        "enforce_eager": True,
+        "dtype": "float16",
+    }
     assert engine_kwargs(p.parse_args([])) == {}
 
 
@@ -99,11 +108,14 @@ def test_step_inputs_stage_values_and_shapes():
     assert ids.tolist() == [5, 6, 7]
 
 
-@pytest.mark.parametrize("env, want", [
-    ({}, "100000"),  # ~1 ms: awake across a step's small ops, off the cores between steps
-    ({"GOMP_SPINCOUNT": "5"}, "5"),  # the user's word wins
-    ({"OMP_WAIT_POLICY": "PASSIVE"}, None),  # and so does a wait policy, which sets its own spin
-])
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, "100000"),  # ~1 ms: awake across a step's small ops, off the cores between steps
+        ({"GOMP_SPINCOUNT": "5"}, "5"),  # the user's word wins
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, None),  # and so does a wait policy, which sets its own spin
+    ],
+)
 def test_the_engine_process_gets_a_bounded_openmp_spin(monkeypatch, env, want):
     from gateway.engines.process import engine_env
 
@@ -120,5 +132,7 @@ def test_cli_prefix_caching_and_weights_flags():
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     assert engine_kwargs(p.parse_args(["--no-prefix-caching"])) == {"prefix_caching": False}
-    assert engine_kwargs(p.parse_args(["--weights", "dense", "--batch-invariant"])) == {"weights": "dense",
-                                                                                      "batch_invariant": True}
+    assert engine_kwargs(p.parse_args(["--weights", "dense", "--batch-invariant"])) == {
+        "weights": "dense",
+        "batch_invariant": True,
+    }

@@ -12,15 +12,39 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "bench" / "gpu" / "gpu_wheels.txt"  # gpu_wheels.sh fetches exactly these
 
 # The lent H100/H200 image, as read there (benchmarks/gpu/README.md, the GPU desk check), with transformers' needs.
-DEVICE_IMAGE = frozenset({
-    "torch", "cupy-cuda13x", "triton", "nvidia-nccl-cu13", "transformers", "tokenizers", "sentencepiece",
-    "prometheus-client", "httpx", "uvloop", "numpy", "anyio", "jinja2", "tiktoken",
-    "safetensors", "regex", "tqdm", "huggingface-hub", "pyyaml", "packaging",
-})
+DEVICE_IMAGE = frozenset(
+    {
+        "torch",
+        "cupy-cuda13x",
+        "triton",
+        "nvidia-nccl-cu13",
+        "transformers",
+        "tokenizers",
+        "sentencepiece",
+        "prometheus-client",
+        "httpx",
+        "uvloop",
+        "numpy",
+        "anyio",
+        "jinja2",
+        "tiktoken",
+        "safetensors",
+        "regex",
+        "tqdm",
+        "huggingface-hub",
+        "pyyaml",
+        "packaging",
+    }
+)
 
 # Import names whose distribution is named otherwise (the rest: the import name, `_` read as `-`).
-DISTRIBUTION_OF = {"cupy": "cupy-cuda13x", "yaml": "pyyaml", "sse_starlette": "sse-starlette",
-                   "prometheus_client": "prometheus-client", "huggingface_hub": "huggingface-hub"}
+DISTRIBUTION_OF = {
+    "cupy": "cupy-cuda13x",
+    "yaml": "pyyaml",
+    "sse_starlette": "sse-starlette",
+    "prometheus_client": "prometheus-client",
+    "huggingface_hub": "huggingface-hub",
+}
 FIRST_PARTY = {"engine", "gateway"}
 
 
@@ -69,8 +93,7 @@ def third_party_imports() -> dict[str, set[str]]:
 
 
 def test_every_module_level_import_reaches_the_gpu_machine():
-    missing = {d: sorted(files) for d, files in third_party_imports().items()
-               if d not in DEVICE_IMAGE | carried()}
+    missing = {d: sorted(files) for d, files in third_party_imports().items() if d not in DEVICE_IMAGE | carried()}
     assert not missing, f"add these to bench/gpu/gpu_wheels.txt (and their dependencies the image lacks): {missing}"
 
 

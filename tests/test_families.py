@@ -10,10 +10,24 @@ import torch
 from engine import LLM, SamplingParams
 from engine.model.loader import load_checkpoint, shape_from_hf_config
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+TINY = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+}
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
 
 
 def build(kind: str, tmp_path, **extra):
@@ -43,15 +57,35 @@ def build(kind: str, tmp_path, **extra):
 
 # Every Gemma 2 twist small enough to matter: a 16-key window on alternate layers, a scale other than 1/sqrt(head_dim),
 # soft caps low enough to bend the scores and logits.
-GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
-              final_logit_softcapping=3.0, pad_token_id=0)
+GEMMA2 = {
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 16,
+    "attn_logit_softcapping": 5.0,
+    "final_logit_softcapping": 3.0,
+    "pad_token_id": 0,
+}
 # Gemma 3: six layers, the last global; the windowed ones on their own RoPE base, the global one's scaled (linear).
-GEMMA3 = dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=16, pad_token_id=0,
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
-PHI3_LONGROPE = dict(original_max_position_embeddings=64, rope_parameters={
-    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
-    "long_factor": [2.0 + i for i in range(8)]})
+GEMMA3 = {
+    "num_hidden_layers": 6,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 16,
+    "pad_token_id": 0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
+}
+PHI3_LONGROPE = {
+    "original_max_position_embeddings": 64,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + i / 8 for i in range(8)],
+        "long_factor": [2.0 + i for i in range(8)],
+    },
+}
 CASES = {
     "llama 2": ("llama", {}),
     "llama 3.1 (scaled rope)": ("llama", {"rope_parameters": LLAMA31_ROPE}),
@@ -73,14 +107,19 @@ def test_a_tiny_checkpoint_matches_transformers(case, tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
     assert shape.qkv_bias == (kind == "qwen2") and (shape.rope_freq_factors is not None) == ("rope_parameters" in extra)
-    assert type(llm.engine.model).__name__ == {"phi3": "Phi3Model", "gemma2": "Gemma2Model",
-                                                "gemma3": "Gemma3Model"}.get(kind, "LlamaModel")
+    assert type(llm.engine.model).__name__ == {
+        "phi3": "Phi3Model",
+        "gemma2": "Gemma2Model",
+        "gemma3": "Gemma3Model",
+    }.get(kind, "LlamaModel")
     if kind == "gemma3":
         assert shape.sliding_layers == (True,) * 5 + (False,) and shape.rope_local_theta == 10000.0
         assert shape.rope_freq_factors == (8.0,) * 8
     elif kind == "gemma2":  # windowed layers alternate with global ones: no request gives back its early blocks
         assert shape.sliding_layers == (True, False) and shape.kv_window is None
-    elif "sliding_window" in extra:  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
+    elif (
+        "sliding_window" in extra
+    ):  # the whole context, each layer attending to the last 16 keys (the prompts are longer)
         assert llm.engine.max_model_len == 512 and shape.sliding_window == shape.kv_window == 16
     assert_matches(llm, hf, case)
     if shape.kv_window:  # a 264-token run holds about its window of KV: blocks before it go back as it goes on
@@ -109,14 +148,18 @@ def assert_matches(llm: LLM, hf, case: str, prompts: list[list[int]] = PROMPTS) 
     got = [c.token_ids for c in llm.generate(prompts, greedy)]
     for prompt, tokens in zip(prompts, got):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
         assert tokens == ref, case
 
 
 def test_unsupported_families_and_rope_types_say_what_is_supported():
     base = {**TINY, "model_type": "llama"}
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2': supported are gemma2, gemma3_text, llama, mistral, phi3, qwen2"):
+    with pytest.raises(
+        ValueError,
+        match="unsupported model_type 'gpt2': supported are gemma2, gemma3_text, llama, mistral, phi3, qwen2",
+    ):
         shape_from_hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="unsupported partial_rotary_factor"):
         shape_from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
@@ -159,16 +202,29 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
     w.add_token_list(tokens)
     w.add_token_types([1] * len(tokens))
     w.add_eos_token_id(0)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             # Phi-3's fused tensors, as its converter names them (gate/up under ffn_up)
-             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        # Phi-3's fused tensors, as its converter names them (gate/up under ffn_up)
+        "self_attn.qkv_proj": "attn_qkv",
+        "mlp.gate_up_proj": "ffn_up",
+    }
     gemma = arch.startswith("gemma")
     if gemma:  # Gemma's converter: its own norm names (norms stored as 1 + w), head width, caps, window, scaling
-        names |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                  "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
-                  "self_attn.k_norm": "attn_k_norm"}
+        names |= {
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+            "self_attn.q_norm": "attn_q_norm",
+            "self_attn.k_norm": "attn_k_norm",
+        }
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_sliding_window(cfg.sliding_window)
@@ -185,7 +241,9 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
         if rope.get("rope_type") == "longrope":
             scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
-            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings))
+            )
             w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     for key, t in hf.state_dict().items():
@@ -202,8 +260,11 @@ def write_gguf(hf, arch: str, path, freq_factors=None) -> None:
             if gemma and module.endswith("norm"):
                 a = a + 1
         else:
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[key]
+            name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[key]
             if gemma and key == "model.norm.weight":
                 a = a + 1
         w.add_tensor(name, np.ascontiguousarray(a))
@@ -224,8 +285,9 @@ def test_a_gguf_of_the_family_matches_transformers(case, tmp_path):
     factors = None
     if "rope_parameters" in extra:  # llama.cpp keeps Llama 3.1's scaling as each frequency's divisor
         r = extra["rope_parameters"]
-        factors = RopeScaling(r["factor"], r["low_freq_factor"], r["high_freq_factor"],
-                              r["original_max_position_embeddings"]).freq_factors(16, r["rope_theta"])
+        factors = RopeScaling(
+            r["factor"], r["low_freq_factor"], r["high_freq_factor"], r["original_max_position_embeddings"]
+        ).freq_factors(16, r["rope_theta"])
     path = tmp_path / "model.gguf"
     write_gguf(hf, kind, path, factors)
     llm = LLM(str(path), dtype="float32", max_num_seqs=4)
@@ -244,8 +306,17 @@ def test_a_gemma_gguf_matches_transformers(kind, tmp_path):
     llm = LLM(str(tmp_path / "model.gguf"), dtype="float32", max_num_seqs=4)
     want = shape_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
     got = llm.engine.shape
-    for f in ("family", "head_dim", "sliding_window", "sliding_layers", "attn_logit_softcap", "final_logit_softcap",
-              "rope_local_theta", "rope_freq_factors", "rope_theta"):
+    for f in (
+        "family",
+        "head_dim",
+        "sliding_window",
+        "sliding_layers",
+        "attn_logit_softcap",
+        "final_logit_softcap",
+        "rope_local_theta",
+        "rope_freq_factors",
+        "rope_theta",
+    ):
         assert getattr(got, f) == getattr(want, f), f
     assert got.attn_scale == pytest.approx(want.attn_scale)
     assert_matches(llm, hf, f"{kind} gguf")
@@ -262,7 +333,11 @@ def test_a_phi3_gguf_matches_transformers(extra, tmp_path):
     got = llm.engine.shape
     assert type(llm.engine.model).__name__ == "Phi3Model"
     assert (got.sliding_window, got.rope_freq_factors, got.rope_long_factors, got.rope_long_from) == (
-        want.sliding_window, want.rope_freq_factors, want.rope_long_factors, want.rope_long_from)
+        want.sliding_window,
+        want.rope_freq_factors,
+        want.rope_long_factors,
+        want.rope_long_from,
+    )
     assert got.rope_attention_factor == pytest.approx(want.rope_attention_factor)
     short = [[5, 17, 200, 33, 8, 99, 120], [7] * 3, list(range(60, 85))]  # inside LongRoPE's pretrained 64
     assert_matches(llm, hf, "phi3 gguf", PROMPTS if "sliding_window" in extra else short)
@@ -284,7 +359,8 @@ def test_phi3_longrope_is_transformers_within_and_beyond_the_pretrained_context(
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4)
     shape = llm.engine.shape
     assert shape.rope_long_from == 64 and shape.rope_attention_factor == pytest.approx(
-        math.sqrt(1 + math.log(512 / 64) / math.log(64)))
+        math.sqrt(1 + math.log(512 / 64) / math.log(64))
+    )
     # whole sequences inside 64 positions: transformers uses the short divisors throughout, as every position here
     assert_matches(llm, hf, "phi3 longrope", [[5, 17, 200, 33, 8, 99, 120], [7] * 3, list(range(60, 85))])
     # past 64: the table's rows are transformers' cos and sin for a longer sequence (the long divisors)

@@ -30,20 +30,27 @@ def corpus(n: int, seed: int) -> list[str]:
 
 
 def train(style: str, tmp_path):
-    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
 
     tok = HFTokenizer(models.BPE())
     if style == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         pattern = LLAMA3_PATTERN if style == "llama3" else QWEN2_PATTERN
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|end|>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|end|>"],
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(300, 0), trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
@@ -72,8 +79,9 @@ def test_bos_as_the_post_processor_or_the_config_asks(tmp_path):
 
     hf = train("llama3", tmp_path)
     hf.add_special_tokens(["<|begin|>"])
-    hf.post_processor = processors.TemplateProcessing(single="<|begin|> $A", special_tokens=[
-        ("<|begin|>", hf.token_to_id("<|begin|>"))])
+    hf.post_processor = processors.TemplateProcessing(
+        single="<|begin|> $A", special_tokens=[("<|begin|>", hf.token_to_id("<|begin|>"))]
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin|>", "eos_token": "<|end|>"}))
     ours = load_tokenizer(tmp_path)

@@ -5,8 +5,8 @@ FaultPlan in the engine's config, never an environment variable)."""
 import httpx
 import openai
 import pytest
+from conftest import PROMPTS, parse_metrics, wait_for_metrics
 from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
-from conftest import PROMPTS, wait_for_metrics, parse_metrics
 
 from engine import LLM, SamplingParams
 from engine.core.config import FaultPlan
@@ -77,16 +77,18 @@ def test_a_forward_pass_that_raises_fails_only_its_batch(checkpoint, prompts, re
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference  # the engine goes on
 
 
-def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_serves_the_others(server_factory, prompts,
-                                                                                      tokenizer):
+def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_serves_the_others(
+    server_factory, prompts, tokenizer
+):
     plan = f'{{"sampler_token": {MARK}, "publish_token": {PUBLISH_MARK}}}'
     with server_factory("--faults", plan) as url:
         bad = prompts[1][:5] + [MARK] + prompts[1][5:]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": bad, "max_tokens": 4}, timeout=60)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "sampling failed" in r.json()["error"]["message"]
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                          json={"prompt": bad, "max_tokens": 4, "stream": True}) as s:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", timeout=60, json={"prompt": bad, "max_tokens": 4, "stream": True}
+        ) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data:")]
         assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
         unpublishable = [PUBLISH_MARK] + prompts[2]
@@ -95,15 +97,24 @@ def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_serves_the_o
         # The Responses API streams it as OpenAI's typed events: `error`, then response.failed (the SDK's models).
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         assert tokenizer.decode([MARK]) == "zing"  # its chat prompt holds the mark
-        stream = client.responses.create(model=client.models.list().data[0].id, input="zing", max_output_tokens=4,
-                                         stream=True)
+        stream = client.responses.create(
+            model=client.models.list().data[0].id, input="zing", max_output_tokens=4, stream=True
+        )
         events = [e.to_dict() for e in stream]
         assert [(e["type"], e["sequence_number"]) for e in events] == [
-            ("response.created", 0), ("response.in_progress", 1), ("error", 2), ("response.failed", 3)]
+            ("response.created", 0),
+            ("response.in_progress", 1),
+            ("error", 2),
+            ("response.failed", 3),
+        ]
         error, failed = ResponseErrorEvent.model_validate(events[2]), ResponseFailedEvent.model_validate(events[3])
         assert "sampling failed" in error.message and failed.response.error.code == "server_error"
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-        m = wait_for_metrics(lambda: parse_metrics(httpx.get(f"{url}/metrics").text),
-                             lambda m: m["orcinus_kv_blocks_used"] == 0, 30, "blocks freed")
+        m = wait_for_metrics(
+            lambda: parse_metrics(httpx.get(f"{url}/metrics").text),
+            lambda m: m["orcinus_kv_blocks_used"] == 0,
+            30,
+            "blocks freed",
+        )
         assert m["orcinus_requests_failed_total"] == 4 and m["orcinus_engine_restarts_total"] == 0

@@ -30,7 +30,9 @@ def test_flag_help_is_the_field_docstring():
     [serve] = [a.choices["serve"] for a in build_parser()._actions if a.dest == "command"]
     helps = {a.dest: a.help for a in serve._actions}
     assert helps["block_size"] == "tokens per KV cache block (default: 16)"
-    assert helps["routing"].startswith("which replica serves a request") and "(default: cache-aware)" in helps["routing"]
+    assert (
+        helps["routing"].startswith("which replica serves a request") and "(default: cache-aware)" in helps["routing"]
+    )
     for cls, name in [(EngineConfig, "speculative_row_cost"), (GatewayConfig, "max_queued_tokens")]:
         assert " ".join(field_docs(cls)[name].split()[1:6]) in helps[name]
 

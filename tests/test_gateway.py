@@ -54,7 +54,7 @@ def sse_events(lines) -> tuple[list[dict], bool]:
         if not line.startswith("data:"):
             continue  # blank separators, `: ping` comments
         assert not done, f"data after [DONE]: {line!r}"
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             done = True
         else:
@@ -123,9 +123,14 @@ def test_health_and_models(server, client, http):
     one = client.models.retrieve(MODEL)
     assert (one.id, one.object) == (MODEL, "model") and http.get(f"/v1/models/{MODEL}").json() == raw["data"][0]
     r = http.get("/v1/models/gpt-4o")
-    assert r.status_code == 404 and r.json() == {"error": {
-        "message": "The model `gpt-4o` does not exist.", "type": "not_found_error", "param": "model",
-        "code": "model_not_found"}}
+    assert r.status_code == 404 and r.json() == {
+        "error": {
+            "message": "The model `gpt-4o` does not exist.",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
 
 
 def test_completion_non_streaming_and_streaming_agree(client):
@@ -153,8 +158,9 @@ def test_chat_non_streaming_and_streaming_agree(client):
     assert choice.finish_reason in ("stop", "length")
     assert 1 <= full.usage.completion_tokens <= 8
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
@@ -162,15 +168,24 @@ def test_chat_non_streaming_and_streaming_agree(client):
 
 
 def test_n_choices(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, temperature=0.9, seed=7,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, n=2, temperature=0.9, seed=7, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.finish_reason == "length" for c in r.choices)
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 5  # the prompt counts once, as OpenAI
 
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, n=2, temperature=0,
-        stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hi."}],
+            max_tokens=4,
+            n=2,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     texts = {0: "", 1: ""}
     for c in chunks:
         for ch in c.choices:
@@ -182,24 +197,35 @@ def test_a_seed_draws_one_text_whether_its_prompt_is_cached_or_not(client):
     """The first request computes its prompt; the next find it in the prefix cache and attend its last tokens as
     decode queries, which moves the logits' last bits: a seeded draw must not move with them."""
     messages = [{"role": "user", "content": "Write a haiku about the sea at dawn, as a lighthouse keeper would."}]
-    texts = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.9,
-                                            seed=seed).choices[0].message.content for seed in (1, 1, 1, 2)]
+    texts = [
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.9, seed=seed)
+        .choices[0]
+        .message.content
+        for seed in (1, 1, 1, 2)
+    ]
     assert texts[0] == texts[1] == texts[2] and texts[3] != texts[0], texts
 
 
 def test_stop_list(client):
-    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    base = (
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert "." in base, base
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=["zzqq", "."],
-                                  extra_body={"ignore_eos": True})
-    assert r.choices[0].text == base[:base.index(".")]
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=["zzqq", "."], extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].text == base[: base.index(".")]
     assert r.choices[0].finish_reason == "stop"
 
 
 def test_completion_logprobs_structure(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     c = r.choices[0]
     lp = c.logprobs
     n = r.usage.completion_tokens
@@ -217,8 +243,14 @@ def test_completion_logprobs_structure(client):
     r0 = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
     assert all(len(t) <= 1 for t in r0.choices[0].logprobs.top_logprobs)
 
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for t in content:
@@ -230,8 +262,9 @@ def test_echo(client):
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
     echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True)
+    )
     assert chunks[0].choices[0].text.startswith(PROMPT)
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + plain
 
@@ -259,20 +292,20 @@ def test_echo_with_logprobs_scores_the_prompt(http, llm):
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(ids) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want, abs=1e-4)
     assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
 
     zero = complete(http, prompt=ids, max_tokens=0, logprobs=1, echo=True)
     [choice] = zero["choices"]
     assert choice["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0
     assert choice["text"] == llm.tokenizer.decode(ids)
-    assert choice["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
+    assert choice["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
 
     vllm = complete(http, prompt=ids, max_tokens=0, prompt_logprobs=2)["choices"][0]["prompt_logprobs"]
     assert vllm[0] is None and len(vllm) == len(ids)
     for token, entry, logprob in zip(ids[1:], vllm[1:], want):
         assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
-        assert len(entry) in (2, 3) and sorted(e["rank"] for e in entry.values())[0] == 1
+        assert len(entry) in (2, 3) and min(e["rank"] for e in entry.values()) == 1
 
 
 def test_a_burst_of_a_thousand_sdk_requests_queues_and_all_succeed(server):
@@ -281,10 +314,16 @@ def test_a_burst_of_a_thousand_sdk_requests_queues_and_all_succeed(server):
     async def burst():
         # Prompts of 1-3 tokens: the queueing is the point, and "Count {i}:" (6) made the burst 42.8 s against 35.2.
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="x", timeout=600, max_retries=0,
-                                      http_client=httpx.AsyncClient(limits=limits, timeout=600)) as sdk:
-            return await asyncio.gather(*(sdk.completions.create(
-                model=MODEL, prompt=str(i), max_tokens=1, temperature=0) for i in range(1000)))
+        async with openai.AsyncOpenAI(
+            base_url=f"{server}/v1",
+            api_key="x",
+            timeout=600,
+            max_retries=0,
+            http_client=httpx.AsyncClient(limits=limits, timeout=600),
+        ) as sdk:
+            return await asyncio.gather(
+                *(sdk.completions.create(model=MODEL, prompt=str(i), max_tokens=1, temperature=0) for i in range(1000))
+            )
 
     results = asyncio.run(burst())
     assert len(results) == 1000 and all(r.usage.completion_tokens == 1 for r in results)
@@ -298,12 +337,28 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0, stream=True,
-        stream_options={"include_usage": True}, n=2))
-    chunks += list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0, stream=True,
-        stream_options={"include_usage": True}, n=2))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            n=2,
+        )
+    )
+    chunks += list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            n=2,
+        )
+    )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
 
 
@@ -313,8 +368,16 @@ def test_tokenize_detokenize_and_tokenizer_info_use_the_servers_tokenizer(http, 
     tok = llm.tokenizer
     r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
     ids = tok.encode(PROMPT, add_special_tokens=True)
-    assert r == {"count": len(ids), "max_model_len": r["max_model_len"], "tokens": ids,
-                 "token_strs": [token_text(tok, i) for i in ids]} and r["max_model_len"] >= 2048
+    assert (
+        r
+        == {
+            "count": len(ids),
+            "max_model_len": r["max_model_len"],
+            "tokens": ids,
+            "token_strs": [token_text(tok, i) for i in ids],
+        }
+        and r["max_model_len"] >= 2048
+    )
     messages = [{"role": "user", "content": "Hi there"}]
     chat = http.post("/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages)) and chat["token_strs"] is None
@@ -322,25 +385,42 @@ def test_tokenize_detokenize_and_tokenizer_info_use_the_servers_tokenizer(http, 
     info = http.get("/tokenizer_info").json()
     assert (info["eos_token_id"], info["vocab_size"]) == (tok.eos_token_id, tok.vocab_size)
     assert info["chat_template"] == tok.chat_template
-    for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
-                              ("/detokenize", {"tokens": [10**7]}, "tokens"),
-                              ("/tokenize", {"model": "gpt-4o", "prompt": "a"}, "model")):
+    for path, body, param in (
+        ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+        ("/detokenize", {"tokens": [10**7]}, "tokens"),
+        ("/tokenize", {"model": "gpt-4o", "prompt": "a"}, "model"),
+    ):
         r = http.post(path, json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
 
 
 def test_stream_include_usage(client):
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     last = chunks[-1]
     assert last.choices == []
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (5, 5, 10)
     assert all(c.usage is None and len(c.choices) == 1 for c in chunks[:-1])
 
-    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=3, temperature=0, stream=True,
-                                               stream_options={"include_usage": True}))
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chat[-1].choices == [] and 1 <= chat[-1].usage.completion_tokens <= 3
     assert all(c.usage is None for c in chat[:-1])
 
@@ -377,8 +457,14 @@ def test_greedy_http_matches_offline_llm(client, llm, tokenizer):
     results = [None] * len(OFFLINE_PROMPTS)
 
     def one(i):
-        results[i] = client.completions.create(model=MODEL, prompt=OFFLINE_PROMPTS[i], max_tokens=16, temperature=0,
-                                               logprobs=0, extra_body={"ignore_eos": True})
+        results[i] = client.completions.create(
+            model=MODEL,
+            prompt=OFFLINE_PROMPTS[i],
+            max_tokens=16,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(OFFLINE_PROMPTS))]
     for t in threads:
@@ -406,17 +492,26 @@ def test_64_concurrent_streams(server, http):
         async with httpx.AsyncClient(base_url=server, timeout=300, limits=limits) as ac:
 
             async def plain(i):
-                r = await ac.post("/v1/completions", json={"model": MODEL, "prompt": prompts[i], "temperature": 0,
-                                                           "max_tokens": max_tokens[i]})
+                r = await ac.post(
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": prompts[i], "temperature": 0, "max_tokens": max_tokens[i]},
+                )
                 assert r.status_code == 200, r.text
                 return r.json()
 
             async def streamed(i):
                 lines = []
-                async with ac.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": prompts[i], "temperature": 0, "max_tokens": max_tokens[i],
-                    "stream": True,
-                }) as r:
+                async with ac.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": prompts[i],
+                        "temperature": 0,
+                        "max_tokens": max_tokens[i],
+                        "stream": True,
+                    },
+                ) as r:
                     assert r.status_code == 200
                     async for line in r.aiter_lines():
                         lines.append(line)
@@ -437,8 +532,9 @@ def test_64_concurrent_streams(server, http):
 
     after = metrics(http)
     count = after["orcinus_iteration_batch_size_count"] - before["orcinus_iteration_batch_size_count"]
-    singles = (after['orcinus_iteration_batch_size_bucket{le="1.0"}']
-               - before['orcinus_iteration_batch_size_bucket{le="1.0"}'])
+    singles = (
+        after['orcinus_iteration_batch_size_bucket{le="1.0"}'] - before['orcinus_iteration_batch_size_bucket{le="1.0"}']
+    )
     assert count > 0 and singles < count, "no iteration ran more than one request"
     # Most of those iterations ran many requests at once: the batch mean is well above one.
     total = after["orcinus_iteration_batch_size_sum"] - before["orcinus_iteration_batch_size_sum"]
@@ -535,9 +631,12 @@ def test_multi_token_stop_string_cuts_exactly(http, prompt):
     chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     r = http.post("/v1/chat/completions", json={"model": MODEL, **chat})
     chat_text = r.json()["choices"][0]["message"]["content"]
-    start = next(i for i in range(3, len(chat_text) - 8) if chat_text.find(chat_text[i:i + 5]) == i
-                 and chat_text[i:i + 5].strip())
-    cstop = chat_text[start:start + 5]
+    start = next(
+        i
+        for i in range(3, len(chat_text) - 8)
+        if chat_text.find(chat_text[i : i + 5]) == i and chat_text[i : i + 5].strip()
+    )
+    cstop = chat_text[start : start + 5]
     cut = stream(http, "/v1/chat/completions", **chat, stop=cstop)
     assert "".join(c["delta"].get("content") or "" for e in cut for c in e["choices"]) == chat_text[:start]
     assert [c["finish_reason"] for e in cut for c in e["choices"] if c["finish_reason"]] == ["stop"]
@@ -549,27 +648,38 @@ def test_multi_token_stop_string_cuts_exactly(http, prompt):
 # ---------------------------------------------------------------- disconnects free the KV cache
 
 
-LONG = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 4000,
-        "temperature": 0, "ignore_eos": True}
+LONG = {
+    "model": MODEL,
+    "prompt": "Write a very long story about a dragon.",
+    "max_tokens": 4000,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 
 def test_streaming_disconnect_frees_kv_blocks(server, http):
     baseline = wait_idle(http)["orcinus_kv_blocks_used"]
-    with httpx.Client(base_url=server, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
-            assert r.status_code == 200
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    got += 1
-                    if got == 3:
-                        break
-            busy = metrics(http)
-            assert busy["orcinus_requests_running"] == 1
-            assert busy["orcinus_kv_blocks_used"] > baseline
+    with (
+        httpx.Client(base_url=server, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                got += 1
+                if got == 3:
+                    break
+        busy = metrics(http)
+        assert busy["orcinus_requests_running"] == 1
+        assert busy["orcinus_kv_blocks_used"] > baseline
         # leaving both blocks closes the connection mid-stream
-    wait_for(http, lambda m: m["orcinus_requests_running"] == 0 and m["orcinus_kv_blocks_used"] == baseline,
-             10, "the aborted stream's KV blocks were not freed")
+    wait_for(
+        http,
+        lambda m: m["orcinus_requests_running"] == 0 and m["orcinus_kv_blocks_used"] == baseline,
+        10,
+        "the aborted stream's KV blocks were not freed",
+    )
     time.sleep(1.0)
     m = metrics(http)
     assert m["orcinus_kv_blocks_used"] == baseline and m["orcinus_requests_running"] == 0
@@ -588,12 +698,20 @@ def test_non_streaming_client_timeout_frees_kv_blocks(server, http):
 
     t = threading.Thread(target=request)
     t.start()
-    wait_for(http, lambda m: m["orcinus_requests_running"] == 1 and m["orcinus_kv_blocks_used"] > baseline,
-             10, "the long request never ran")
+    wait_for(
+        http,
+        lambda m: m["orcinus_requests_running"] == 1 and m["orcinus_kv_blocks_used"] > baseline,
+        10,
+        "the long request never ran",
+    )
     t.join(30)
     assert outcome.get("result") == "timed out"
-    m = wait_for(http, lambda m: m["orcinus_requests_running"] == 0 and m["orcinus_kv_blocks_used"] == baseline,
-                 10, "the abandoned request's KV blocks were not freed")
+    m = wait_for(
+        http,
+        lambda m: m["orcinus_requests_running"] == 0 and m["orcinus_kv_blocks_used"] == baseline,
+        10,
+        "the abandoned request's KV blocks were not freed",
+    )
     generated = m["orcinus_generation_tokens_total"]
     time.sleep(1.0)
     assert metrics(http)["orcinus_generation_tokens_total"] == generated  # the engine really stopped
@@ -606,17 +724,28 @@ def test_server_still_serves_after_disconnects(client):
 
 def test_metrics_exposition(http):
     text = http.get("/metrics").text
-    for name in ("orcinus_kv_blocks_used", "orcinus_kv_blocks_free", "orcinus_requests_running",
-                 "orcinus_requests_waiting", "orcinus_iteration_batch_size_bucket", "orcinus_generation_tokens_total",
-                 "orcinus_time_to_first_token_seconds_count", "orcinus_inter_token_latency_seconds_count"):
+    for name in (
+        "orcinus_kv_blocks_used",
+        "orcinus_kv_blocks_free",
+        "orcinus_requests_running",
+        "orcinus_requests_waiting",
+        "orcinus_iteration_batch_size_bucket",
+        "orcinus_generation_tokens_total",
+        "orcinus_time_to_first_token_seconds_count",
+        "orcinus_inter_token_latency_seconds_count",
+    ):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? ", text, re.MULTILINE), name
 
 
 def test_request_histograms_move_with_a_request(http):
     """vLLM-style per-request histograms (issue 29 item 7): one finished 3-token request adds one observation to
     each, with its token counts in the sums."""
-    names = ("orcinus_e2e_request_latency_seconds", "orcinus_request_queue_time_seconds",
-             "orcinus_request_prompt_tokens", "orcinus_request_generation_tokens")
+    names = (
+        "orcinus_e2e_request_latency_seconds",
+        "orcinus_request_queue_time_seconds",
+        "orcinus_request_prompt_tokens",
+        "orcinus_request_generation_tokens",
+    )
     before = parse_metrics(http.get("/metrics").text)
     body = complete(http, prompt=[1, 2, 3, 4, 5], max_tokens=3, temperature=0, ignore_eos=True)
     assert body["usage"]["completion_tokens"] == 3

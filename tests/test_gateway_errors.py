@@ -43,8 +43,16 @@ CASES = [
     # out of range
     ("max_tokens negative", "POST", CMPL, {**P, "max_tokens": -1}, 400, INVALID, "max_tokens", None),
     ("max_tokens zero", "POST", CMPL, {**P, "max_tokens": 0}, 400, INVALID, "max_tokens", None),
-    ("max_completion_tokens zero", "POST", CHAT, {**M, "max_completion_tokens": 0}, 400, INVALID,
-     "max_completion_tokens", None),
+    (
+        "max_completion_tokens zero",
+        "POST",
+        CHAT,
+        {**M, "max_completion_tokens": 0},
+        400,
+        INVALID,
+        "max_completion_tokens",
+        None,
+    ),
     ("n 0", "POST", CMPL, {**P, "n": 0}, 400, INVALID, "n", None),
     ("n 100", "POST", CMPL, {**P, "n": 100}, 400, INVALID, "n", None),
     ("huge n", "POST", CHAT, {**M, "n": 10**6}, 400, INVALID, "n", None),
@@ -62,8 +70,16 @@ CASES = [
     ("top_logprobs without logprobs", "POST", CHAT, {**M, "top_logprobs": 2}, 400, INVALID, "top_logprobs", None),
     ("stop list of 65", "POST", CMPL, {**P, "stop": [f"s{i}" for i in range(65)]}, 400, INVALID, "stop", None),
     ("empty stop string", "POST", CMPL, {**P, "stop": [""]}, 400, INVALID, "stop", None),
-    ("stream_options without stream", "POST", CMPL, {**P, "stream_options": {"include_usage": True}}, 400, INVALID,
-     "stream_options", None),
+    (
+        "stream_options without stream",
+        "POST",
+        CMPL,
+        {**P, "stream_options": {"include_usage": True}},
+        400,
+        INVALID,
+        "stream_options",
+        None,
+    ),
     # prompts
     ("empty prompt string", "POST", CMPL, {**P, "prompt": ""}, 400, INVALID, "prompt", None),
     ("empty prompt list", "POST", CMPL, {**P, "prompt": []}, 400, INVALID, "prompt", None),
@@ -81,34 +97,99 @@ CASES = [
     ("logit_bias negative key", "POST", CMPL, {**P, "logit_bias": {"-3": 1}}, 400, INVALID, "logit_bias", None),
     ("logit_bias id >= vocab", "POST", CMPL, {**P, "logit_bias": {str(VOCAB): 1}}, 400, INVALID, "logit_bias", None),
     ("logit_bias value 1000", "POST", CHAT, {**M, "logit_bias": {"5": 1000}}, 400, INVALID, "logit_bias", None),
-    ("stop_token_ids >= vocab", "POST", CMPL, {**P, "stop_token_ids": [VOCAB]}, 400, INVALID, "stop_token_ids",
-     None),
+    ("stop_token_ids >= vocab", "POST", CMPL, {**P, "stop_token_ids": [VOCAB]}, 400, INVALID, "stop_token_ids", None),
     ("priority not an int", "POST", CHAT, {**M, "priority": "high"}, 400, INVALID, "priority", None),
     ("priority past int32", "POST", CMPL, {**P, "priority": 2**31}, 400, INVALID, "priority", None),
     # unsupported
     ("best_of 2", "POST", CMPL, {**P, "best_of": 2}, 400, INVALID, "best_of", None),
     ("suffix", "POST", CMPL, {**P, "suffix": "x"}, 400, INVALID, "suffix", None),
-    ("max_tokens 0 with min_tokens", "POST", CMPL, {**P, "max_tokens": 0, "echo": True, "min_tokens": 1}, 400, INVALID,
-     "min_tokens", None),
+    (
+        "max_tokens 0 with min_tokens",
+        "POST",
+        CMPL,
+        {**P, "max_tokens": 0, "echo": True, "min_tokens": 1},
+        400,
+        INVALID,
+        "min_tokens",
+        None,
+    ),
     # compiled in the gateway's pool after decoding, still a 400 naming the field
-    ("schema that does not compile", "POST", CHAT, {**M, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": 3}}}}, 400, INVALID, "response_format", None),
-    ("tool without a function", "POST", CHAT, {**M, "tools": [{"type": "function"}]}, 400, INVALID,
-     "tools[0].function", None),
-    ("unknown tool_choice", "POST", CHAT, {**M, "tools": [{"type": "function", "function": {"name": "f"}}],
-                                           "tool_choice": {"type": "function", "function": {"name": "g"}}},
-     400, INVALID, "tool_choice", None),
-    ("response_format type", "POST", CHAT, {**M, "response_format": {"type": "xml"}}, 400, INVALID,
-     "response_format.type", None),
+    (
+        "schema that does not compile",
+        "POST",
+        CHAT,
+        {**M, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+        400,
+        INVALID,
+        "response_format",
+        None,
+    ),
+    (
+        "tool without a function",
+        "POST",
+        CHAT,
+        {**M, "tools": [{"type": "function"}]},
+        400,
+        INVALID,
+        "tools[0].function",
+        None,
+    ),
+    (
+        "unknown tool_choice",
+        "POST",
+        CHAT,
+        {
+            **M,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        INVALID,
+        "tool_choice",
+        None,
+    ),
+    (
+        "response_format type",
+        "POST",
+        CHAT,
+        {**M, "response_format": {"type": "xml"}},
+        400,
+        INVALID,
+        "response_format.type",
+        None,
+    ),
     # messages
     ("empty messages", "POST", CHAT, {**M, "messages": []}, 400, INVALID, "messages", None),
-    ("unknown role", "POST", CHAT, {**M, "messages": [{"role": "wizard", "content": "x"}]}, 400, INVALID,
-     "messages[0].role", None),
-    ("user without content", "POST", CHAT, {**M, "messages": [{"role": "user"}]}, 400, INVALID,
-     "messages[0].content", None),
-    ("image content part", "POST", CHAT,
-     {**M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, INVALID, "messages[0].content[0].type", None),
+    (
+        "unknown role",
+        "POST",
+        CHAT,
+        {**M, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        INVALID,
+        "messages[0].role",
+        None,
+    ),
+    (
+        "user without content",
+        "POST",
+        CHAT,
+        {**M, "messages": [{"role": "user"}]},
+        400,
+        INVALID,
+        "messages[0].content",
+        None,
+    ),
+    (
+        "image content part",
+        "POST",
+        CHAT,
+        {**M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        INVALID,
+        "messages[0].content[0].type",
+        None,
+    ),
     ("message missing role", "POST", CHAT, {**M, "messages": [{"content": "x"}]}, 400, INVALID, "ANY", None),
     # model
     ("unknown model", "POST", CMPL, {**P, "model": "gpt-4"}, 404, "not_found_error", "model", "model_not_found"),
@@ -120,8 +201,16 @@ CASES = [
     ("GET on chat", "GET", CHAT, None, 405, INVALID, None, "method_not_allowed"),
     ("POST on models", "POST", "/v1/models", None, 405, INVALID, None, "method_not_allowed"),
     # size
-    ("body over 4 MiB", "POST", CMPL, b'{"prompt": "' + b"a" * (4 * 2**20) + b'"}', 413, INVALID, None,
-     "request_too_large"),
+    (
+        "body over 4 MiB",
+        "POST",
+        CMPL,
+        b'{"prompt": "' + b"a" * (4 * 2**20) + b'"}',
+        413,
+        INVALID,
+        None,
+        "request_too_large",
+    ),
     ("chunked body over 4 MiB", "POST", CHAT, "chunked", 413, INVALID, None, "request_too_large"),
 ]
 
@@ -199,13 +288,24 @@ def keyed_server(server_factory):
         yield url
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"},
-                                     {"Authorization": "Bearer secret2"}, {"Authorization": "Basic secret"}],
-                         ids=["missing", "wrong", "no-bearer", "longer", "basic"])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "secret"},
+        {"Authorization": "Bearer secret2"},
+        {"Authorization": "Basic secret"},
+    ],
+    ids=["missing", "wrong", "no-bearer", "longer", "basic"],
+)
 @pytest.mark.parametrize("method,path", [("POST", CMPL), ("POST", CHAT), ("GET", "/v1/models")])
 def test_api_key_required(keyed_server, headers, method, path):
-    body = {"model": "my-model", "prompt": "Hi", "max_tokens": 1} if path == CMPL else \
-        {"model": "my-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    body = (
+        {"model": "my-model", "prompt": "Hi", "max_tokens": 1}
+        if path == CMPL
+        else {"model": "my-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    )
     r = httpx.request(method, keyed_server + path, headers=headers, json=body if method == "POST" else None, timeout=60)
     assert_openai_error(r, 401, "authentication_error", None, "invalid_api_key")
 
@@ -215,13 +315,16 @@ def test_api_key_accepted_and_health_open(keyed_server):
 
     assert httpx.get(f"{keyed_server}/health", timeout=10).status_code == 200
     assert httpx.get(f"{keyed_server}/metrics", timeout=10).status_code == 401  # with a key, /metrics needs it too
-    assert httpx.get(f"{keyed_server}/metrics", headers={"Authorization": "Bearer secret"}, timeout=10).status_code == 200
+    assert (
+        httpx.get(f"{keyed_server}/metrics", headers={"Authorization": "Bearer secret"}, timeout=10).status_code == 200
+    )
     client = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="secret", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["my-model"]
     r = client.completions.create(model="my-model", prompt="Hi", max_tokens=2, temperature=0)
     assert r.model == "my-model" and r.choices[0].text is not None
-    chat = client.chat.completions.create(model="my-model", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=2, temperature=0)
+    chat = client.chat.completions.create(
+        model="my-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant"
     # The served name is the only model: the default name is now unknown.
     with pytest.raises(openai.NotFoundError) as e:
@@ -242,7 +345,7 @@ def test_a_client_that_writes_its_whole_body_first_still_reads_the_413(server, c
     import urllib.request
 
     body = b'{"prompt": "' + b"a" * (50 * 2**20) + b'"}'
-    data = iter([body[i:i + 2**20] for i in range(0, len(body), 2**20)]) if chunked_body else body
+    data = iter([body[i : i + 2**20] for i in range(0, len(body), 2**20)]) if chunked_body else body
     headers = {"Content-Type": "application/json"}
     if chunked_body:
         headers["Transfer-Encoding"] = "chunked"

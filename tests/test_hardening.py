@@ -27,8 +27,13 @@ PROMPT = "The capital of France is"
 # One torch thread per engine: on this 2-core machine an engine with two threads slows down 10x or more
 # whenever another busy process shares the cores (its OpenMP threads spin), and the tests here must not.
 ONE_THREAD = ("--num-threads", "1")
-LONG_PROMPTS = ["Write a long story about a dragon.", "List every animal you know.", "Explain how ships float.",
-                "Describe a walk through a forest.", "Tell me about the history of bread."]
+LONG_PROMPTS = [
+    "Write a long story about a dragon.",
+    "List every animal you know.",
+    "Explain how ships float.",
+    "Describe a walk through a forest.",
+    "Tell me about the history of bread.",
+]
 
 
 # ---------------------------------------------------------------- helpers
@@ -43,8 +48,13 @@ def wait_for_metrics(url: str, pred, timeout: float, what: str) -> dict[str, flo
 
 
 def idle(m: dict[str, float]) -> bool:
-    return (m["orcinus_requests_running"] == m["orcinus_requests_waiting"] == m["orcinus_kv_blocks_used"]
-            == m["orcinus_sequences_in_flight"] == 0)
+    return (
+        m["orcinus_requests_running"]
+        == m["orcinus_requests_waiting"]
+        == m["orcinus_kv_blocks_used"]
+        == m["orcinus_sequences_in_flight"]
+        == 0
+    )
 
 
 def sse_lines_to_events(lines: list[str]) -> tuple[list[dict], bool]:
@@ -201,8 +211,10 @@ def roomy_server(server_factory):
 def test_disconnect_storm_frees_every_kv_block(roomy_server):
     url, clients = roomy_server, 200
     rng = random.Random(8)
-    plans = [(rng.choice(LONG_PROMPTS), rng.choice(["events", "timer"]), rng.randint(0, 12), rng.uniform(0, 3))
-             for _ in range(clients)]
+    plans = [
+        (rng.choice(LONG_PROMPTS), rng.choice(["events", "timer"]), rng.randint(0, 12), rng.uniform(0, 3))
+        for _ in range(clients)
+    ]
 
     async def one(ac: httpx.AsyncClient, prompt: str, mode: str, events: int, seconds: float) -> tuple[int, int]:
         """Leave after `events` events, or after `seconds` whatever the stream is doing (even before headers)."""
@@ -257,6 +269,7 @@ def test_kill_9_of_the_engine_fails_in_flight_requests_at_once_and_a_new_engine_
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+
             async def streamed(prompt: str):
                 async with ac.stream("POST", "/v1/completions", json={"prompt": prompt, **long, "stream": True}) as r:
                     assert r.status_code == 200
@@ -285,12 +298,12 @@ def test_kill_9_of_the_engine_fails_in_flight_requests_at_once_and_a_new_engine_
 
     killed_at, results, health = asyncio.run(run())
     # The issue asks for 1 s; this measures client-side on a shared 2-core machine, hence the slack.
-    for lines, ended in results[:len(LONG_PROMPTS)]:
+    for lines, ended in results[: len(LONG_PROMPTS)]:
         events, done = sse_lines_to_events(lines)
         assert done, "the stream did not end with [DONE] after the error"
         assert events[-1]["error"]["type"] == "service_unavailable_error", events[-1]
         assert ended - killed_at < 1.5, ended - killed_at
-    for r, ended in results[len(LONG_PROMPTS):]:
+    for r, ended in results[len(LONG_PROMPTS) :]:
         assert_openai_error(r.status_code, r.headers, r.json(), 503, "service_unavailable_error")
         assert ended - killed_at < 1.5, ended - killed_at
     assert health == 503  # the new engine is still loading
@@ -353,9 +366,11 @@ def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp
     model = tmp_path / "model"
     model.mkdir()
     os.mkfifo(model / "config.json")
-    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_LAUNCHING, str(model),
-                                "stopped" if when == "before_it_looks" else "running"],
-                               stdout=subprocess.PIPE, text=True)
+    gateway = subprocess.Popen(
+        [sys.executable, "-c", GATEWAY_LAUNCHING, str(model), "stopped" if when == "before_it_looks" else "running"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     engine, writer = int(gateway.stdout.readline()), None
     spec = json.loads(cmdline(engine)[-1])
     bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
@@ -399,6 +414,7 @@ def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp
 
 async def stream_and_whole_running(ac: httpx.AsyncClient, body: dict) -> list[asyncio.Task]:
     """Start one streamed and one whole completion of `body`; return their tasks once both are running."""
+
     async def streamed():
         async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             return r.status_code, [line async for line in r.aiter_lines()]

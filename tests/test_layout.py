@@ -66,16 +66,22 @@ def wing_of(module: str) -> str:
 
 
 def test_no_engine_module_imports_the_gateway():
-    offenders = {m for m, p in MODULES.items()
-                 if m.split(".")[0] == "engine" and any(i.split(".")[0] == "gateway" for i in imports_of(p))}
+    offenders = {
+        m
+        for m, p in MODULES.items()
+        if m.split(".")[0] == "engine" and any(i.split(".")[0] == "gateway" for i in imports_of(p))
+    }
     assert not offenders
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_imports_run_one_way(package):
     bad = {
-        (m, d) for m, deps in GRAPH.items() if m.split(".")[0] == "engine" and layer_of(m) == package
-        for d in deps if d.split(".")[0] == "engine" and layer_of(d) not in ALLOWED[package] | {package}
+        (m, d)
+        for m, deps in GRAPH.items()
+        if m.split(".")[0] == "engine" and layer_of(m) == package
+        for d in deps
+        if d.split(".")[0] == "engine" and layer_of(d) not in ALLOWED[package] | {package}
     }
     assert not bad
 
@@ -84,8 +90,11 @@ def test_imports_run_one_way(package):
 def test_gateway_wings_import_one_way(wing):
     """No wing imports the modules on top or a wing above it (api above engines above web)."""
     bad = {
-        (m, d) for m, deps in GRAPH.items() if m.split(".")[0] == "gateway" and wing_of(m) == wing
-        for d in deps if d.split(".")[0] == "gateway" and wing_of(d) not in GATEWAY_ALLOWED[wing] | {wing}
+        (m, d)
+        for m, deps in GRAPH.items()
+        if m.split(".")[0] == "gateway" and wing_of(m) == wing
+        for d in deps
+        if d.split(".")[0] == "gateway" and wing_of(d) not in GATEWAY_ALLOWED[wing] | {wing}
     }
     assert not bad
 
@@ -97,7 +106,7 @@ def test_no_import_cycle():
         state[m] = 1
         for d in sorted(GRAPH[m]):
             if state.get(d) == 1:
-                pytest.fail("import cycle: " + " -> ".join(path[path.index(d):] + [d]) if d in path else d)
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(d) :] + [d]) if d in path else d)
             if d not in state:
                 visit(d, path + [d])
         state[m] = 2

@@ -94,8 +94,14 @@ def test_a_stream_of_short_requests_overtakes_a_long_one_only_within_its_aging_b
         arrivals[rid], length[rid] = step * 0.1, 4
         s.add(Request(rid, [5, step % 50 + 10], SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=step * 0.1))
         batch = s.schedule()
-        s.update(batch, {r.request_id: SampledTokens([7], hidden=[float(length[r.request_id])] if r.probe else None)
-                         for r in batch.requests if r.sample})
+        s.update(
+            batch,
+            {
+                r.request_id: SampledTokens([7], hidden=[float(length[r.request_id])] if r.probe else None)
+                for r in batch.requests
+                if r.sample
+            },
+        )
         if overtook is None and long.num_output_tokens > 1:  # its first decode
             overtook = [r for r in arrivals if r not in s.requests]
         assert step < 20000
@@ -126,24 +132,34 @@ def decode_ready(s: Scheduler, lengths: dict[str, int]) -> None:
         s.add(Request(rid, [1, 2, len(rid), n], SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=0.0))
     while s.waiting:
         batch = s.schedule()
-        s.update(batch, {r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])] if r.probe else None)
-                         for r in batch.requests})
+        s.update(
+            batch,
+            {
+                r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])] if r.probe else None)
+                for r in batch.requests
+            },
+        )
 
 
 def test_new_prompts_run_alone_but_never_twice_in_a_row():
     s = make(max_num_seqs=64)
     decode_ready(s, {"a": 500, "b": 500})
     for step in range(6):
-        s.add(Request(f"new{step}", [9, step + 10], SamplingParams(max_tokens=500, ignore_eos=True),
-                      arrival_time=float(step)))
+        s.add(
+            Request(
+                f"new{step}", [9, step + 10], SamplingParams(max_tokens=500, ignore_eos=True), arrival_time=float(step)
+            )
+        )
         batch = s.schedule()
         ids = sorted(r.request_id for r in batch.requests)
         if step % 2 == 0:
             assert ids == [f"new{step}"]  # its prompt alone
         else:  # the next iteration decodes everyone, this newcomer's prompt with them
             assert {"a", "b", f"new{step}", f"new{step - 1}"} <= set(ids)
-        s.update(batch, {r.request_id: SampledTokens([7], hidden=[500.0] if r.probe else None)
-                         for r in batch.requests if r.sample})
+        s.update(
+            batch,
+            {r.request_id: SampledTokens([7], hidden=[500.0] if r.probe else None) for r in batch.requests if r.sample},
+        )
 
 
 def test_a_newcomer_short_of_blocks_takes_them_from_a_predicted_long_request_only():
@@ -153,8 +169,12 @@ def test_a_newcomer_short_of_blocks_takes_them_from_a_predicted_long_request_onl
     s.add(long)
     batch = s.schedule()  # 4 of the 6 blocks
     s.update(batch, {"long": SampledTokens([7], hidden=[500.0])})  # its key: 0 s + 499 tokens / AGING
-    late = Request("late", list(range(30, 42)), SamplingParams(max_tokens=5, ignore_eos=True),
-                   arrival_time=2 * 500 / Predicted.AGING)
+    late = Request(
+        "late",
+        list(range(30, 42)),
+        SamplingParams(max_tokens=5, ignore_eos=True),
+        arrival_time=2 * 500 / Predicted.AGING,
+    )
     s.add(late)  # 3 blocks, 2 free: it keys after long, so it waits
     batch = s.schedule()
     assert [r.request_id for r in batch.requests] == ["long"] and late.status == RequestStatus.WAITING
@@ -172,8 +192,14 @@ def test_finished_requests_report_their_prediction_error_and_pool():
         s.add(Request(rid, [1, len(rid)], SamplingParams(max_tokens=real, ignore_eos=True), arrival_time=0.0))
     while s.has_unfinished():
         batch = s.schedule()
-        s.update(batch, {r.request_id: SampledTokens([7], hidden=[{"a": 10.0, "b": 200.0}[r.request_id]]
-                                                      if r.probe else None) for r in batch.requests if r.sample})
+        s.update(
+            batch,
+            {
+                r.request_id: SampledTokens([7], hidden=[{"a": 10.0, "b": 200.0}[r.request_id]] if r.probe else None)
+                for r in batch.requests
+                if r.sample
+            },
+        )
     outcomes = sorted(s.policy.drain_length_outcomes())
     assert [(ratio, pool) for ratio, pool, _ in outcomes] == [(2.0, "long"), (2.0, "short")]
     assert s.policy.drain_length_outcomes() == []
@@ -197,8 +223,11 @@ def test_the_oracle_is_a_benchmarks_policy_found_by_its_name_and_the_old_name_st
     assert flags.parse_args(["--scheduling-policy", "oracle"]).scheduling_policy == NAME
     s = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy=NAME), 4096, 4096)
     for rid, length in [("long", 300), ("short", 3)]:  # the true output length rides in `priority`
-        s.add(Request(rid, [1, 2], SamplingParams(max_tokens=500), arrival_time=0.0,
-                      options=RequestOptions(priority=length)))
+        s.add(
+            Request(
+                rid, [1, 2], SamplingParams(max_tokens=500), arrival_time=0.0, options=RequestOptions(priority=length)
+            )
+        )
     assert isinstance(s.policy, Oracle) and [r.request_id for r in s.waiting] == ["short", "long"]
 
 
@@ -241,11 +270,17 @@ def test_predicted_order_with_shared_prefixes_preemption_and_an_abort(checkpoint
     the others' greedy tokens are FCFS's, and every block and every sampling state is given back."""
     prompts = [f"{a} {b}" for a, b in zip(PROMPTS[:4], PROMPTS[4:8])] * 2  # 2+ full blocks of 16 tokens each
     want = LLM(checkpoint=checkpoint, dtype="float32").generate(prompts, GREEDY)
-    llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="predicted", max_num_seqs=3,
-              kv_cache_memory=8 * 737_280)  # 8 blocks of 16 tokens (737,280 bytes each): 6 requests need 18+
+    llm = LLM(
+        checkpoint=checkpoint,
+        dtype="float32",
+        scheduling_policy="predicted",
+        max_num_seqs=3,
+        kv_cache_memory=8 * 737_280,
+    )  # 8 blocks of 16 tokens (737,280 bytes each): 6 requests need 18+
     llm.engine.scheduler.policy.predictor = Scrambled()
-    requests = [llm.engine.add_request(llm.engine.tokenizer.encode(p, add_special_tokens=True), GREEDY)
-                for p in prompts]
+    requests = [
+        llm.engine.add_request(llm.engine.tokenizer.encode(p, add_special_tokens=True), GREEDY) for p in prompts
+    ]
     victim = requests[5]
     while llm.engine.has_unfinished():
         llm.engine.step()
@@ -263,8 +298,9 @@ def test_pipeline_stages_send_the_probes_back():
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 8, 9], [10, 11, 10, 11, 10, 11], [12] * 20]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     want = LLM(model="dummy:tiny", dtype="float32").generate(prompts, params)
-    with LLM(model="dummy:tiny", dtype="float32", scheduling_policy="predicted", max_num_seqs=2,
-             pipeline_stages=2) as llm:
+    with LLM(
+        model="dummy:tiny", dtype="float32", scheduling_policy="predicted", max_num_seqs=2, pipeline_stages=2
+    ) as llm:
         predictor = llm.engine.scheduler.policy.predictor = Scrambled()
         got = llm.generate(prompts, params)
         assert predictor.num_probes >= 4 * 3  # at each prompt's end and every 16 outputs: from the last stage

@@ -18,9 +18,28 @@ def test_locust_headless_records_requests_and_no_failures(server, tmp_path):
         pytest.skip("locust is not installed")
     prefix = tmp_path / "run"
     proc = subprocess.run(
-        [str(BIN / "locust"), "-f", str(ROOT / "bench" / "serving" / "locustfile.py"), "--host", server, "--headless",
-         "-u", "4", "-r", "4", "-t", "8s", "--csv", str(prefix), "--only-summary", "--stop-timeout", "30"],
-        capture_output=True, text=True, timeout=120,
+        [
+            str(BIN / "locust"),
+            "-f",
+            str(ROOT / "bench" / "serving" / "locustfile.py"),
+            "--host",
+            server,
+            "--headless",
+            "-u",
+            "4",
+            "-r",
+            "4",
+            "-t",
+            "8s",
+            "--csv",
+            str(prefix),
+            "--only-summary",
+            "--stop-timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
@@ -34,9 +53,29 @@ def test_locust_headless_records_requests_and_no_failures(server, tmp_path):
 def test_bench_serving_tiny_workload(server, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.serving.bench_serving", "--base-url", server, "--num-prompts", "6",
-         "--input-len", "8", "24", "--output-len", "2", "6", "--request-rate", "4", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "bench.serving.bench_serving",
+            "--base-url",
+            server,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "8",
+            "24",
+            "--output-len",
+            "2",
+            "6",
+            "--request-rate",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -53,10 +92,31 @@ def test_bench_serving_timed_closed_loop_sends_the_same_requests_to_any_server(s
 
     out = tmp_path / "timed.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.serving.bench_serving", "--base-url", server, "--duration", "2",
-         "--max-concurrency", "2", "--input-len", "8", "24", "--output-len", "2", "6", "--seed", "5",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "bench.serving.bench_serving",
+            "--base-url",
+            server,
+            "--duration",
+            "2",
+            "--max-concurrency",
+            "2",
+            "--input-len",
+            "8",
+            "24",
+            "--output-len",
+            "2",
+            "6",
+            "--seed",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -64,4 +124,5 @@ def test_bench_serving_timed_closed_loop_sends_the_same_requests_to_any_server(s
     stream = Workload(input_len=(8, 24), output_len=(2, 6), seed=5).stream()
     expected = [next(stream) for _ in report["requests"]]
     assert sorted((r["prompt_len"], r["max_tokens"]) for r in report["requests"]) == sorted(
-        (len(p), m) for p, m in expected)
+        (len(p), m) for p, m in expected
+    )

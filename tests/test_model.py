@@ -29,8 +29,15 @@ def reference_tokens(hf_model, tokenizer):
     padded = torch.tensor([[0] * (width - len(x)) + x for x in ids])
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
     with torch.no_grad():
-        out = hf_model.generate(padded, attention_mask=mask, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
-                                do_sample=False, pad_token_id=0, eos_token_id=None)
+        out = hf_model.generate(
+            padded,
+            attention_mask=mask,
+            max_new_tokens=NUM_TOKENS,
+            min_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     return out[:, width:].tolist()
 
 
@@ -108,8 +115,9 @@ def test_request_level_mode_gives_the_same_tokens(checkpoint, reference_tokens):
     assert [c.token_ids for c in completions] == reference_tokens
 
 
-def test_hf_checkpoint_directory_loads_the_same_model(hf_model, hf_tokenizer, tokenizer, reference_tokens,
-                                                     tmp_path_factory):
+def test_hf_checkpoint_directory_loads_the_same_model(
+    hf_model, hf_tokenizer, tokenizer, reference_tokens, tmp_path_factory
+):
     from safetensors.torch import save_file
 
     # transformers will not save_pretrained a GGUF-loaded model; write the same files by hand.
@@ -145,6 +153,7 @@ def test_the_gguf_reader_reads_what_ggufs_own_does():
         assert mine.contents() == field.contents(), key
         assert [bytes(p) for p in mine.parts] == [bytes(p) for p in field.parts], key
     assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
-        (t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
+        (t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors
+    ]
     for a, b in zip(ours.tensors[:4], theirs.tensors[:4]):
         assert type(a.data) is np.ndarray and np.array_equal(a.data, b.data)

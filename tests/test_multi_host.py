@@ -58,8 +58,20 @@ def hosts():
         ip("-n", names["s"], "addr", "add", f"{SUBNET}.1/24", "dev", "br0")
         ip("-n", names["s"], "link", "set", "br0", "up")
         for i, role in enumerate(("a", "b"), start=2):
-            ip("link", "add", "eth0", "netns", names[role], "type", "veth", "peer", "name", f"p{role}",
-               "netns", names["s"])
+            ip(
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                names[role],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{role}",
+                "netns",
+                names["s"],
+            )
             ip("-n", names["s"], "link", "set", f"p{role}", "master", "br0", "up")
             ip("-n", names[role], "addr", "add", f"{SUBNET}.{i}/24", "dev", "eth0")
             ip("-n", names[role], "link", "set", "eth0", "up")
@@ -85,8 +97,13 @@ def in_ns(ns: str, env: dict[str, str], *cmd: str, log: Path) -> subprocess.Pope
     """`cmd` on that "host", with `env` (and nothing of this machine's rendezvous variables)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     with open(log, "ab") as out:
-        return subprocess.Popen(["ip", "netns", "exec", ns, "env", *(f"{k}={v}" for k, v in env.items()), *cmd],
-                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=clean)
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, "env", *(f"{k}={v}" for k, v in env.items()), *cmd],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=clean,
+        )
 
 
 def start_rank(hosts, role: str, rank: int, log: Path) -> subprocess.Popen:
@@ -95,9 +112,14 @@ def start_rank(hosts, role: str, rank: int, log: Path) -> subprocess.Popen:
 
 
 def completions(url: str) -> list[str]:
-    return [httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
-            for p in PROMPTS]
+    return [
+        httpx.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        ).json()["choices"][0]["text"]
+        for p in PROMPTS
+    ]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -120,12 +142,26 @@ def reference() -> list[str]:
 
 @pytest.mark.parametrize("grid", [("--pipeline-stages", "2"), ("--tensor-parallel-size", "2")], ids=["pp2", "tp2"])
 def test_ranks_on_other_hosts_give_one_process_s_tokens_and_the_server_survives_a_lost_host(
-        hosts, reference, tmp_path, grid):
+    hosts, reference, tmp_path, grid
+):
     log = tmp_path / "server.log"
     port = "8077"
-    server = in_ns(hosts["s"], {"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": MASTER_PORT},
-                   sys.executable, "-m", "gateway.cli", "serve", "--host", HTTP[1], "--port", port, *MODEL,
-                   *grid, "--external-stages", log=log)
+    server = in_ns(
+        hosts["s"],
+        {"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": MASTER_PORT},
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--host",
+        HTTP[1],
+        "--port",
+        port,
+        *MODEL,
+        *grid,
+        "--external-stages",
+        log=log,
+    )
     url = f"http://{HTTP[1]}:{port}"
     rank_logs = [tmp_path / "rank1.log", tmp_path / "rank2.log"]
     ranks = [start_rank(hosts, "a", 1, rank_logs[0]), start_rank(hosts, "b", 2, rank_logs[1])]
@@ -137,8 +173,9 @@ def test_ranks_on_other_hosts_give_one_process_s_tokens_and_the_server_survives_
         for pid in subprocess.run(["ip", "netns", "pids", hosts["b"]], capture_output=True, text=True).stdout.split():
             os.kill(int(pid), 9)
         deadline = time.monotonic() + 60
-        while (r := httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
-               ).status_code != 503:
+        while (
+            r := httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+        ).status_code != 503:
             assert r.status_code == 200 and time.monotonic() < deadline, r.text
             time.sleep(0.2)
         assert r.json()["error"]["type"] == "service_unavailable_error"
@@ -174,13 +211,32 @@ def test_ranks_start_under_torchrun_and_leave_quietly_when_the_driver_is_dropped
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     with open(log, "wb") as out:
         torchrun = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             "-m", "engine.parallel.stage", "--driver", f"127.0.0.1:{port}"],
-            cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "engine.parallel.stage",
+                "--driver",
+                f"127.0.0.1:{port}",
+            ],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
-        driver = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(PROMPTS), str(MAX_TOKENS)], cwd=REPO_ROOT,
-                                env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                                capture_output=True, text=True, timeout=300)
+        driver = subprocess.run(
+            [sys.executable, "-c", DRIVER, json.dumps(PROMPTS), str(MAX_TOKENS)],
+            cwd=REPO_ROOT,
+            env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert driver.returncode == 0, driver.stderr[-3000:]
         assert json.loads(driver.stdout.splitlines()[-1]) == reference
         assert torchrun.wait(timeout=60) == 0, log.read_text(errors="replace")[-3000:]

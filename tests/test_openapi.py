@@ -16,8 +16,10 @@ import pytest
 KEY = "fuzz-key"
 BIN = Path(sys.executable).parent
 # Every check about responses; plus: schema-invalid data gets a 4xx, and secured routes need the key.
-CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
-          "response_schema_conformance,negative_data_rejection,ignored_auth")
+CHECKS = (
+    "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
+    "response_schema_conformance,negative_data_rejection,ignored_auth"
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,9 @@ def keyed_server(server_factory):
     # with the default model.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ORCINUS_API_KEY", KEY)
-        with server_factory("--model", "dummy:tiny", "--max-model-len", "40", "--metrics-need-key",
-                            "--num-threads", "1") as url:
+        with server_factory(
+            "--model", "dummy:tiny", "--max-model-len", "40", "--metrics-need-key", "--num-threads", "1"
+        ) as url:
             mp.delenv("ORCINUS_API_KEY")
             yield url
 
@@ -38,9 +41,19 @@ def keyed_server(server_factory):
 def test_document_describes_routes_errors_and_streams(keyed_server):
     doc = httpx.get(f"{keyed_server}/openapi.json", timeout=10).json()  # open without the key
     assert doc["openapi"] == "3.1.0"
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
-                                 "/v1/responses/{response_id}", "/v1/models", "/v1/models/{model}", "/tokenize",
-                                 "/detokenize", "/tokenizer_info", "/health", "/metrics"}
+    assert set(doc["paths"]) == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/health",
+        "/metrics",
+    }
     responses = doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
     assert responses["required"] == ["event", "data"]  # typed events, no [DONE]
     op = doc["paths"]["/v1/completions"]["post"]
@@ -50,8 +63,12 @@ def test_document_describes_routes_errors_and_streams(keyed_server):
     assert op["security"] == [{"bearer": []}]
     schemas = doc["components"]["schemas"]
     assert schemas["ErrorDetail"]["required"] == ["message", "type", "param", "code"]
-    assert schemas["CompletionRequest"]["properties"]["n"] == {"type": "integer", "minimum": 1, "maximum": 16,
-                                                                "default": 1}
+    assert schemas["CompletionRequest"]["properties"]["n"] == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 16,
+        "default": 1,
+    }
     assert "prompt" in schemas["CompletionRequest"]["required"]
     assert doc["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]
 
@@ -69,21 +86,51 @@ def test_schemathesis_finds_no_server_error_and_no_response_outside_the_schema(k
     # One worker: Python 3.11.7's ast module is not thread-safe ("AST constructor recursion depth mismatch",
     # CPython gh-106905, fixed in 3.11.8), and hypothesis uses it while generating.
     proc = subprocess.run(
-        [str(BIN / "st"), "run", f"{keyed_server}/openapi.json", "--header", f"Authorization: Bearer {KEY}",
-         "--checks", CHECKS, "--max-examples", "10", "--seed", "1", "--workers", "1", "--request-timeout", "120",
-         "--report", "har", "--report-har-path", str(har)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        [
+            str(BIN / "st"),
+            "run",
+            f"{keyed_server}/openapi.json",
+            "--header",
+            f"Authorization: Bearer {KEY}",
+            "--checks",
+            CHECKS,
+            "--max-examples",
+            "10",
+            "--seed",
+            "1",
+            "--workers",
+            "1",
+            "--request-timeout",
+            "120",
+            "--report",
+            "har",
+            "--report-har-path",
+            str(har),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     # The run meant something: every route answered, and real generations ran, whole and streamed (the
     # document's request examples seed them), so every response kind was checked against the schema.
     entries = json.loads(har.read_text())["log"]["entries"]
     seen = collections.Counter(
-        (e["request"]["url"].split(keyed_server, 1)[1], e["response"]["status"],
-         e["response"]["content"].get("mimeType", "").split(";")[0]) for e in entries)
+        (
+            e["request"]["url"].split(keyed_server, 1)[1],
+            e["response"]["status"],
+            e["response"]["content"].get("mimeType", "").split(";")[0],
+        )
+        for e in entries
+    )
     for path in ("/v1/completions", "/v1/chat/completions"):
-        for status, kind in ((200, "application/json"), (200, "text/event-stream"), (400, "application/json"),
-                             (401, "application/json")):
+        for status, kind in (
+            (200, "application/json"),
+            (200, "text/event-stream"),
+            (400, "application/json"),
+            (401, "application/json"),
+        ):
             assert seen[(path, status, kind)] > 0, (path, status, kind, seen)
     for path in ("/v1/models", "/metrics", "/health"):
         assert seen[(path, 200, "application/json" if path != "/metrics" else "text/plain")] > 0, seen

@@ -21,16 +21,30 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_plain_install_carries_the_kernel_sources_and_the_engine_finds_them(tmp_path):
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(wheels)], check=True,
-                   timeout=900, capture_output=True)  # where no install built the ops yet, they compile here
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(wheels)],
+        check=True,
+        timeout=900,
+        capture_output=True,
+    )  # where no install built the ops yet, they compile here
     [wheel] = wheels.glob("orcinus-*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300, capture_output=True
+    )
     csrc = site / "engine" / "kernels" / "csrc"
     assert {p.name for p in (csrc / "cuda").iterdir()} >= {
-        "paged_decode_attention.cu", "rope_write_kv.cu", "rms_norm.cu", "convert.cuh"}
+        "paged_decode_attention.cu",
+        "rope_write_kv.cu",
+        "rms_norm.cu",
+        "convert.cuh",
+    }
     assert {p.name for p in (csrc / "cpu").iterdir()} >= {
-        "paged_decode_attention.cpp", "token_ops.cpp", "block_matmul.cpp", "int16_matmul.cpp", "sampling.cpp"}
+        "paged_decode_attention.cpp",
+        "token_ops.cpp",
+        "block_matmul.cpp",
+        "int16_matmul.cpp",
+        "sampling.cpp",
+    }
     templates = site / "engine" / "model" / "tokenizer" / "templates"
     assert {p.name for p in templates.iterdir()} == {f"{name}.jinja" for name in SHIPPED}
     with zipfile.ZipFile(wheel) as z:
@@ -50,6 +64,12 @@ def test_a_plain_install_carries_the_kernel_sources_and_the_engine_finds_them(tm
     )
     # From outside the repository, with the installed package first on the path (the venv supplies torch & co).
     env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", check, str(csrc / "cpu")],
-                          cwd=tmp_path, timeout=600, capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", check, str(csrc / "cpu")],
+        cwd=tmp_path,
+        timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -36,8 +36,14 @@ def test_packed_is_bit_identical_to_f_linear(rows, threads):
 
 @needs_onednn_bf16
 def test_pack_linears_swaps_every_linear_and_keeps_ties():
-    model = nn.ModuleDict({"embed": nn.Embedding(50, 64), "proj": nn.Linear(64, 64, bias=False),
-                           "biased": nn.Linear(64, 64), "head": nn.Linear(64, 50, bias=False)}).bfloat16()
+    model = nn.ModuleDict(
+        {
+            "embed": nn.Embedding(50, 64),
+            "proj": nn.Linear(64, 64, bias=False),
+            "biased": nn.Linear(64, 64),
+            "head": nn.Linear(64, 50, bias=False),
+        }
+    ).bfloat16()
     model["head"].weight = model["embed"].weight
     pack_linears(model)
     assert isinstance(model["proj"], PackedLinear) and isinstance(model["head"], PackedLinear)

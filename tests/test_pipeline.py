@@ -178,8 +178,12 @@ def kill_a_rank_mid_stream_then_recover(url: str, num_ranks: int) -> None:
     import httpx
 
     def rank_pids() -> list[int]:
-        return [p for gateway_child in _children(_server_pid(url)) for p in _children(gateway_child)
-                if "engine.parallel.stage" in _cmdline(p)]
+        return [
+            p
+            for gateway_child in _children(_server_pid(url))
+            for p in _children(gateway_child)
+            if "engine.parallel.stage" in _cmdline(p)
+        ]
 
     ranks = rank_pids()
     assert len(ranks) == num_ranks

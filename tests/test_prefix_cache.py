@@ -195,13 +195,16 @@ def reference(checkpoint, tokenizer):
     return tokens
 
 
-@pytest.mark.parametrize("setting, max_tokens", [
-    ({}, 12),
-    # 13 float32 blocks, and outputs long enough that running requests must grow into blocks others hold
-    ({"kv_cache_memory": 13 * 737_280}, 40),
-    ({"max_num_batched_tokens": 7}, 12),  # chunked prefill
-    ({"kv_policy": "orca-reserve"}, 12),  # blocks for max_tokens held from admission
-])
+@pytest.mark.parametrize(
+    "setting, max_tokens",
+    [
+        ({}, 12),
+        # 13 float32 blocks, and outputs long enough that running requests must grow into blocks others hold
+        ({"kv_cache_memory": 13 * 737_280}, 40),
+        ({"max_num_batched_tokens": 7}, 12),  # chunked prefill
+        ({"kv_policy": "orca-reserve"}, 12),  # blocks for max_tokens held from admission
+    ],
+)
 def test_greedy_tokens_are_identical_with_prefix_caching(checkpoint, tokenizer, reference, setting, max_tokens):
     llm = LLM(checkpoint=checkpoint, dtype="float32", **setting)
     assert run_in_order(llm, prompts_sharing(tokenizer), max_tokens) == reference(max_tokens)

@@ -54,7 +54,7 @@ def check(ids: list[int], got: list, ref: torch.Tensor, tolerance: float = TOLER
         # Ids and ranks: exact wherever the reference's own neighbours are further apart than the tolerance.
         gaps = (top.values[p, :-1] - top.values[p, 1:]).tolist()
         for k, (i, _) in enumerate(t.top):
-            if min(gaps[max(k - 1, 0):k + 1]) > tolerance:
+            if min(gaps[max(k - 1, 0) : k + 1]) > tolerance:
                 assert i == top.indices[p, k].item(), f"position {p + 1}, alternative {k}"
         near = ((ref[p] - chosen[p]).abs() < tolerance).sum().item()
         if near == 1:
@@ -65,11 +65,15 @@ def run(llm: LLM, prompt_ids, params=PARAMS):
     return llm.generate(prompt_ids, params)
 
 
-@pytest.mark.parametrize("setting", [
-    {},  # each prompt in one chunk, all in one batch
-    {"max_num_batched_tokens": 8},  # chunked prefill: a prompt over up to 3 batches, beside others
-    {"max_num_batched_tokens": 8, "async_scheduling": "on"},  # the next chunk scheduled before this one returns
-], ids=["one-chunk", "chunked", "chunked-async"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {},  # each prompt in one chunk, all in one batch
+        {"max_num_batched_tokens": 8},  # chunked prefill: a prompt over up to 3 batches, beside others
+        {"max_num_batched_tokens": 8, "async_scheduling": "on"},  # the next chunk scheduled before this one returns
+    ],
+    ids=["one-chunk", "chunked", "chunked-async"],
+)
 def test_prompt_logprobs_equal_the_float32_reference(checkpoint, prompt_ids, reference, setting):
     llm = LLM(checkpoint=checkpoint, **EXACT, **setting)
     for ids, c, ref in zip(prompt_ids, run(llm, prompt_ids), reference):
@@ -153,8 +157,11 @@ def test_each_prompt_position_is_asked_of_exactly_one_chunk_across_chunks_and_a_
         batch = s.schedule()
         [sr] = batch.requests
         rows = sr.prompt_logprobs
-        s.update(batch, {"a": SampledTokens([7])} if sr.sample else {},
-                 {"a": [TokenLogprobs(t, -1.0, []) for t in rows.targets]} if rows else {})
+        s.update(
+            batch,
+            {"a": SampledTokens([7])} if sr.sample else {},
+            {"a": [TokenLogprobs(t, -1.0, []) for t in rows.targets]} if rows else {},
+        )
         return sr.num_computed_tokens, rows
 
     asked = []

@@ -11,10 +11,10 @@ def brute_force_lookup(tokens, k, min_n, max_n):
     """The longest n-gram (max_n down to min_n) that ends the context and ended earlier: its latest earlier end's
     next k tokens."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for end in range(len(tokens) - 1, n - 1, -1):
-            if tokens[end - n:end] == suffix:
-                return tokens[end:end + k]
+            if tokens[end - n : end] == suffix:
+                return tokens[end : end + k]
     return []
 
 
@@ -69,11 +69,11 @@ def brute_force_recent(outputs, capacity, tokens, k, min_n, max_n):
         kept.append(out[-capacity:])
         total += len(out)
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for out in kept:
             for end in range(len(out) - 1, n - 1, -1):
-                if out[end - n:end] == suffix:
-                    return out[end:end + k]
+                if out[end - n : end] == suffix:
+                    return out[end : end + k]
     return []
 
 

@@ -10,7 +10,6 @@ from starlette.requests import Request
 
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
-from gateway.web import errors
 from gateway.api.protocol import (
     MAX_BODY_BYTES,
     MAX_N,
@@ -32,6 +31,7 @@ from gateway.api.protocol import (
     Usage,
     decode_request,
 )
+from gateway.web import errors
 
 CMPL, CHAT = CompletionRequest, ChatCompletionRequest
 MSGS = '"messages": [{"role": "user", "content": "hi"}]'
@@ -93,34 +93,61 @@ BAD = [
     ("negative stop token id", cmpl('"stop_token_ids": [-1]'), CMPL, "stop_token_ids[0]"),
     ("stream not a bool", cmpl('"stream": "yes"'), CMPL, "stream"),
     ("stream_options wrong type", cmpl('"stream": true, "stream_options": "usage"'), CMPL, "stream_options"),
-    ("include_usage wrong type", chat('"stream": true, "stream_options": {"include_usage": 1}'), CHAT,
-     "stream_options.include_usage"),
+    (
+        "include_usage wrong type",
+        chat('"stream": true, "stream_options": {"include_usage": 1}'),
+        CHAT,
+        "stream_options.include_usage",
+    ),
     ("stream_options without stream", cmpl('"stream_options": {"include_usage": true}'), CMPL, "stream_options"),
     ("min_tokens > max_tokens", cmpl('"max_tokens": 4, "min_tokens": 8'), CMPL, "min_tokens"),
     ("negative min_tokens", chat('"min_tokens": -1'), CHAT, "min_tokens"),
     ("chat: missing messages", b'{"model": "m"}', CHAT, "messages"),
     ("chat: empty messages", b'{"messages": []}', CHAT, "messages"),
     ("chat: messages not a list", b'{"messages": {"role": "user", "content": "hi"}}', CHAT, "messages"),
-    ("chat: unknown role", b'{"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}',
-     CHAT, "messages[1].role"),
+    (
+        "chat: unknown role",
+        b'{"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}',
+        CHAT,
+        "messages[1].role",
+    ),
     ("chat: missing role", b'{"messages": [{"content": "a"}]}', CHAT, "messages[0].role"),
     ("chat: content a number", b'{"messages": [{"role": "user", "content": 5}]}', CHAT, "messages[0].content"),
     ("chat: user content null", b'{"messages": [{"role": "user", "content": null}]}', CHAT, "messages[0].content"),
-    ("chat: image part", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
-     CHAT, "messages[0].content[0].type"),
-    ("chat: text part without text", b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
-     CHAT, "messages[0].content[0].text"),
+    (
+        "chat: image part",
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+        CHAT,
+        "messages[0].content[0].type",
+    ),
+    (
+        "chat: text part without text",
+        b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+        CHAT,
+        "messages[0].content[0].text",
+    ),
     ("chat: top_logprobs without logprobs", chat('"top_logprobs": 2'), CHAT, "top_logprobs"),
     ("chat: top_logprobs 25", chat('"logprobs": true, "top_logprobs": 25'), CHAT, "top_logprobs"),
     ("chat: logprobs an int", chat('"logprobs": 3'), CHAT, "logprobs"),
     ("chat: max_completion_tokens 0", chat('"max_completion_tokens": 0'), CHAT, "max_completion_tokens"),
     ("chat: max_tokens 0", chat('"max_tokens": 0'), CHAT, "max_tokens"),
     ("chat: n 1000", chat('"n": 1000'), CHAT, "n"),
-    ("chat: duplicate tools", chat('"tools": [{"type": "function", "function": {"name": "f"}}, '
-                                   '{"type": "function", "function": {"name": "f"}}]'), CHAT, "tools"),
+    (
+        "chat: duplicate tools",
+        chat(
+            '"tools": [{"type": "function", "function": {"name": "f"}}, '
+            '{"type": "function", "function": {"name": "f"}}]'
+        ),
+        CHAT,
+        "tools",
+    ),
     ("chat: tool_choice without tools", chat('"tool_choice": "required"'), CHAT, "tool_choice"),
-    ("chat: json_schema without its schema", chat('"response_format": {"type": "json_schema"}'), CHAT,
-     "response_format"),
+    (
+        "chat: json_schema without its schema",
+        chat('"response_format": {"type": "json_schema"}'),
+        CHAT,
+        "response_format",
+    ),
 ]
 
 
@@ -172,19 +199,49 @@ def test_prompt_forms(prompt, prompts):
 
 def test_completion_to_sampling_params():
     body = {
-        "model": "m", "prompt": "x", "max_tokens": 32, "temperature": 0, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
-        "seed": 7, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
-        "logit_bias": {"15": -100, "7": 2.5}, "stop": ["\n", "END"], "stop_token_ids": [2, 3], "ignore_eos": True,
-        "min_tokens": 4, "logprobs": 5, "n": MAX_N, "echo": True, "stream": True,
-        "stream_options": {"include_usage": True}, "best_of": 1, "suffix": "",
+        "model": "m",
+        "prompt": "x",
+        "max_tokens": 32,
+        "temperature": 0,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "seed": 7,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "logit_bias": {"15": -100, "7": 2.5},
+        "stop": ["\n", "END"],
+        "stop_token_ids": [2, 3],
+        "ignore_eos": True,
+        "min_tokens": 4,
+        "logprobs": 5,
+        "n": MAX_N,
+        "echo": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "best_of": 1,
+        "suffix": "",
     }
     req = decode_request(json.dumps(body).encode(), CMPL)
     assert req.stop_strings == ["\n", "END"]
     assert req.stream_options.include_usage and req.echo and req.n == MAX_N
     assert req.to_sampling_params() == SamplingParams(
-        max_tokens=32, min_tokens=4, temperature=0.0, top_k=40, top_p=0.9, min_p=0.05, seed=7,
-        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={15: -100.0, 7: 2.5},
-        stop_token_ids=(2, 3), ignore_eos=True, logprobs=5, prompt_logprobs=5,  # echo: the prompt's logprobs too
+        max_tokens=32,
+        min_tokens=4,
+        temperature=0.0,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        logit_bias={15: -100.0, 7: 2.5},
+        stop_token_ids=(2, 3),
+        ignore_eos=True,
+        logprobs=5,
+        prompt_logprobs=5,  # echo: the prompt's logprobs too
     )
 
 
@@ -197,10 +254,16 @@ def test_max_tokens_0_scores_a_prompt_that_fills_the_context_window():
     with pytest.raises(InvalidRequestError) as e:
         limits.check([7] * 65, params)
     assert (str(e.value), e.value.param) == (
-        "This model's maximum context length is 64 tokens. However, you requested 65 tokens (65 in the prompt, 0 for "
-        "the completion). Please reduce the prompt or max_tokens.", "prompt")
+        (
+            "This model's maximum context length is 64 tokens. However, you requested 65 tokens (65 in the prompt, 0 for "
+            "the completion). Please reduce the prompt or max_tokens."
+        ),
+        "prompt",
+    )
     one = decode_request(cmpl('"max_tokens": 1'), CMPL).to_sampling_params()
-    with pytest.raises(InvalidRequestError, match=r"you requested 65 tokens \(64 in the prompt, 1 for the completion\)"):
+    with pytest.raises(
+        InvalidRequestError, match=r"you requested 65 tokens \(64 in the prompt, 1 for the completion\)"
+    ):
         limits.check([7] * 64, one)
 
 
@@ -224,8 +287,15 @@ def test_chat_decodes():
             {"role": "assistant", "content": None},
             {"role": "developer", "content": "d", "name": "dev"},
         ],
-        "max_tokens": 10, "max_completion_tokens": 20, "logprobs": True, "top_logprobs": 3, "stop": "x",
-        "logit_bias": {"5": 1}, "tools": [], "response_format": {"type": "text"}, "user": "me",
+        "max_tokens": 10,
+        "max_completion_tokens": 20,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "stop": "x",
+        "logit_bias": {"5": 1},
+        "tools": [],
+        "response_format": {"type": "text"},
+        "user": "me",
     }
     req = decode_request(json.dumps(body).encode(), CHAT)
     assert req.template_messages() == [
@@ -260,9 +330,23 @@ def test_completion_response_json():
         **HEAD, choices=[CompletionChoice(index=0, text="a", logprobs=lp, finish_reason="length")], usage=Usage.of(3, 1)
     )
     assert enc(resp) == {
-        "id": "x-1", "object": "text_completion", "created": 1700000000, "model": "m",
-        "choices": [{"index": 0, "text": "a", "finish_reason": "length", "logprobs": {
-            "tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}], "text_offset": [0]}}],
+        "id": "x-1",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": "a",
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": ["a"],
+                    "token_logprobs": [-0.5],
+                    "top_logprobs": [{"a": -0.5}],
+                    "text_offset": [0],
+                },
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
 
@@ -270,7 +354,10 @@ def test_completion_response_json():
 def test_completion_chunk_json():
     chunk = CompletionChunk(**HEAD, choices=[CompletionChoice(index=1, text="b")])
     assert enc(chunk) == {
-        "id": "x-1", "object": "text_completion", "created": 1700000000, "model": "m",
+        "id": "x-1",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": "m",
         "choices": [{"index": 1, "text": "b", "logprobs": None, "finish_reason": None}],
     }
     assert enc(CompletionChunk(**HEAD, choices=[], usage=None))["usage"] is None
@@ -278,26 +365,35 @@ def test_completion_chunk_json():
 
 def test_chat_chunks_json():
     head = {"id": "x-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m"}
-    role = ChatCompletionChunk(**HEAD, choices=[ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
+    role = ChatCompletionChunk(
+        **HEAD, choices=[ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))]
+    )
     assert enc(role) == {
-        **head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}],
+        **head,
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ],
     }
     content = ChatCompletionChunk(**HEAD, choices=[ChatChunkChoice(index=0, delta=ChatDelta(content="Hi"))], usage=None)
     assert enc(content) == {
-        **head, "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}],
+        **head,
+        "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}],
         "usage": None,
     }
     last = ChatCompletionChunk(**HEAD, choices=[ChatChunkChoice(index=0, delta=ChatDelta(), finish_reason="stop")])
     assert enc(last)["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
     usage = ChatCompletionChunk(**HEAD, choices=[], usage=Usage.of(5, 2))
-    assert enc(usage) == {**head, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2,
-                                                           "total_tokens": 7}}
+    assert enc(usage) == {
+        **head,
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
 
 
 def test_chat_response_and_models_json():
     resp = ChatCompletionResponse(
-        **HEAD, choices=[ChatChoice(index=0, message=ChatResponseMessage(content="Hi"), finish_reason="stop")],
+        **HEAD,
+        choices=[ChatChoice(index=0, message=ChatResponseMessage(content="Hi"), finish_reason="stop")],
         usage=Usage.of(5, 1),
     )
     assert enc(resp)["object"] == "chat.completion"
@@ -305,8 +401,10 @@ def test_chat_response_and_models_json():
         {"index": 0, "message": {"role": "assistant", "content": "Hi"}, "logprobs": None, "finish_reason": "stop"}
     ]
     models = ModelList(data=[ModelCard(id="smollm2", created=1)])
-    assert enc(models) == {"object": "list", "data": [
-        {"id": "smollm2", "object": "model", "created": 1, "owned_by": "orcinus"}]}
+    assert enc(models) == {
+        "object": "list",
+        "data": [{"id": "smollm2", "object": "model", "created": 1, "owned_by": "orcinus"}],
+    }
 
 
 def http_request(method="GET", path="/v1/nope") -> Request:
@@ -338,17 +436,23 @@ def test_api_errors(exc, status, type_, code):
 def test_invalid_request_handler():
     resp = asyncio.run(errors.handle_api_error(http_request(), InvalidRequestError("n is bad", "n")))
     assert resp.status_code == 400
-    assert json.loads(resp.body) == {"error": {"message": "n is bad", "type": "invalid_request_error",
-                                               "param": "n", "code": None}}
+    assert json.loads(resp.body) == {
+        "error": {"message": "n is bad", "type": "invalid_request_error", "param": "n", "code": None}
+    }
 
 
 def test_starlette_http_exceptions():
     resp = asyncio.run(errors.handle_http_exception(http_request(), HTTPException(404)))
     assert resp.status_code == 404
-    assert json.loads(resp.body)["error"] == {"message": "Unknown route: GET /v1/nope", "type": "not_found_error",
-                                              "param": None, "code": None}
-    resp = asyncio.run(errors.handle_http_exception(http_request("PUT", "/v1/models"),
-                                                    HTTPException(405, headers={"Allow": "GET"})))
+    assert json.loads(resp.body)["error"] == {
+        "message": "Unknown route: GET /v1/nope",
+        "type": "not_found_error",
+        "param": None,
+        "code": None,
+    }
+    resp = asyncio.run(
+        errors.handle_http_exception(http_request("PUT", "/v1/models"), HTTPException(405, headers={"Allow": "GET"}))
+    )
     assert resp.status_code == 405 and resp.headers["allow"] == "GET"
     assert json.loads(resp.body)["error"]["code"] == "method_not_allowed"
     resp = asyncio.run(errors.handle_unexpected(http_request(), RuntimeError("secret detail")))

@@ -11,14 +11,33 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.core.config import EngineConfig
-from engine.model.quantized import (INT16_TYPES, QUANTIZED_TYPES, BlockLinear, Blocks, Int16BlockLinear,
-                                    _int16_ops, can_use_int16, dequantize, use_block_weights)
+from engine.model.quantized import (
+    INT16_TYPES,
+    QUANTIZED_TYPES,
+    BlockLinear,
+    Blocks,
+    Int16BlockLinear,
+    _int16_ops,
+    can_use_int16,
+    dequantize,
+    use_block_weights,
+)
 from engine.runner.device import DeviceError, block_weights, int16_activations
 
 TYPES = [GGMLQuantizationType(t) for t in QUANTIZED_TYPES]
 # Where each type keeps its float16 scale (and minimum) in a block: random bytes there could be infinities or NaNs.
-SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-                 "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+SCALE_OFFSETS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Blocks:
@@ -58,8 +77,9 @@ def test_the_matmul_is_the_float32_product_of_those_weights(kind):
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 512 * 2**-24 * (xb.double().abs() @ w.abs().t())).all()
 
 
-@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "kind", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K], ids=lambda t: t.name
+)
 def test_a_rows_bits_are_the_same_alone_in_any_batch_and_on_any_number_of_threads(kind):
     layer = BlockLinear([random_blocks(kind, 203, 768, seed=3)])  # 203 outputs: ragged tiles and panels
     x = torch.randn(40, 768, generator=torch.Generator().manual_seed(4))
@@ -83,8 +103,10 @@ def test_inputs_wide_enough_that_a_panel_is_one_tile(kind):
     blocks = random_blocks(kind, 12, 8448, seed=9)
     x = torch.randn(11, 8448, generator=torch.Generator().manual_seed(10))
     want = x.double() @ dequantize(blocks).double().t()
-    assert ((BlockLinear([blocks])(x).double() - want).abs() <= 8448 * 2**-24 * (x.double().abs() @
-                                                                              dequantize(blocks).double().abs().t())).all()
+    assert (
+        (BlockLinear([blocks])(x).double() - want).abs()
+        <= 8448 * 2**-24 * (x.double().abs() @ dequantize(blocks).double().abs().t())
+    ).all()
 
 
 def test_parts_of_different_types_make_one_output_and_a_bias_is_added():
@@ -102,8 +124,12 @@ def test_float_weights_as_blocks_share_their_memory_and_give_the_float32_product
     assert blocks.data.data_ptr() == w.data_ptr()
     assert torch.equal(dequantize(blocks), w.float())
     x = torch.randn(6, 96, dtype=dtype if dtype != torch.float16 else torch.float32)
-    torch.testing.assert_close(BlockLinear([blocks])(x).float(), F.linear(x.float(), w.float()),
-                               rtol=1e-5 if x.dtype == torch.float32 else 1e-2, atol=1e-5)
+    torch.testing.assert_close(
+        BlockLinear([blocks])(x).float(),
+        F.linear(x.float(), w.float()),
+        rtol=1e-5 if x.dtype == torch.float32 else 1e-2,
+        atol=1e-5,
+    )
 
 
 def test_an_input_width_off_the_block_grid_is_refused():
@@ -128,8 +154,9 @@ def test_the_served_default_never_dequantizes_a_tensor_it_keeps_as_blocks(checkp
     from engine.runner.local_executor import build_model
 
     read = []
-    lazy = LazyWeights({name: (lambda name=name: read.append(name) or checkpoint.weights[name])
-                        for name in checkpoint.weights})
+    lazy = LazyWeights(
+        {name: (lambda name=name: read.append(name) or checkpoint.weights[name]) for name in checkpoint.weights}
+    )
     counted = Checkpoint(checkpoint.name, checkpoint.shape, lazy, None, checkpoint.blocks)
     model = build_model(counted, 256, EngineConfig(device="cpu", dtype="float32"))
     assert sorted(read) == sorted(set(checkpoint.weights) - set(checkpoint.blocks) | {"model.embed_tokens.weight"})
@@ -137,23 +164,30 @@ def test_the_served_default_never_dequantizes_a_tensor_it_keeps_as_blocks(checkp
     assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 30 * 4 + 1  # qkv, o, gate_up, down; the head
 
 
-@pytest.mark.parametrize("device, dtype, weights, has_blocks, want", [
-    ("cpu", "float32", "auto", True, True),
-    ("cpu", "bfloat16", "auto", True, True),  # the same weights, bfloat16 activations
-    ("cpu", "float16", "auto", True, False),  # the op takes float32 or bfloat16 activations
-    ("cpu", "float32", "auto", False, False),  # a Hugging Face checkpoint or a dummy: dense weights
-    ("cpu", "float32", "dense", True, False),
-    ("cpu", "float32", "gguf", True, True),
-    ("cuda", "bfloat16", "auto", True, False),
-])
+@pytest.mark.parametrize(
+    "device, dtype, weights, has_blocks, want",
+    [
+        ("cpu", "float32", "auto", True, True),
+        ("cpu", "bfloat16", "auto", True, True),  # the same weights, bfloat16 activations
+        ("cpu", "float16", "auto", True, False),  # the op takes float32 or bfloat16 activations
+        ("cpu", "float32", "auto", False, False),  # a Hugging Face checkpoint or a dummy: dense weights
+        ("cpu", "float32", "dense", True, False),
+        ("cpu", "float32", "gguf", True, True),
+        ("cuda", "bfloat16", "auto", True, False),
+    ],
+)
 def test_which_configs_get_the_block_weights(device, dtype, weights, has_blocks, want):
     assert block_weights(EngineConfig(device=device, dtype=dtype, weights=weights), has_blocks) is want
 
 
-@pytest.mark.parametrize("device, dtype, has_blocks, error", [
-    ("cuda", "bfloat16", True, "on the CPU in float32 or bfloat16 only"),
-    ("cpu", "float16", True, "on the CPU in float32 or bfloat16 only"),
-    ("cpu", "float32", False, "needs a GGUF file with quantized tensors")])
+@pytest.mark.parametrize(
+    "device, dtype, has_blocks, error",
+    [
+        ("cuda", "bfloat16", True, "on the CPU in float32 or bfloat16 only"),
+        ("cpu", "float16", True, "on the CPU in float32 or bfloat16 only"),
+        ("cpu", "float32", False, "needs a GGUF file with quantized tensors"),
+    ],
+)
 def test_gguf_weights_where_they_cannot_be_are_a_clear_error(device, dtype, has_blocks, error):
     with pytest.raises(DeviceError, match=error):
         block_weights(EngineConfig(device=device, dtype=dtype, weights="gguf"), has_blocks)
@@ -176,7 +210,9 @@ def test_the_cpu_default_is_float32_on_the_files_blocks(checkpoint):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # no dense copy kept beside the blocks
 
 
-needs_int16 = pytest.mark.skipif(not can_use_int16(torch.device("cpu")), reason="the int16 op needs AVX-512 VNNI or AVX2")
+needs_int16 = pytest.mark.skipif(
+    not can_use_int16(torch.device("cpu")), reason="the int16 op needs AVX-512 VNNI or AVX2"
+)
 
 
 def int16_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +276,10 @@ def test_x_is_rounded_to_the_nearest_even_code_of_its_blocks_scale(dtype):
 
 @needs_int16
 def test_a_rows_int16_result_does_not_depend_on_its_batch():
-    parts = [random_blocks(GGMLQuantizationType.Q4_1, 48, 576, seed=7), random_blocks(GGMLQuantizationType.Q8_0, 16, 576)]
+    parts = [
+        random_blocks(GGMLQuantizationType.Q4_1, 48, 576, seed=7),
+        random_blocks(GGMLQuantizationType.Q8_0, 16, 576),
+    ]
     layer = Int16BlockLinear(parts)
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(8))  # tiles of 8 rows and a ragged one
     batch = layer(x)

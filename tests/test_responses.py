@@ -15,19 +15,27 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from engine.core.sampling_params import SamplingParams
-from gateway.web import errors
 from gateway.api.chat import ChatRun
 from gateway.api.generation import ChoiceEvent
 from gateway.api.protocol import ChatMessage, decode_request
 from gateway.api.response_store import ResponseStore
 from gateway.api.responses import Turn
 from gateway.api.responses_protocol import ResponsesRequest
+from gateway.web import errors
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
-           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                          "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24}}}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24}},
+    },
+}
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-GREEDY = dict(temperature=0, max_output_tokens=12)
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
 # The official SDK's typed events, by their `type`: the models a client validates against.
 SDK_EVENTS = {get_args(m.model_fields["type"].annotation)[0]: m for m in get_args(get_args(ResponseStreamEvent)[0])}
 
@@ -47,8 +55,11 @@ def chat(client, model, messages, **kw):
 
 def test_a_response_is_the_chat_completion_of_its_messages(client, model):
     r = client.responses.create(model=model, input="Name three colors.", instructions="Answer briefly.", **GREEDY)
-    c = chat(client, model, [{"role": "system", "content": "Answer briefly."},
-                             {"role": "user", "content": "Name three colors."}])
+    c = chat(
+        client,
+        model,
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three colors."}],
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.model == model
     assert r.output_text == c.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
@@ -67,11 +78,19 @@ def test_streamed_events_come_in_order_and_add_up_to_the_response(client, model)
     types = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [i for i, t in enumerate(types) if t == "response.output_text.delta"]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert deltas == list(range(4, 4 + len(deltas))) and deltas
-    assert types[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
-                                       "response.output_item.done", f"response.{whole.status}"]
+    assert types[4 + len(deltas) :] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{whole.status}",
+    ]
     text = "".join(events[i].delta for i in deltas)
     assert text == whole.output_text == events[-1].response.output_text == events[4 + len(deltas)].text
     assert events[0].response.status == "in_progress" and events[0].response.output == []
@@ -81,9 +100,15 @@ def test_streamed_events_come_in_order_and_add_up_to_the_response(client, model)
 def test_previous_response_id_continues_the_conversation(client, model):
     first = client.responses.create(model=model, input="My name is Ada.", **GREEDY)
     second = client.responses.create(model=model, input="What is my name?", previous_response_id=first.id, **GREEDY)
-    c = chat(client, model, [{"role": "user", "content": "My name is Ada."},
-                             {"role": "assistant", "content": first.output_text},
-                             {"role": "user", "content": "What is my name?"}])
+    c = chat(
+        client,
+        model,
+        [
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+    )
     assert second.output_text == c.choices[0].message.content
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens == c.usage.prompt_tokens
@@ -91,8 +116,13 @@ def test_previous_response_id_continues_the_conversation(client, model):
 
 
 def test_a_function_tool_round_trip(client, model):
-    kw = dict(model=model, input="What is the weather like in Paris?", tools=[WEATHER], temperature=0,
-              max_output_tokens=80)
+    kw = {
+        "model": model,
+        "input": "What is the weather like in Paris?",
+        "tools": [WEATHER],
+        "temperature": 0,
+        "max_output_tokens": 80,
+    }
     r = client.responses.create(**kw, tool_choice="required")
     [call] = r.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
@@ -102,16 +132,38 @@ def test_a_function_tool_round_trip(client, model):
     added = next(e for e in events if e.type == "response.output_item.added")
     assert added.item.type == "function_call" and added.item.name == "get_weather"
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    assert args == call.arguments == next(e for e in events if e.type == "response.function_call_arguments.done").arguments
+    assert (
+        args == call.arguments == next(e for e in events if e.type == "response.function_call_arguments.done").arguments
+    )
     # the call's output goes back, continuing the stored response: the same prompt as chat's tool message
-    out = client.responses.create(model=model, previous_response_id=r.id, tools=[WEATHER], temperature=0,
-                                  max_output_tokens=30, input=[{"type": "function_call_output", "call_id": call.call_id,
-                                                                "output": "Sunny, 21 C."}])
-    c = client.chat.completions.create(model=model, temperature=0, max_tokens=30, tools=[CHAT_WEATHER], messages=[
-        {"role": "user", "content": "What is the weather like in Paris?"},
-        {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function",
-                                              "function": {"name": "get_weather", "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C."}])
+    out = client.responses.create(
+        model=model,
+        previous_response_id=r.id,
+        tools=[WEATHER],
+        temperature=0,
+        max_output_tokens=30,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C."}],
+    )
+    c = client.chat.completions.create(
+        model=model,
+        temperature=0,
+        max_tokens=30,
+        tools=[CHAT_WEATHER],
+        messages=[
+            {"role": "user", "content": "What is the weather like in Paris?"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C."},
+        ],
+    )
     assert out.usage.input_tokens == c.usage.prompt_tokens
     assert out.usage.output_tokens == c.usage.completion_tokens
     if c.choices[0].message.tool_calls:
@@ -121,11 +173,18 @@ def test_a_function_tool_round_trip(client, model):
 
 
 def test_a_json_schema_text_format_gives_a_valid_document(client, model):
-    schema = {"type": "object", "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}}}
-    r = client.responses.create(model=model, input="Describe a person.", temperature=0, max_output_tokens=80,
-                                text={"format": {"type": "json_schema", "name": "person", "schema": schema,
-                                                 "strict": True}})
+    schema = {
+        "type": "object",
+        "required": ["name", "age"],
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    }
+    r = client.responses.create(
+        model=model,
+        input="Describe a person.",
+        temperature=0,
+        max_output_tokens=80,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}},
+    )
     value = json.loads(r.output_text)
     jsonschema.validate(value, schema)
     assert set(value) == {"name", "age"}  # strict: no undeclared keys
@@ -133,8 +192,11 @@ def test_a_json_schema_text_format_gives_a_valid_document(client, model):
 
 def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model, server):
     r = client.responses.create(model=model, input="Hi.", **GREEDY)
-    assert httpx.delete(f"{server}/v1/responses/{r.id}").json() == {"id": r.id, "object": "response.deleted",
-                                                                    "deleted": True}
+    assert httpx.delete(f"{server}/v1/responses/{r.id}").json() == {
+        "id": r.id,
+        "object": "response.deleted",
+        "deleted": True,
+    }
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
     with pytest.raises(openai.BadRequestError) as e:
@@ -145,19 +207,25 @@ def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model
         client.responses.retrieve(unstored.id)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": []}, "input"),
-    ({}, "input"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": [{"type": "message", "role": "user"}]}, "input[0]"),
-    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
-    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
-    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's limits: 16 pairs,
-    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # keys up to 64 characters,
-    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # values up to 512
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": []}, "input"),
+        ({}, "input"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"type": "message", "role": "user"}]}, "input[0]"),
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's limits: 16 pairs,
+        ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # keys up to 64 characters,
+        ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # values up to 512
+    ],
+)
 def test_bad_requests_are_400s_naming_the_field(server, body, param):
     r = httpx.post(f"{server}/v1/responses", json=body)
     assert r.status_code == 400, r.text
@@ -166,14 +234,16 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param):
 
 def test_langchain_on_the_responses_api(server, model):
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=model, temperature=0,
-                                      max_tokens=12, use_responses_api=True)
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{server}/v1", api_key="unused", model=model, temperature=0, max_tokens=12, use_responses_api=True
+    )
     whole = llm.invoke("Name a fruit.")
     assert whole.response_metadata["id"].startswith("resp_") and whole.usage_metadata["output_tokens"] > 0
     streamed = "".join(chunk.text for chunk in llm.stream("Name a fruit."))
     assert streamed == whole.text
-    llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=model, temperature=0,
-                                      max_tokens=80, use_responses_api=True)
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{server}/v1", api_key="unused", model=model, temperature=0, max_tokens=80, use_responses_api=True
+    )
     tools = llm.bind_tools([CHAT_WEATHER], tool_choice="get_weather")
     [call] = tools.invoke("What is the weather in Rome?").tool_calls
     assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
@@ -225,8 +295,11 @@ def test_metadata_is_echoed_as_sent_and_unset_sampling_fields_echo_the_defaults_
     r = client.responses.create(model=model, input="Hi.", max_output_tokens=1, metadata=metadata)
     assert r.metadata == metadata and client.responses.retrieve(r.id).metadata == metadata
     assert (r.temperature, r.top_p) == (1.0, 1.0)  # SamplingParams' defaults, which the engine sampled with
-    assert (client.responses.create(model=model, input="Hi.", max_output_tokens=1, store=False, temperature=0.5,
-                                    top_p=0.25).top_p) == 0.25
+    assert (
+        client.responses.create(
+            model=model, input="Hi.", max_output_tokens=1, store=False, temperature=0.5, top_p=0.25
+        ).top_p
+    ) == 0.25
 
 
 # Turn on a scripted generation: the stream's shape where the model would rarely go (parallel calls, no text, a
@@ -265,29 +338,42 @@ def whole(turn: Turn) -> Response:
 
 def test_parallel_calls_are_each_closed_before_the_next_is_added():
     text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
-    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
     events = streamed(scripted_turn(pieces, tools=[WEATHER]))
     opened = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
-    assert opened == [("response.output_item.added", 0), ("response.output_item.done", 0),
-                      ("response.output_item.added", 1), ("response.output_item.done", 1)]
-    after_first = [e for e in events[[e.type for e in events].index("response.output_item.done"):]]
+    assert opened == [
+        ("response.output_item.added", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.output_item.done", 1),
+    ]
+    after_first = [e for e in events[[e.type for e in events].index("response.output_item.done") :]]
     assert all(getattr(e, "output_index", 1) == 1 for e in after_first[1:])  # nothing more about the first
     final = events[-1].response
     assert events[-1].type == "response.completed" and [c.status for c in final.output] == ["completed"] * 2
     assert [c.arguments for c in final.output] == ['{"city": "Paris"}', '{"city": "Rome"}']
     assert [c.arguments for c in whole(scripted_turn(pieces, tools=[WEATHER])).output] == [
-        c.arguments for c in final.output]
+        c.arguments for c in final.output
+    ]
 
 
 def test_an_empty_output_is_the_same_streamed_and_whole():
     events = streamed(scripted_turn([""]))
     assert [e.type for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     shape = [(o.type, o.status, [(c.type, c.text) for c in o.content]) for o in events[-1].response.output]
     assert shape == [("message", "completed", [("output_text", "")])]
-    assert [(o.type, o.status, [(c.type, c.text) for c in o.content]) for o in whole(scripted_turn([""])).output] == shape
+    assert [
+        (o.type, o.status, [(c.type, c.text) for c in o.content]) for o in whole(scripted_turn([""])).output
+    ] == shape
 
 
 def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
@@ -297,5 +383,8 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
     assert [e.type for e in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
     assert (events[-2].code, events[-2].message) == ("server_error", "sampling failed")
     failed = events[-1].response
-    assert failed.status == "failed" and (failed.error.code, failed.error.message) == ("server_error", "sampling failed")
+    assert failed.status == "failed" and (failed.error.code, failed.error.message) == (
+        "server_error",
+        "sampling failed",
+    )
     assert failed.output[0].content[0].text == "Sunny and" and failed.usage.output_tokens == 2

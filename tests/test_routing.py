@@ -50,7 +50,10 @@ def test_round_robin_takes_turns_and_least_loaded_takes_the_idlest():
     ll = LeastLoaded()
     assert [ll.choose(replicas(0, 0), [1], b"")[0].index for _ in range(4)] == [0, 1, 0, 1]
     assert [type(make_router(p, 2, BS)) for p in ("round-robin", "least-loaded", "cache-aware")] == [
-        RoundRobin, LeastLoaded, CacheAware]
+        RoundRobin,
+        LeastLoaded,
+        CacheAware,
+    ]
 
 
 def test_the_router_names_a_prompt_s_blocks_as_the_engine_caches_them():
@@ -81,9 +84,14 @@ def test_cache_aware_sends_a_prompt_to_the_replica_holding_its_prefix():
     # Out of balance: the idlest, whatever is cached.
     assert router.choose(replicas(0, BALANCE_TOKENS + 1), shared + [9], b"")[0].index == 0
     # Why each went where it did: orcinus_routed_requests' reason.
-    assert [router.choose(replicas(*loads), prompt, b"")[1] for loads, prompt in [
-        ((0, 0), shared + [9]), ((0, BALANCE_TOKENS + 1), shared + [9]), ((0, 0), list(range(50)))]] == [
-        "cache", "balance", "load"]
+    assert [
+        router.choose(replicas(*loads), prompt, b"")[1]
+        for loads, prompt in [
+            ((0, 0), shared + [9]),
+            ((0, BALANCE_TOKENS + 1), shared + [9]),
+            ((0, 0), list(range(50))),
+        ]
+    ] == ["cache", "balance", "load"]
 
 
 def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_restart_forget():
@@ -115,8 +123,8 @@ def test_requests_in_flight_count_before_their_engine_reports_and_eviction_and_r
 def test_replicas_refuse_one_rendezvous_for_several_engines():
     import pytest
 
-    from gateway.web.metrics import Metrics
     from gateway.engines.replicas import Replicas, replica_devices
+    from gateway.web.metrics import Metrics
 
     with pytest.raises(ValueError, match="external-stages"):
         Replicas(EngineConfig(pipeline_stages=2, external_stages=True), Metrics(), size=2)
@@ -127,8 +135,8 @@ def test_replicas_refuse_one_rendezvous_for_several_engines():
 
 
 def test_without_prefix_caching_cache_aware_routing_is_least_loaded():
-    from gateway.web.metrics import Metrics
     from gateway.engines.replicas import Replicas
+    from gateway.web.metrics import Metrics
 
     replicas = Replicas(EngineConfig(prefix_caching=False), Metrics(), size=2, routing="cache-aware")
     assert type(replicas.router) is LeastLoaded and all(c.on_cache is None for c in replicas.clients)
@@ -154,8 +162,8 @@ def live_replicas(size: int):
     """Replicas taking requests in turn, each client with a FakeEngine that is ready and answering."""
     import time
 
-    from gateway.web.metrics import Metrics
     from gateway.engines.replicas import Replicas
+    from gateway.web.metrics import Metrics
 
     replicas = Replicas(EngineConfig(), Metrics(), size=size, routing="round-robin")
     for c in replicas.clients:
@@ -236,9 +244,11 @@ def test_a_replica_that_stops_answering_leaves_routing_and_its_requests_with_no_
         await asyncio.sleep(0)
         # r2 moves, with its grammar under an id of its own (b may still hold "g" for requests of its own); should a
         # wake, it does not run r2 too. r0 streamed: it stays and waits.
-        assert b.engine.sent[-3:] == [AddGrammar("g/r2", "start: /[0-9]+/"),
-                                      AddRequest(EngineRequest("r2", [5, 2], params), grammar_id="g/r2"),
-                                      ReleaseGrammar("g/r2")]
+        assert b.engine.sent[-3:] == [
+            AddGrammar("g/r2", "start: /[0-9]+/"),
+            AddRequest(EngineRequest("r2", [5, 2], params), grammar_id="g/r2"),
+            ReleaseGrammar("g/r2"),
+        ]
         assert a.engine.sent[-1] == Abort("r2") and set(a.routes) == {"r0"} and set(b.routes) == {"r1", "r2", "r3"}
         assert [rid for rid, _ in drain(queue)] == ["r0"]  # its token, no error
         await replicas.add(EngineRequest("r4", [5, 4], params), queue)

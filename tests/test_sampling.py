@@ -27,8 +27,13 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch(llm):
 def test_the_sampler_keeps_state_only_for_live_requests(llm):
     """Generators, outputs and grammar matchers of finished and aborted requests are released."""
     sampler = llm.engine.executor.sampler
-    llm.generate([PROMPT, "Hello"], [SamplingParams(max_tokens=6, temperature=1.0, seed=3),
-                                     SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=0.5)])
+    llm.generate(
+        [PROMPT, "Hello"],
+        [
+            SamplingParams(max_tokens=6, temperature=1.0, seed=3),
+            SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=0.5),
+        ],
+    )
     assert sampler.states == {}
     req = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=50, temperature=1.0, seed=5))
     while req.num_output_tokens < 2:
@@ -82,7 +87,10 @@ def test_logit_bias_forces_a_token(llm):
 def test_frequency_penalty_breaks_repetition(llm):
     prompt = "a a a a a a a a a a a a"
     [plain] = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    [pen] = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.5))
+    [pen] = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.5),
+    )
     assert len(set(pen.token_ids)) > len(set(plain.token_ids))
 
 
@@ -131,8 +139,9 @@ def test_a_prompt_that_fills_the_context_window_is_scored(checkpoint, llm):
     [ref] = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
     assert scored.finish_reason == "length" and scored.token_ids == [] and len(scored.prompt_logprobs) == 32
     assert [t.token_id for t in scored.prompt_logprobs[1:]] == ids[1:]
-    assert [t.logprob for t in scored.prompt_logprobs[1:]] == pytest.approx([t.logprob for t in ref.prompt_logprobs[1:]],
-                                                                            abs=1e-4)
+    assert [t.logprob for t in scored.prompt_logprobs[1:]] == pytest.approx(
+        [t.logprob for t in ref.prompt_logprobs[1:]], abs=1e-4
+    )
     kv = small.engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
     with pytest.raises(InvalidRequestError, match="maximum context length"):
@@ -160,6 +169,7 @@ def test_extreme_settings_sample_the_most_likely_token_instead_of_crashing(llm, 
 
 # ---------------------------------------------------------------- the distributions top-k, top-p and min-p leave
 
+
 def distribution(probs: list[float], **params) -> list[float]:
     """The probabilities the sampler draws from, for one request whose model gives `probs`."""
     import torch
@@ -174,18 +184,21 @@ def distribution(probs: list[float], **params) -> list[float]:
 P = [0.4, 0.3, 0.2, 0.1]
 
 
-@pytest.mark.parametrize("params,expected", [
-    ({}, P),
-    ({"top_k": 2}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
-    ({"top_k": 1}, [1, 0, 0, 0]),
-    ({"top_k": 4}, P),
-    ({"top_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),  # 0.4 < 0.6: the 0.3 joins; then 0.7 >= 0.6
-    ({"top_p": 0.35}, [1, 0, 0, 0]),  # the first token's mass already reaches it
-    ({"top_p": 0.75}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
-    ({"top_k": 3, "top_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
-    ({"min_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),  # below 0.6 * 0.4 = 0.24 goes
-    ({"min_p": 0.2, "top_k": 3}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
-])
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        ({}, P),
+        ({"top_k": 2}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
+        ({"top_k": 1}, [1, 0, 0, 0]),
+        ({"top_k": 4}, P),
+        ({"top_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),  # 0.4 < 0.6: the 0.3 joins; then 0.7 >= 0.6
+        ({"top_p": 0.35}, [1, 0, 0, 0]),  # the first token's mass already reaches it
+        ({"top_p": 0.75}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
+        ({"top_k": 3, "top_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
+        ({"min_p": 0.6}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),  # below 0.6 * 0.4 = 0.24 goes
+        ({"min_p": 0.2, "top_k": 3}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
+    ],
+)
 def test_top_k_top_p_and_min_p_leave_the_expected_distribution(params, expected):
     got = distribution(P, **params)
     # min_p leaves the kept probabilities unnormalized (multinomial normalizes): compare the shapes.
@@ -278,4 +291,3 @@ def test_the_cpu_race_op_draws_the_torch_race_s_tokens():
     u = draw.odd_uniforms(draw.keys(4, g), 100_000).double() / 2**24  # the uniforms themselves: mean and spread
     assert u.min() > 0 and u.max() < 1
     assert u.mean().item() == pytest.approx(0.5, abs=0.002) and u.var().item() == pytest.approx(1 / 12, abs=0.001)
-

@@ -32,8 +32,16 @@ KNOBS = {
     "logit_bias": {"logit_bias": {1: 1.5, 2: -2.0}},
     "min_tokens": {"min_tokens": 2},
     "sharp and trimmed": {"temperature": 0.6, "top_k": 3, "top_p": 0.9, "min_p": 0.3},
-    "everything": {"temperature": 1.3, "top_k": 3, "top_p": 0.95, "min_p": 0.4, "repetition_penalty": 1.3,
-                   "frequency_penalty": 0.6, "presence_penalty": 0.4, "logit_bias": {0: 1.0, 3: -0.5}},
+    "everything": {
+        "temperature": 1.3,
+        "top_k": 3,
+        "top_p": 0.95,
+        "min_p": 0.4,
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.6,
+        "presence_penalty": 0.4,
+        "logit_bias": {0: 1.0, 3: -0.5},
+    },
 }
 
 
@@ -58,7 +66,7 @@ def reference(logits: torch.Tensor, outputs: list[int], prompt: list[int], p: Sa
         x[STOP] = -math.inf
     x = x / p.temperature
     order = x.argsort(descending=True).tolist()
-    kept = order[:p.top_k] if p.top_k > 0 else order
+    kept = order[: p.top_k] if p.top_k > 0 else order
     probs = torch.zeros(V, dtype=torch.float64)
     probs[kept] = x[kept].softmax(-1)
     mass = 0.0

@@ -18,8 +18,9 @@ def make(num_blocks=64, **cfg) -> Scheduler:
 def req(rid, prompt_len=6, max_tokens=4, **params) -> Request:
     # Prompts differ per id, so no request finds another's blocks in the prefix cache (tests/test_prefix_cache.py).
     base = 1000 * (1 + sum(map(ord, rid)))
-    return Request(rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params),
-                   eos_token_id=0)
+    return Request(
+        rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params), eos_token_id=0
+    )
 
 
 def step(s: Scheduler, token=7):

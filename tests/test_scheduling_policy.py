@@ -19,8 +19,10 @@ def test_priority_policy_gives_the_same_greedy_tokens_and_runs_lower_first(check
     llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="priority", max_num_seqs=2)
     priority = [len(PROMPTS) - i for i in range(len(PROMPTS))]  # the last prompt first
     finished = []
-    requests = [llm.engine.add_request(llm.tokenizer.encode(p, add_special_tokens=True), GREEDY,
-                                       RequestOptions(priority=q)) for p, q in zip(PROMPTS, priority)]
+    requests = [
+        llm.engine.add_request(llm.tokenizer.encode(p, add_special_tokens=True), GREEDY, RequestOptions(priority=q))
+        for p, q in zip(PROMPTS, priority)
+    ]
     while llm.engine.has_unfinished():
         finished += [r.request_id for r in llm.engine.step() if r.status.finished]
     assert [r.output_token_ids for r in requests] == reference

@@ -11,8 +11,8 @@ from conftest import parse_metrics, wait_for_metrics
 from starlette.testclient import TestClient
 
 from gateway.app import GatewayConfig, build_app
-from gateway.web.auth import CacheSalts
 from gateway.cli import main as cli_main
+from gateway.web.auth import CacheSalts
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 CMPL = "/v1/completions"
@@ -30,8 +30,9 @@ def url(server_factory, tmp_path_factory):
     keys.write_text(f"# tenants\n\n{KEY_B}\n")
     # A 3 s head timeout instead of the default 10: the slow-head test below waits it out (its mechanism is the
     # same at any value; tests/test_connections.py times it at 0.05 s).
-    with server_factory("--api-key", KEY_A, "--api-key-file", str(keys), "--num-threads", "1",
-                        "--header-timeout", "3") as url:
+    with server_factory(
+        "--api-key", KEY_A, "--api-key-file", str(keys), "--num-threads", "1", "--header-timeout", "3"
+    ) as url:
         yield url
 
 
@@ -69,8 +70,12 @@ def hit_tokens(http: httpx.Client, key: str, prompt: str, **extra) -> int:
     assert r.status_code == 200, r.text
     queried = before["orcinus_prefix_cache_queried_tokens"] + r.json()["usage"]["prompt_tokens"]
     # The engine's stats follow its tokens: wait for the report that counts this request.
-    after = wait_for_metrics(lambda: metrics(http), lambda m: m["orcinus_prefix_cache_queried_tokens"] >= queried,
-                             30, "the request's prefix-cache lookup was not reported")
+    after = wait_for_metrics(
+        lambda: metrics(http),
+        lambda m: m["orcinus_prefix_cache_queried_tokens"] >= queried,
+        30,
+        "the request's prefix-cache lookup was not reported",
+    )
     assert after["orcinus_prefix_cache_queried_tokens"] == queried
     return int(after["orcinus_prefix_cache_hit_tokens"] - before["orcinus_prefix_cache_hit_tokens"])
 
@@ -137,21 +142,71 @@ HOSTILE = [
     ("schema 100 deep", CHAT, body({"messages": ASK}, response_format=schema_format(nested(100))), "response_format"),
     ("100k-deep unknown field", CMPL, body({"prompt": "Hi"}, metadata=b"[" * 100_000 + b"]" * 100_000), None),
     ("tool parameters 5k deep", CHAT, body({"messages": ASK}, tools=tool_with(nested(5000))), None),
-    ("tool parameters 100 deep", CHAT, body({"messages": ASK, "tool_choice": "none"}, tools=tool_with(nested(100))),
-     "tools"),
-    ("arguments not JSON", CHAT, body({"messages": [
-        {"role": "user", "content": "Add 1 and 2."},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a: 1,"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "3"}]}), "messages[1].tool_calls[0].function.arguments"),
-    ("arguments 2k deep", CHAT, body({"messages": [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 2000 + "]" * 2000}}]},
-        {"role": "user", "content": "Go on."}]}), "messages[0].tool_calls[0].function.arguments"),
+    (
+        "tool parameters 100 deep",
+        CHAT,
+        body({"messages": ASK, "tool_choice": "none"}, tools=tool_with(nested(100))),
+        "tools",
+    ),
+    (
+        "arguments not JSON",
+        CHAT,
+        body(
+            {
+                "messages": [
+                    {"role": "user", "content": "Add 1 and 2."},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a: 1,"}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "3"},
+                ]
+            }
+        ),
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "arguments 2k deep",
+        CHAT,
+        body(
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "[" * 2000 + "]" * 2000},
+                            }
+                        ],
+                    },
+                    {"role": "user", "content": "Go on."},
+                ]
+            }
+        ),
+        "messages[0].tool_calls[0].function.arguments",
+    ),
     ("logit_bias key of 5,000 digits", CMPL, body({"prompt": "Hi", "logit_bias": {"9" * 5000: 1}}), "logit_bias"),
     ("logit_bias key past int64", CHAT, body({"messages": ASK, "logit_bias": {"9" * 19: 1}}), "logit_bias"),
-    ("schema over 512 KiB", CHAT, body({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "big", "schema": {"type": "object", "description": "x" * (600 * 1024)}}}}), "response_format"),
+    (
+        "schema over 512 KiB",
+        CHAT,
+        body(
+            {
+                "messages": ASK,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "big", "schema": {"type": "object", "description": "x" * (600 * 1024)}},
+                },
+            }
+        ),
+        "response_format",
+    ),
 ]
 
 
@@ -181,17 +236,26 @@ def test_loopback_names_are_answered(url, host):
     assert httpx.get(url + "/v1/models", headers={**auth(KEY_A), "Host": host}, timeout=30).status_code == 200
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                          None, "application/jsonp"])
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None, "application/jsonp"],
+)
 @pytest.mark.parametrize("path", [CMPL, CHAT])
 def test_a_post_that_is_not_json_is_a_415(http, path, content_type):
     headers = auth(KEY_A) | ({"Content-Type": content_type} if content_type else {})
     r = http.post(path, content=b'{"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}', headers=headers)
     assert r.status_code == 415, r.text
-    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
-                                 "param": None, "code": "unsupported_media_type"}
-    ok = http.post(CMPL, content=b'{"prompt": "Hi", "max_tokens": 1}',
-                   headers=auth(KEY_A) | {"Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.json()["error"] == {
+        "message": r.json()["error"]["message"],
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "unsupported_media_type",
+    }
+    ok = http.post(
+        CMPL,
+        content=b'{"prompt": "Hi", "max_tokens": 1}',
+        headers=auth(KEY_A) | {"Content-Type": "Application/JSON; charset=utf-8"},
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -248,17 +312,31 @@ def test_a_stream_nobody_reads_gives_its_in_flight_slots_back_once_the_engine_is
     stream may well be written whole; test_in_flight_slots_come_back_when_the_engine_finishes_unread covers a stuck
     one.)"""
     before = metrics(http)
-    body = b'{"prompt": "Write a long story about a dragon.", "max_tokens": 32, "n": 16, "stream": true, ' \
-           b'"ignore_eos": true, "temperature": 0.8}'
+    body = (
+        b'{"prompt": "Write a long story about a dragon.", "max_tokens": 32, "n": 16, "stream": true, '
+        b'"ignore_eos": true, "temperature": 0.8}'
+    )
     sock = raw_connection(http.base_url.__str__(), rcvbuf=4096)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY_A.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
-                 + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer "
+        + KEY_A.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     try:
         wait_for_metrics(lambda: metrics(http), lambda m: m["orcinus_sequences_in_flight"] == 16, 60, "admitted")
-        m = wait_for_metrics(lambda: metrics(http), lambda m: m["orcinus_sequences_in_flight"] == 0
-                             and m["orcinus_requests_running"] == m["orcinus_requests_waiting"] == 0, 120,
-                             "the unread stream's slots came back")
+        m = wait_for_metrics(
+            lambda: metrics(http),
+            lambda m: (
+                m["orcinus_sequences_in_flight"] == 0
+                and m["orcinus_requests_running"] == m["orcinus_requests_waiting"] == 0
+            ),
+            120,
+            "the unread stream's slots came back",
+        )
         assert m["orcinus_requests_aborted_total"] == before["orcinus_requests_aborted_total"]
     finally:
         sock.close()
@@ -285,13 +363,16 @@ def test_several_keys_each_open_the_api_and_the_metrics_unless_opened_on_purpose
     assert TestClient(build_app(GatewayConfig())).get("/metrics").status_code == 200  # no keys: nothing to guard
 
 
-@pytest.mark.parametrize("argv, env, want", [
-    ([], None, ()),
-    ([], "from-env", ("from-env",)),
-    (["--api-key", "a", "--api-key", "b", "--api-key", "a"], "from-env", ("a", "b")),
-    (["--api-key-file", "FILE"], "from-env", ("f1", "f2")),
-    (["--api-key", "a", "--api-key-file", "FILE"], None, ("a", "f1", "f2")),
-])
+@pytest.mark.parametrize(
+    "argv, env, want",
+    [
+        ([], None, ()),
+        ([], "from-env", ("from-env",)),
+        (["--api-key", "a", "--api-key", "b", "--api-key", "a"], "from-env", ("a", "b")),
+        (["--api-key-file", "FILE"], "from-env", ("f1", "f2")),
+        (["--api-key", "a", "--api-key-file", "FILE"], None, ("a", "f1", "f2")),
+    ],
+)
 def test_keys_from_flags_files_and_the_environment(monkeypatch, tmp_path, argv, env, want):
     keys = tmp_path / "keys"
     keys.write_text("# comment\nf1\n\n  f2  \n")
@@ -323,18 +404,24 @@ def test_the_csp_hashes_are_those_of_the_page_inline_script_and_style():
     r = TestClient(build_app(GatewayConfig())).get("/")
     csp = r.headers["content-security-policy"]
     for tag in ("script", "style"):
-        [block] = re.findall(rf"<{tag}>(.*?)</{tag}>", r.text, re.S)
+        [block] = re.findall(rf"<{tag}>(.*?)</{tag}>", r.text, re.DOTALL)
         digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
         assert f"{tag}-src 'sha256-{digest}'" in csp
 
 
-@pytest.mark.parametrize("argv, want", [
-    ([], ("localhost", "127.0.0.1", "[::1]")),
-    (["--host", "::1"], ("localhost", "127.0.0.1", "[::1]")),
-    (["--host", "0.0.0.0"], None),
-    (["--host", "0.0.0.0", "--allowed-hosts", "api.example.com", "*.example.org"], ("api.example.com", "*.example.org")),
-    (["--allowed-hosts", "*"], ("*",)),
-])
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        ([], ("localhost", "127.0.0.1", "[::1]")),
+        (["--host", "::1"], ("localhost", "127.0.0.1", "[::1]")),
+        (["--host", "0.0.0.0"], None),
+        (
+            ["--host", "0.0.0.0", "--allowed-hosts", "api.example.com", "*.example.org"],
+            ("api.example.com", "*.example.org"),
+        ),
+        (["--allowed-hosts", "*"], ("*",)),
+    ],
+)
 def test_allowed_hosts_default_to_loopback_names_on_a_loopback_bind(monkeypatch, argv, want):
     seen = {}
     monkeypatch.setattr("gateway.cli.run_server", lambda app, **kw: seen.setdefault("app", app))
@@ -346,8 +433,14 @@ def test_allowed_hosts_default_to_loopback_names_on_a_loopback_bind(monkeypatch,
 
 def test_host_patterns():
     c = TestClient(build_app(GatewayConfig(allowed_hosts=("api.example.com", "*.example.org"))))
-    for host, status in (("api.example.com", 200), ("API.example.com:443", 200), ("a.example.org", 200),
-                         ("example.org", 403), ("example.com", 403), ("evil.com", 403)):
+    for host, status in (
+        ("api.example.com", 200),
+        ("API.example.com:443", 200),
+        ("a.example.org", 200),
+        ("example.org", 403),
+        ("example.com", 403),
+        ("evil.com", 403),
+    ):
         assert c.get("/openapi.json", headers={"Host": host}).status_code == status, host
 
 
@@ -358,13 +451,12 @@ def test_in_flight_slots_come_back_when_the_engine_finishes_unread():
 
     from engine.core.sampling_params import SamplingParams
     from engine.ipc.messages import TokenDelta
-    from gateway.web.in_flight import InFlightLimit
     from gateway.api.generation import Generation, _Deltas
+    from gateway.web.in_flight import InFlightLimit
     from gateway.web.metrics import Metrics
 
     limit = InFlightLimit(4, 4, Metrics())
-    gen = Generation(None, Metrics(), None, [[1]], SamplingParams(), 3, [],
-                     limit.reserve(3, 3))
+    gen = Generation(None, Metrics(), None, [[1]], SamplingParams(), 3, [], limit.reserve(3, 3))
 
     async def run():
         deltas = _Deltas(gen._release)
@@ -440,8 +532,11 @@ def test_long_text_is_tokenized_off_the_event_loop(monkeypatch, tokenizer):
     ids = asyncio.run(serving.ServerState.encode_prompts(state, many))
     assert len(threaded) == 1 and ids == [tokenizer.encode(many[0], True)] * 64
     messages = [{"role": "user", "content": "x " * 10_000}]
-    chat = asyncio.run(serving.ServerState.encode_chat(state, lambda: tokenizer.apply_chat_template(messages),
-                                                       [messages[0]["content"]]))
+    chat = asyncio.run(
+        serving.ServerState.encode_chat(
+            state, lambda: tokenizer.apply_chat_template(messages), [messages[0]["content"]]
+        )
+    )
     assert len(threaded) == 2 and chat == tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 

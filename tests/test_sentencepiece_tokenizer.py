@@ -30,11 +30,21 @@ sentencepiece = pytest.importorskip("sentencepiece")
 mistral_common = pytest.importorskip("mistral_common")
 
 DATA = Path(mistral_common.__file__).parent / "data"
-V1, V3, V7 = "tokenizer.model.v1", "mistral_instruct_tokenizer_240323.model.v3", "mistral_instruct_tokenizer_241114.model.v7"
+V1, V3, V7 = (
+    "tokenizer.model.v1",
+    "mistral_instruct_tokenizer_240323.model.v3",
+    "mistral_instruct_tokenizer_241114.model.v7",
+)
 # (file, where it is loaded from); v7 differs from v3 only in a few control and user-defined tokens, and a
 # tokenizer.json is read by `tokenizers` whatever its vocabulary.
-CASES = [(V1, "tokenizer.model"), (V1, "gguf"), (V1, "tokenizer.json"), (V3, "tokenizer.model"), (V3, "gguf"),
-         (V7, "tokenizer.model")]
+CASES = [
+    (V1, "tokenizer.model"),
+    (V1, "gguf"),
+    (V1, "tokenizer.json"),
+    (V3, "tokenizer.model"),
+    (V3, "gguf"),
+    (V7, "tokenizer.model"),
+]
 
 
 class Reference:
@@ -43,8 +53,11 @@ class Reference:
     def __init__(self, path: Path) -> None:
         self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
         vocab = read_sentencepiece_model(path)
-        self.added = {p: i for i, (p, kind) in enumerate(zip(vocab.pieces, vocab.types))
-                      if kind in (CONTROL, UNKNOWN, USER_DEFINED)}
+        self.added = {
+            p: i
+            for i, (p, kind) in enumerate(zip(vocab.pieces, vocab.types))
+            if kind in (CONTROL, UNKNOWN, USER_DEFINED)
+        }
         self.unk = self.sp.unk_id()
         self._split = re.compile("(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
 
@@ -134,10 +147,13 @@ def test_the_reader_matches_sentencepiece(name):
     sp = ref.sp
     assert vocab.pieces == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     assert vocab.scores == [sp.get_score(i) for i in range(sp.get_piece_size())]
-    kinds = [CONTROL if sp.is_control(i) else UNKNOWN if sp.is_unknown(i) else BYTE if sp.is_byte(i) else None
-             for i in range(sp.get_piece_size())]
-    assert [k if k is not None else NORMAL if t == NORMAL else USER_DEFINED for k, t in zip(kinds, vocab.types)] \
-        == vocab.types
+    kinds = [
+        CONTROL if sp.is_control(i) else UNKNOWN if sp.is_unknown(i) else BYTE if sp.is_byte(i) else None
+        for i in range(sp.get_piece_size())
+    ]
+    assert [
+        k if k is not None else NORMAL if t == NORMAL else USER_DEFINED for k, t in zip(kinds, vocab.types)
+    ] == vocab.types
     # A user-defined piece is matched whole, even inside a word.
     for piece in [p for p, t in zip(vocab.pieces, vocab.types) if t == USER_DEFINED]:
         assert sp.piece_to_id(piece) in sp.encode(f"x{piece}x")
@@ -205,8 +221,9 @@ def test_echoed_offsets_of_mistral_and_gemma_layouts():
     """The offsets themselves: Mistral's (a space before each text) and Gemma's (none: nothing to take away)."""
     vocab = read_sentencepiece_model(DATA / V1)
     mistral = _load(DATA / V1)
-    gemma = SentencePieceBPE.from_pieces(vocab.pieces, vocab.scores, vocab.types, add_dummy_prefix=False,
-                                         bos_token_id=1, eos_token_id=2)
+    gemma = SentencePieceBPE.from_pieces(
+        vocab.pieces, vocab.scores, vocab.types, add_dummy_prefix=False, bos_token_id=1, eos_token_id=2
+    )
     ids = mistral.encode("Hello world", add_special_tokens=True)
     assert _echoed_tokens(mistral, "Hello world", "Hello world", ids) == (["<s>", "Hello", " world"], [0, 0, 5])
     assert _echoed_tokens(mistral, ids[1:], "Hello world", ids[1:]) == (["Hello", " world"], [0, 5])
@@ -238,8 +255,16 @@ def test_bos_for_completions_prompts(tmp_path):
 def test_chat_template_from_the_directory(tmp_path):
     (tmp_path / "tokenizer.model").symlink_to(DATA / V3)
     template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }}[/INST]{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "default", "template": template}, {"name": "tool_use", "template": "{{ tools }}"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "default", "template": template},
+                    {"name": "tool_use", "template": "{{ tools }}"},
+                ]
+            }
+        )
+    )
     tok = load_tokenizer(tmp_path)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert prompt == "<s>[INST] Hi[/INST]"
@@ -285,7 +310,7 @@ def test_a_tokenizer_json_transformers_writes(kind, tmp_path):
         d = IncrementalDetokenizer(ours)
         streamed = "".join(d.push([i]) for i in ids) + d.flush()
         anchor = ours.encode("a")[-1]
-        assert streamed == theirs.decode([anchor, *ids], skip_special_tokens=True)[len(theirs.decode([anchor])):], t
+        assert streamed == theirs.decode([anchor, *ids], skip_special_tokens=True)[len(theirs.decode([anchor])) :], t
 
 
 def _load(model_file: Path) -> SentencePieceBPE:

@@ -1,8 +1,6 @@
 """Sliding-window attention on every layer: a request gives back the KV blocks wholly before its window as it moves
 on, so the KV it holds stays bounded by the window however long it runs; the engine's tokens are unchanged by it."""
 
-import pytest
-
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.request import Request, SampledTokens
@@ -31,8 +29,10 @@ def test_blocks_before_the_window_go_back_and_the_rest_are_freed_at_the_end():
 
 def test_a_released_block_serves_others_and_preemption_frees_only_what_is_held():
     s = Scheduler(EngineConfig(block_size=BS, max_num_batched_tokens=64), 12, max_model_len=1024, kv_window=4)
-    reqs = [Request(r, [hash(r) % 1000 + i for i in range(20)], SamplingParams(max_tokens=30), eos_token_id=0)
-            for r in "abc"]
+    reqs = [
+        Request(r, [hash(r) % 1000 + i for i in range(20)], SamplingParams(max_tokens=30), eos_token_id=0)
+        for r in "abc"
+    ]
     for r in reqs:
         s.add(r)
     while s.has_unfinished():
@@ -59,14 +59,22 @@ def test_the_shape_knows_when_every_layer_is_windowed():
     assert ModelShape(num_layers=2).kv_window is None
 
 
-SHAPE = ModelShape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   max_position=512, sliding_window=24)
+SHAPE = ModelShape(
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position=512,
+    sliding_window=24,
+)
 
 
 def run_windowed(poison: bool, release: bool = True):
     """A dummy model whose layers all see 24 keys: three 150-token runs with tiny blocks and a 16-token budget.
     `poison` fills every block with NaNs as it is given back, so a read of one would show in the tokens."""
-    import engine.core.config as config
+    from engine.core import config
 
     config.DUMMY_SHAPES["test-window"] = SHAPE
     try:

@@ -15,9 +15,25 @@ def test_soak_smoke_run_writes_rss_samples_plot_and_locust_csvs(server, tmp_path
     # A subprocess, as the real run: locust must never be imported into pytest (gevent patches everything).
     out = tmp_path / "soak"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.serving.soak", "--base-url", server, "--duration", "4",
-         "--interval", "1", "--users", "4", "--out", str(out)],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "bench.serving.soak",
+            "--base-url",
+            server,
+            "--duration",
+            "4",
+            "--interval",
+            "1",
+            "--users",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "rss.csv")))

@@ -15,14 +15,14 @@ from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.request import Request, RequestOptions, SampledTokens
 from engine.core.scheduler import Scheduler
-from engine.core.speculation import DepthAcceptance, FirstTokenCalibration, StepCost, Speculation
+from engine.core.speculation import DepthAcceptance, FirstTokenCalibration, Speculation, StepCost
+from engine.drafting import DRAFT_SOURCES
 from engine.ipc.messages import EngineStats
 from engine.model.sampling import sampler as sampler_module
 from engine.model.sampling.sampler import Sampler
 from engine.model.sampling.state import SamplingState
-from engine.drafting import DRAFT_SOURCES
-from gateway.web.metrics import Metrics
 from gateway.api.structured import json_schema_grammar
+from gateway.web.metrics import Metrics
 
 # Answers that reuse their prompt, so drafts are accepted, beside PROMPTS, whose drafts mostly are not.
 GROUNDED = [
@@ -71,10 +71,14 @@ def test_repeated_prompts_draft_from_the_earlier_outputs_to_the_same_tokens(chec
     assert accepted(llm) - first > 2 * first
 
 
-@pytest.mark.parametrize("config", [
-    {"kv_cache_memory": 14 * BLOCK, "max_num_seqs": 8},  # preemption
-    {"max_num_batched_tokens": 16},  # chunked prefill, and drafts cut to the token budget
-], ids=["preemption", "chunked-prefill"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"kv_cache_memory": 14 * BLOCK, "max_num_seqs": 8},  # preemption
+        {"max_num_batched_tokens": 16},  # chunked prefill, and drafts cut to the token budget
+    ],
+    ids=["preemption", "chunked-prefill"],
+)
 def test_greedy_tokens_are_the_same_when_the_scheduler_preempts_or_chunks(checkpoint, expected, config):
     llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT, **config)
     assert [o.token_ids for o in llm.generate(ALL, GREEDY)] == expected
@@ -128,17 +132,23 @@ def test_max_tokens_and_stop_tokens_hold_mid_draft(checkpoint, reference, expect
         assert out.token_ids == expected[i][:n] and out.finish_reason == "length"
     stop = expected[i][20]
     [out] = llm.generate([ALL[i]], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,)))
-    assert out.token_ids == expected[i][:expected[i].index(stop) + 1] and out.finish_reason == "stop"
+    assert out.token_ids == expected[i][: expected[i].index(stop) + 1] and out.finish_reason == "stop"
 
 
 def test_constrained_outputs_validate_and_match(checkpoint, reference):
-    schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 6, "items": {
-        "type": "string", "maxLength": 12}}}, "required": ["items"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "maxItems": 6, "items": {"type": "string", "maxLength": 12}}},
+        "required": ["items"],
+        "additionalProperties": False,
+    }
     prompt = reference.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "List as JSON: apples, pears, plums, apples, pears, plums."}])
+        [{"role": "user", "content": "List as JSON: apples, pears, plums, apples, pears, plums."}]
+    )
     greedy = SamplingParams(max_tokens=120, temperature=0.0, grammar=json_schema_grammar(schema))
-    sampled = [SamplingParams(max_tokens=120, temperature=0.8, seed=s, grammar=json_schema_grammar(schema))
-               for s in range(4)]
+    sampled = [
+        SamplingParams(max_tokens=120, temperature=0.8, seed=s, grammar=json_schema_grammar(schema)) for s in range(4)
+    ]
     want = reference.generate([prompt], greedy)[0]
     llm = LLM(checkpoint=checkpoint, speculative="ngram", **EXACT)
     outs = llm.generate([prompt] * 5, [greedy, *sampled])
@@ -181,7 +191,6 @@ def test_tensor_parallel_ranks_speculate_to_the_same_tokens():
 
 
 # ------------------------------------------------------------------------------------------ the sampler's rule
-
 
 
 def chi_square_p_value(P: torch.Tensor, sampler: Sampler) -> float:
@@ -269,7 +278,9 @@ def test_drafts_grow_with_acceptance_and_shrink_as_the_batch_grows():
     for _ in range(30):
         draft = spec.draft(req, 16, spec.new_step(1))
         spec.verified(req, len(draft), len(draft))
-    assert len(spec.draft(req, 16, spec.new_step(1))) == len(spec.draft(req, 16, spec.new_step(32))) == 16  # always accepted: as long as allowed
+    assert (
+        len(spec.draft(req, 16, spec.new_step(1))) == len(spec.draft(req, 16, spec.new_step(32))) == 16
+    )  # always accepted: as long as allowed
     assert len(spec.draft(req, 3, spec.new_step(1))) == 3  # never past its limit
     for _ in range(30):
         if draft := spec.draft(req, 16, spec.new_step(1)):
@@ -307,7 +318,9 @@ def test_a_new_request_starts_from_what_recent_drafts_earned():
     spec = Speculation(FixedDrafts(list(range(100, 120))), max_tokens=8, row_cost=0.25)
     first = Request("a", [1, 2], SamplingParams())
     first.output_token_ids = [3]
-    assert len(spec.draft(first, 16, spec.new_step(4))) == 2  # (3 + 1 + 0.8 + 0.64) / (1 + 0.25 * 6): 2.18 against 2.0 undrafted
+    assert (
+        len(spec.draft(first, 16, spec.new_step(4))) == 2
+    )  # (3 + 1 + 0.8 + 0.64) / (1 + 0.25 * 6): 2.18 against 2.0 undrafted
     for _ in range(100):  # open chat: one draft in three has its first token accepted
         spec.verified(first, 1, 1)
         spec.verified(first, 1, 0)
@@ -315,8 +328,9 @@ def test_a_new_request_starts_from_what_recent_drafts_earned():
     assert spec.priors == [pytest.approx(1 / 3, abs=0.05)]
     later = Request("b", [1, 2], SamplingParams())
     later.output_token_ids = [3]
-    assert spec.draft(later, 16, spec.new_step(4)) == []  # beside 3 others a draft token must be accepted one time in two
-
+    assert (
+        spec.draft(later, 16, spec.new_step(4)) == []
+    )  # beside 3 others a draft token must be accepted one time in two
 
 
 def test_drafts_take_only_the_blocks_left_after_every_running_requests_next_token():
@@ -334,9 +348,11 @@ def test_drafts_take_only_the_blocks_left_after_every_running_requests_next_toke
         batch = s.schedule()  # each one's next token (position 4) needs a new block
         assert s.num_preemptions == 0
         assert [(sr.request_id, sr.token_ids[0], sr.num_draft) for sr in batch.requests] == [
-            ("a", 9, drafts[0]), ("b", 9, drafts[1]), ("c", 9, drafts[2])]
+            ("a", 9, drafts[0]),
+            ("b", 9, drafts[1]),
+            ("c", 9, drafts[2]),
+        ]
         assert s.kv.num_free_blocks == 0
-
 
 
 def test_drafts_take_only_the_token_budget_left_after_every_running_requests_tokens():
@@ -353,7 +369,6 @@ def test_drafts_take_only_the_token_budget_left_after_every_running_requests_tok
     assert [(sr.request_id, len(sr.token_ids), sr.num_draft) for sr in batch.requests] == [("a", 1, 0), ("b", 7, 0)]
 
 
-
 @pytest.mark.parametrize("owner, other", [(b"alice", b"bob"), (b"alice", b""), (b"", b"alice")])
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_a_request_drafts_only_from_the_outputs_of_requests_with_its_salt(method, owner, other):
@@ -361,13 +376,15 @@ def test_a_request_drafts_only_from_the_outputs_of_requests_with_its_salt(method
     whose context runs into it, never for one with another salt (a step of several tokens would tell that client how
     the answer went on)."""
     spec = Speculation(DRAFT_SOURCES[method](), max_tokens=4, row_cost=0.0)
-    s = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=64), num_blocks=64, max_model_len=256,
-                  speculation=spec)
+    s = Scheduler(
+        EngineConfig(block_size=4, max_num_batched_tokens=64), num_blocks=64, max_model_len=256, speculation=spec
+    )
 
     def drafts(rid, salt, prompt, outputs):
         """Each step's draft, the model answering `outputs` a token a step (rejecting every draft)."""
-        req = Request(rid, prompt, SamplingParams(max_tokens=len(outputs), temperature=0.0),
-                      options=RequestOptions(salt))
+        req = Request(
+            rid, prompt, SamplingParams(max_tokens=len(outputs), temperature=0.0), options=RequestOptions(salt)
+        )
         s.add(req)
         out = []
         while not req.status.finished:
@@ -516,8 +533,20 @@ def test_a_measured_cost_of_rows_near_free_lets_a_full_batch_draft():
 
 def test_metrics_report_drafted_and_accepted_tokens():
     m = Metrics()
-    m.observe_stats(EngineStats(1, 0, 3, 5, 9, 1, spec_draft_tokens_total=12, spec_accepted_tokens_total=7,
-                                spec_accepted_lengths=[0, 3, 4], spec_row_cost=0.3))
+    m.observe_stats(
+        EngineStats(
+            1,
+            0,
+            3,
+            5,
+            9,
+            1,
+            spec_draft_tokens_total=12,
+            spec_accepted_tokens_total=7,
+            spec_accepted_lengths=[0, 3, 4],
+            spec_row_cost=0.3,
+        )
+    )
     text = m.render().decode()
     assert 'orcinus_spec_decode_draft_tokens{replica="0"} 12.0' in text
     assert 'orcinus_spec_decode_accepted_tokens{replica="0"} 7.0' in text
@@ -529,13 +558,13 @@ def test_metrics_report_drafted_and_accepted_tokens():
 def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_choice_there(client, model):
     """Served with the defaults (speculating on the CPU): a delta may carry several tokens; those after the one that
     completes the stop string are not the choice's, in its text, its logprobs or its usage."""
-    kw = dict(model=model, prompt=GROUNDED[0], max_tokens=40, temperature=0)
+    kw = {"model": model, "prompt": GROUNDED[0], "max_tokens": 40, "temperature": 0}
     free = client.completions.create(**kw, logprobs=1)
     pieces = free.choices[0].logprobs.tokens
     text = "".join(pieces)
-    stop = text[len(text) // 2:len(text) // 2 + 6]
+    stop = text[len(text) // 2 : len(text) // 2 + 6]
     expected = next(k for k in range(1, len(pieces) + 1) if stop in "".join(pieces[:k]))
     cut = client.completions.create(**kw, logprobs=1, stop=[stop])
     choice = cut.choices[0]
-    assert choice.finish_reason == "stop" and choice.text == text[:text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.text == text[: text.index(stop)]
     assert cut.usage.completion_tokens == expected == len(choice.logprobs.tokens)

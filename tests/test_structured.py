@@ -18,39 +18,115 @@ NAME = {"type": "string", "minLength": 1, "maxLength": 16}
 INT = {"type": "integer", "minimum": -1000, "maximum": 1000}
 # Bounded integers and closed objects: a schema that admits any extra property lets a 135M model add digits or keys until max_tokens.
 SCHEMAS = {
-    "flat": {"type": "object", "properties": {"name": NAME, "age": INT}, "required": ["name", "age"],
-             "additionalProperties": False},
-    "bounded numbers": {"type": "object", "properties": {
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
-        "count": {"type": "integer", "minimum": 3, "maximum": 7}}, "required": ["score", "count"],
-        "additionalProperties": False},
-    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
-             "additionalProperties": False},
-    "array of strings": {"type": "object", "properties": {
-        "items": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}}, "required": ["items"],
-        "additionalProperties": False},
-    "nested": {"type": "object", "properties": {
-        "person": {"type": "object", "properties": {"name": NAME, "address": {
-            "type": "object", "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"], "additionalProperties": False}}, "required": ["name", "address"],
-            "additionalProperties": False}}, "required": ["person"], "additionalProperties": False},
-    "optional fields": {"type": "object", "properties": {"title": NAME, "subtitle": NAME, "year": INT},
-                        "required": ["title"], "additionalProperties": False},
-    "array of objects": {"type": "object", "properties": {"rows": {"type": "array", "maxItems": 2, "items": {
-        "type": "object", "properties": {"k": NAME, "v": {"type": "boolean"}}, "required": ["k", "v"],
-        "additionalProperties": False}}}, "required": ["rows"], "additionalProperties": False},
-    "ref": {"$defs": {"point": {"type": "object", "properties": {"x": INT, "y": INT},
-                                "required": ["x", "y"], "additionalProperties": False}},
-            "type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
-            "required": ["a", "b"], "additionalProperties": False},
-    "top-level array": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
-                        "minItems": 2, "maxItems": 4},
-    "const and boolean": {"type": "object", "properties": {"kind": {"const": "ticket"}, "open": {"type": "boolean"}},
-                          "required": ["kind", "open"], "additionalProperties": False},
-    "anyOf": {"type": "object", "properties": {"id": {"anyOf": [INT, NAME]}}, "required": ["id"],
-              "additionalProperties": False},
-    "nullable": {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 16}},
-                 "required": ["note"], "additionalProperties": False},
+    "flat": {
+        "type": "object",
+        "properties": {"name": NAME, "age": INT},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "bounded numbers": {
+        "type": "object",
+        "properties": {
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "count": {"type": "integer", "minimum": 3, "maximum": 7},
+        },
+        "required": ["score", "count"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
+    "array of strings": {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}},
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {
+                    "name": NAME,
+                    "address": {
+                        "type": "object",
+                        "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                        "required": ["city", "zip"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["name", "address"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["person"],
+        "additionalProperties": False,
+    },
+    "optional fields": {
+        "type": "object",
+        "properties": {"title": NAME, "subtitle": NAME, "year": INT},
+        "required": ["title"],
+        "additionalProperties": False,
+    },
+    "array of objects": {
+        "type": "object",
+        "properties": {
+            "rows": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {"k": NAME, "v": {"type": "boolean"}},
+                    "required": ["k", "v"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["rows"],
+        "additionalProperties": False,
+    },
+    "ref": {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": INT, "y": INT},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    "top-level array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "const and boolean": {
+        "type": "object",
+        "properties": {"kind": {"const": "ticket"}, "open": {"type": "boolean"}},
+        "required": ["kind", "open"],
+        "additionalProperties": False,
+    },
+    "anyOf": {
+        "type": "object",
+        "properties": {"id": {"anyOf": [INT, NAME]}},
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+    "nullable": {
+        "type": "object",
+        "properties": {"note": {"type": ["string", "null"], "maxLength": 16}},
+        "required": ["note"],
+        "additionalProperties": False,
+    },
 }
 PROMPT = "Give me an example of the JSON data you would return for a small web form."
 
@@ -91,8 +167,10 @@ def test_preempted_constrained_requests_stay_valid(checkpoint):
     """A preempted request recomputes its outputs as prompt; its new matcher replays them."""
     llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_memory=14 * 737_280, max_num_seqs=8)
     schema = SCHEMAS["array of objects"]
-    outs = llm.generate([chat_prompt(llm, f"Example {i}, please.") for i in range(6)],
-                        constrained(schema, temperature=1.0, seed=3, max_tokens=150))
+    outs = llm.generate(
+        [chat_prompt(llm, f"Example {i}, please.") for i in range(6)],
+        constrained(schema, temperature=1.0, seed=3, max_tokens=150),
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     for out in outs:
         jsonschema.validate(json.loads(out.text), schema)
@@ -118,14 +196,20 @@ def opened(schema):
 
 
 def schema_format(name: str, strict: bool = True) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": name.replace(" ", "_"), "schema": opened(SCHEMAS[name]),
-                                                   "strict": strict}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": name.replace(" ", "_"), "schema": opened(SCHEMAS[name]), "strict": strict},
+    }
 
 
 def test_strict_forbids_undeclared_keys_everywhere_and_only_when_asked():
     for name, closed in SCHEMAS.items():
-        assert ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(**schema_format(name)["json_schema"])
-                              ).schema() == closed, name
+        assert (
+            ResponseFormat(
+                type="json_schema", json_schema=JsonSchemaFormat(**schema_format(name)["json_schema"])
+            ).schema()
+            == closed
+        ), name
     loose = schema_format("nested", strict=False)["json_schema"]
     assert ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(**loose)).schema() == loose["schema"]
     tool = FunctionDef(name="f", parameters=opened(SCHEMAS["nested"]), strict=True)
@@ -136,40 +220,69 @@ def test_strict_forbids_undeclared_keys_everywhere_and_only_when_asked():
 def test_chat_json_schema_streamed_and_whole_agree_and_validate(client, model, name):
     """OpenAI's strict mode on schemas that leave additionalProperties unset (issue 29): at max_tokens 200 each
     output ends by itself and validates against the closed schema."""
-    kw = dict(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=200, temperature=0,
-              response_format=schema_format(name))
+    kw = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "response_format": schema_format(name),
+    }
     whole = client.chat.completions.create(**kw)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True) if c.choices
+    )
     assert whole.choices[0].finish_reason == "stop"
     assert streamed == whole.choices[0].message.content
     jsonschema.validate(json.loads(streamed), SCHEMAS[name])
 
 
 def test_json_object_and_n_2_and_completions(client, model):
-    obj = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A user record."}],
-                                         max_tokens=100, response_format={"type": "json_object"}, temperature=0)
+    obj = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "A user record."}],
+        max_tokens=100,
+        response_format={"type": "json_object"},
+        temperature=0,
+    )
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
-    two = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], n=2, seed=1,
-                                         max_tokens=150, temperature=1.0, response_format=schema_format("enum"))
+    two = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": PROMPT}],
+        n=2,
+        seed=1,
+        max_tokens=150,
+        temperature=1.0,
+        response_format=schema_format("enum"),
+    )
     assert len(two.choices) == 2
     for c in two.choices:
         jsonschema.validate(json.loads(c.message.content), SCHEMAS["enum"])
-    comp = client.completions.create(model=model, prompt="The data as JSON:", max_tokens=100, temperature=0,
-                                     extra_body={"response_format": schema_format("flat")})
+    comp = client.completions.create(
+        model=model,
+        prompt="The data as JSON:",
+        max_tokens=100,
+        temperature=0,
+        extra_body={"response_format": schema_format("flat")},
+    )
     jsonschema.validate(json.loads(comp.choices[0].text), SCHEMAS["flat"])
 
 
-@pytest.mark.parametrize("response_format, message", [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "unsupported JSON schema"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}},
-     "unsupported JSON schema"),
-    ({"type": "json_schema"}, "needs `json_schema`"),
-])
+@pytest.mark.parametrize(
+    "response_format, message",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "unsupported JSON schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}},
+            "unsupported JSON schema",
+        ),
+        ({"type": "json_schema"}, "needs `json_schema`"),
+    ],
+)
 def test_a_bad_schema_is_a_400_naming_response_format(client, model, response_format, message):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                       response_format=response_format)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], response_format=response_format
+        )
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == "response_format" and message in err["message"]
     assert err["type"] == "invalid_request_error"
@@ -184,8 +297,8 @@ def test_the_grammar_goes_to_the_engine_once_however_many_sequences_it_constrain
     import asyncio
 
     from engine.ipc.messages import TokenDelta
-    from gateway.web.in_flight import InFlightLimit
     from gateway.api.generation import Generation
+    from gateway.web.in_flight import InFlightLimit
     from gateway.web.metrics import Metrics
 
     sent = []
@@ -274,8 +387,12 @@ def test_requests_sharing_a_grammar_compile_it_once_in_the_sampler(llm, monkeypa
     calls = []
     real = grammar_module.GrammarCompiler.compile
     monkeypatch.setattr(grammar_module.GrammarCompiler, "compile", lambda self, g: calls.append(g) or real(self, g))
-    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe so"]}}, "required": ["answer"],
-              "additionalProperties": False}  # no other test's: the sampler has not kept its grammar
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no", "maybe so"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }  # no other test's: the sampler has not kept its grammar
     params = constrained(schema, temperature=1.0, max_tokens=40)
     outs = llm.generate([chat_prompt(llm)] * 4, [SamplingParams(**{**_fields(params), "seed": i}) for i in range(4)])
     assert len(calls) == 1
@@ -302,13 +419,17 @@ def test_a_failing_matcher_beside_a_drafting_one_leaves_that_one_where_its_step_
     grammar = json_schema_grammar({"enum": ["yes sir"]})
     sampler = Sampler(tokenizer=tokenizer)
     drafting = SamplingState("drafting", [1], SamplingParams(temperature=0.0, grammar=grammar), frozenset())
-    broken = SamplingState("broken", [1], SamplingParams(temperature=0.0, grammar="not a grammar"), frozenset(),
-                           matcher=GrammarCompiler(tokenizer).compile("this is not a grammar"))
+    broken = SamplingState(
+        "broken",
+        [1],
+        SamplingParams(temperature=0.0, grammar="not a grammar"),
+        frozenset(),
+        matcher=GrammarCompiler(tokenizer).compile("this is not a grammar"),
+    )
     sampler.add(drafting)
     sampler.add(broken)
     logits = torch.zeros(3, tokenizer.vocab_size)
     logits[[0, 1, 2], ids[:3]] = 10.0  # each row's likeliest token: the drafts, then ' sir'
     with pytest.raises(GrammarError):
-        sampler.sample(torch.cat([logits, torch.zeros(1, tokenizer.vocab_size)]), ["drafting", "broken"],
-                       [ids[:2], []])
+        sampler.sample(torch.cat([logits, torch.zeros(1, tokenizer.vocab_size)]), ["drafting", "broken"], [ids[:2], []])
     assert sampler(logits, ["drafting"], [ids[:2]])["drafting"].token_ids == ids[:3]

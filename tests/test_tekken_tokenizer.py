@@ -76,7 +76,8 @@ def test_encode_matches_mistral_common(tok, ref, reference_encode, texts):
 def test_decode_matches_mistral_common(tok, ref, texts):
     rng = random.Random(3)
     cases = [tok.encode(t) for t in texts] + [
-        [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(2000)]  # broken UTF-8 too
+        [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(2000)
+    ]  # broken UTF-8 too
     for ids in cases:
         assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, SpecialTokenPolicy.IGNORE), ids
         assert tok.decode(ids) == ref.decode(ids, SpecialTokenPolicy.KEEP), ids
@@ -92,8 +93,11 @@ def test_streamed_text_is_the_reference_decode(tok, ref, texts):
 
 def test_directory_config(tmp_path):
     (tmp_path / "tekken.json").symlink_to(TEKKEN)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"add_bos_token": False, "chat_template": "{{ bos_token }}[INST]{{ messages[0]['content'] }}[/INST]"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"add_bos_token": False, "chat_template": "{{ bos_token }}[INST]{{ messages[0]['content'] }}[/INST]"}
+        )
+    )
     tok = load_tokenizer(tmp_path)
     assert tok.encode("Hi", add_special_tokens=True) == tok.encode("Hi")
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])

@@ -10,11 +10,11 @@ from conftest import run_staggered as run_arrivals
 from test_pipeline import kill_a_rank_mid_stream_then_recover
 
 from engine import LLM, SamplingParams
-from engine.parallel import pipeline
-from engine.parallel.frames import StageBatch
 from engine.core.config import DUMMY_SHAPES, ModelShape
 from engine.model.families.llama import LlamaModel
 from engine.model.sharding import TensorParallelError, TensorShard, check_splittable
+from engine.parallel import pipeline
+from engine.parallel.frames import StageBatch
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 TINY = "dummy:tiny"  # 4 heads, 2 KV heads: splits 2 ways (the bundled SmolLM2's 9 and 3 heads split only 3 ways)
@@ -22,8 +22,16 @@ TINY_PROMPTS = [[1000 + 37 * i + j for j in range(3 + 5 * i)] for i in range(12)
 
 
 def test_shards_put_back_together_are_the_whole_weights():
-    shape = ModelShape(vocab_size=101, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4,
-                       num_kv_heads=2, head_dim=4, qkv_bias=True)
+    shape = ModelShape(
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        qkv_bias=True,
+    )
     with torch.device("meta"):
         names = {n: p.shape for n, p in LlamaModel(shape, 8).named_parameters(remove_duplicate=False)}
     for name, size in names.items():
@@ -48,8 +56,11 @@ def test_shards_put_back_together_are_the_whole_weights():
 
 
 def test_a_model_that_cannot_split_is_refused_before_any_process_starts():
-    with pytest.raises(TensorParallelError, match=r"--tensor-parallel-size 2 must divide the model's attention "
-                                                  r"heads \(9\), KV heads \(3\)"):
+    with pytest.raises(
+        TensorParallelError,
+        match=r"--tensor-parallel-size 2 must divide the model's attention "
+        r"heads \(9\), KV heads \(3\)",
+    ):
         check_splittable(ModelShape(), 2)
     check_splittable(ModelShape(), 3)
     with pytest.raises(TensorParallelError, match="KV heads"):
@@ -62,13 +73,20 @@ def tiny_reference():
     return [r.output_token_ids for r in run_arrivals(LLM(model=TINY, dtype="float32").engine, TINY_PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("grid", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, pipeline_stages=2)],
-                         ids=["tp2", "tp2xpp2"])
+@pytest.mark.parametrize(
+    "grid", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "pipeline_stages": 2}], ids=["tp2", "tp2xpp2"]
+)
 def test_tensor_parallel_ranks_give_the_same_tokens(grid, tiny_reference, monkeypatch):
     sent = []  # (rank, frame) of every batch the driver sends
     real_send = pipeline.send_frame
-    monkeypatch.setattr(pipeline, "send_frame", lambda frame, rank, pending: (
-        sent.append((rank, frame)) if isinstance(frame, StageBatch) else None, real_send(frame, rank, pending)))
+    monkeypatch.setattr(
+        pipeline,
+        "send_frame",
+        lambda frame, rank, pending: (
+            sent.append((rank, frame)) if isinstance(frame, StageBatch) else None,
+            real_send(frame, rank, pending),
+        ),
+    )
     with LLM(model=TINY, dtype="float32", **grid) as llm:
         executor = llm.engine.executor
         assert len(executor.procs) == grid["tensor_parallel_size"] * grid.get("pipeline_stages", 1)

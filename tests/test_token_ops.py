@@ -9,8 +9,16 @@ import torch.nn.functional as F
 
 from engine import LLM
 from engine.model import token_ops
-from engine.model.token_ops import (CpuRMSNorm, CpuRotary, CpuSiluAndMul, RMSNorm, Rotary, SiluAndMul, can_fuse,
-                                    fuse_token_ops)
+from engine.model.token_ops import (
+    CpuRMSNorm,
+    CpuRotary,
+    CpuSiluAndMul,
+    RMSNorm,
+    Rotary,
+    SiluAndMul,
+    can_fuse,
+    fuse_token_ops,
+)
 
 SHAPES = [(1, 576), (3, 7), (32, 576), (600, 64), (5, 2048)]  # odd widths exercise the vector loops' tails
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16

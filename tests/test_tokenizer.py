@@ -16,9 +16,18 @@ from engine.model.tokenizer import Tokenizer, load_tokenizer
 TOKENLESS_BYTES = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])
 # The ones valid text can contain: six ASCII controls, and lead bytes 0xf1/0xf2 of U+40000..U+BFFFF.
 TOKENLESS_CHARS = [
-    "\x04", "\x06", "\x13", "\x14", "\x16", "\x1d",
-    "\U00040000", "\U0007ffff", "\U00080000", "\U000bfffd",
+    "\x04",
+    "\x06",
+    "\x13",
+    "\x14",
+    "\x16",
+    "\x1d",
+    "\U00040000",
+    "\U0007ffff",
+    "\U00080000",
+    "\U000bfffd",
 ]
+
 
 def _cases() -> list[str]:
     rng = random.Random(20240611)

@@ -9,16 +9,38 @@ import jsonschema
 import openai
 import pytest
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 24},
-        "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"], "properties": {
-        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 24},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["a", "b"],
+            "properties": {
+                "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            },
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -35,22 +57,35 @@ def check_call(choice, name=None):
 
 @pytest.mark.parametrize("name", ["get_weather", "add"])
 def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client, model, name):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
-                                       tool_choice={"type": "function", "function": {"name": name}})
+    r = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=80,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": name}},
+    )
     check_call(r.choices[0], name)
 
 
 def test_required_calls_one_of_the_tools_and_n_2_gives_two_calls(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
-                                       n=2, temperature=1.0, seed=5)
+    r = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, n=2, temperature=1.0, seed=5
+    )
     assert len(r.choices) == 2
     for choice in r.choices:
         check_call(choice)
 
 
 def test_streamed_tool_call_deltas_assemble_to_the_whole_response(client, model):
-    kw = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
-              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kw = {
+        "model": model,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 80,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     whole = check_call(client.chat.completions.create(**kw).choices[0], "get_weather")
     name, args, finish, content = None, "", None, ""
     for chunk in client.chat.completions.create(**kw, stream=True):
@@ -62,30 +97,47 @@ def test_streamed_tool_call_deltas_assemble_to_the_whole_response(client, model)
                 args += tc.function.arguments or ""
             finish = c.finish_reason or finish
     assert (name, json.loads(args), finish, content) == (
-        "get_weather", json.loads(whole.function.arguments), "tool_calls", "")
+        "get_weather",
+        json.loads(whole.function.arguments),
+        "tool_calls",
+        "",
+    )
 
 
 def test_auto_answers_in_text_or_with_a_valid_call_and_none_never_calls(client, model):
     for choice in ("auto", None):
-        r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
-                                           max_tokens=60, temperature=0)
+        r = client.chat.completions.create(
+            model=model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0
+        )
         c = r.choices[0]
         if c.message.tool_calls:
             check_call(c)
         else:
             assert c.finish_reason in ("stop", "length") and c.message.content
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=20,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=20, temperature=0
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
 def test_auto_turns_a_call_shaped_answer_into_a_tool_call_whole_and_streamed(client, model):
     """Deterministic: a response_format holding the call's shape makes the answer one, and `auto` must read it as
     a call (finish_reason tool_calls, no content), streamed deltas assembling to the same call."""
-    call_schema = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                   "properties": {"name": {"const": "get_weather"}, "arguments": SCHEMAS["get_weather"]}}
-    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=80, temperature=0,
-              response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": call_schema}})
+    call_schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "arguments"],
+        "properties": {"name": {"const": "get_weather"}, "arguments": SCHEMAS["get_weather"]},
+    }
+    kw = {
+        "model": model,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 80,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": call_schema}},
+    }
     whole = check_call(client.chat.completions.create(**kw).choices[0], "get_weather")
     name, args, finish, content = None, "", None, ""
     for chunk in client.chat.completions.create(**kw, stream=True):
@@ -96,7 +148,11 @@ def test_auto_turns_a_call_shaped_answer_into_a_tool_call_whole_and_streamed(cli
                 args += tc.function.arguments or ""
             finish = c.finish_reason or finish
     assert (name, json.loads(args), finish, content) == (
-        "get_weather", json.loads(whole.function.arguments), "tool_calls", "")
+        "get_weather",
+        json.loads(whole.function.arguments),
+        "tool_calls",
+        "",
+    )
 
 
 def plan_of(choice="auto"):
@@ -120,8 +176,15 @@ def streamed(plan, pieces, parallel=True, stopped=True):
 
 
 def test_a_streamed_call_sends_its_name_first_then_its_arguments_as_they_come():
-    pieces = ['<tool_call>{"na', 'me": "get_weather", "argu', 'ments": {"ci', 'ty": "Pa{r}\\"is"', ', "unit": "cel',
-              'sius"}}</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": [2]}}', '</tool_call>']
+    pieces = [
+        '<tool_call>{"na',
+        'me": "get_weather", "argu',
+        'ments": {"ci',
+        'ty": "Pa{r}\\"is"',
+        ', "unit": "cel',
+        'sius"}}</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": [2]}}',
+        "</tool_call>",
+    ]
     content, deltas, made = streamed(plan_of(), pieces)
     assert content == "" and made
     (i0, id0, name0, a0), *rest = deltas
@@ -141,10 +204,13 @@ def test_a_streamed_call_sends_its_name_first_then_its_arguments_as_they_come():
 def test_a_streamed_answer_that_is_no_call_is_content_and_one_that_parses_late_is_whole_calls():
     assert streamed(plan_of(), ["  Hello", " there"]) == ("  Hello there", [], False)  # sent as it comes
     assert streamed(plan_of(), ['{"answer": ', "42}"]) == ('{"answer": 42}', [], False)  # held, then content
-    assert streamed(plan_of(), ['{"name": "nope", "arguments": {}}']) == ('{"name": "nope", "arguments": {}}', [],
-                                                                         False)
+    assert streamed(plan_of(), ['{"name": "nope", "arguments": {}}']) == (
+        '{"name": "nope", "arguments": {}}',
+        [],
+        False,
+    )
     late = '{"arguments": {"a": 1, "b": 2}, "name": "add"}'  # the name after the arguments: whole at the end
-    content, [(index, call_id, name, args)], made = streamed(plan_of(), [late])
+    content, [(index, _call_id, name, args)], made = streamed(plan_of(), [late])
     assert (content, index, name, json.loads(args), made) == ("", 0, "add", {"a": 1, "b": 2}, True)
     assert streamed(plan_of(), [late], stopped=False)[2] is False  # cut off by max_tokens: content
     # A required call holds even plain-looking text until the end.
@@ -153,11 +219,23 @@ def test_a_streamed_answer_that_is_no_call_is_content_and_one_that_parses_late_i
 
 def test_several_calls_come_as_several_tool_calls_whole_and_streamed_unless_parallel_calls_are_off(client, model):
     """Deterministic: a response_format of an array of two calls makes the answer two calls."""
-    call = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": "add"}, "arguments": SCHEMAS["add"]}}
-    kw = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0, response_format={
-        "type": "json_schema", "json_schema": {"name": "calls", "schema": {
-            "type": "array", "items": call, "minItems": 2, "maxItems": 2}}})
+    call = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "arguments"],
+        "properties": {"name": {"const": "add"}, "arguments": SCHEMAS["add"]},
+    }
+    kw = {
+        "model": model,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 120,
+        "temperature": 0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "calls", "schema": {"type": "array", "items": call, "minItems": 2, "maxItems": 2}},
+        },
+    }
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 2
     assert len({c.id for c in whole.message.tool_calls}) == 2
@@ -167,29 +245,48 @@ def test_several_calls_come_as_several_tool_calls_whole_and_streamed_unless_para
             for tc in c.delta.tool_calls or []:
                 calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
     assert [(n, json.loads(a)) for n, a in calls.values()] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
     one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
     assert [c.function.arguments for c in one.message.tool_calls] == [whole.message.tool_calls[0].function.arguments]
 
 
 def test_a_history_with_a_call_and_its_result_is_accepted(client, model):
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
     ]
-    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
-                                       max_tokens=30, temperature=0)
+    r = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=30, temperature=0
+    )
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
-      "tool_choice": "required"}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ],
+)
 def test_bad_tools_are_400s(client, model, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=5, **kw)
@@ -202,8 +299,10 @@ def test_a_template_that_renders_tools_gets_them_and_its_wrappers_are_understood
     from gateway.api.protocol import ChatCompletionRequest, decode_request
 
     tok = copy.copy(tokenizer)
-    tok.chat_template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
-                         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    tok.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    )
     tok._template = None
     assert tok.renders_tools and not tokenizer.renders_tools
     req = decode_request(json.dumps({"messages": ASK, "tools": TOOLS}).encode(), ChatCompletionRequest)

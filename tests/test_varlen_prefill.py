@@ -47,12 +47,10 @@ def test_one_call_for_all_chunks_gives_each_requests_own_attention(kind, heads):
 
 def test_the_plan_reads_each_context_token_from_its_own_slot():
     block_size = 4
-    meta = ragged_batch([(1, 3), (6, 6), (2, 9)], 2, 1, 8, block_size=block_size, dtype=torch.float32,
-                        device="cpu")[2]
+    meta = ragged_batch([(1, 3), (6, 6), (2, 9)], 2, 1, 8, block_size=block_size, dtype=torch.float32, device="cpu")[2]
     plan = PrefillPlan.build(meta, block_size)
     t = meta.block_tables
-    want = [int(t[i, p // block_size]) * block_size + p % block_size for i, ctx in ((1, 6), (2, 9))
-            for p in range(ctx)]
+    want = [int(t[i, p // block_size]) * block_size + p % block_size for i, ctx in ((1, 6), (2, 9)) for p in range(ctx)]
     assert plan.slots.tolist() == want
     assert plan.cu_queries.tolist() == [0, 6, 8] and plan.cu_keys.tolist() == [0, 6, 15]
     assert plan.cu_queries.dtype == plan.cu_keys.dtype == torch.int32

@@ -25,7 +25,7 @@ def speculate(P: torch.Tensor, verify, generator) -> tuple[int, ...]:
         draft = [(prev + 1) % V, (prev + 2) % V]
         probs = torch.stack([P[prev], P[draft[0]], P[draft[1]]])  # the target's p at each drafted position
         out += verify(probs, draft, generator)
-    return tuple(out[1:LENGTH + 1])
+    return tuple(out[1 : LENGTH + 1])
 
 
 def chi_square_p_value(P: torch.Tensor, verify) -> float:

@@ -38,8 +38,12 @@ def ensure_venv(path: Path, package: str) -> Path:
 
 
 def version(venv: Path, package: str) -> str:
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", f"import importlib.metadata as m; "
-                          f"print(m.version({package!r}))"], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", (f"import importlib.metadata as m; print(m.version({package!r}))")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return out.stdout.strip()
 
 
@@ -53,35 +57,87 @@ def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def aiperf(script: Path, base: str, tokenizer: Path, work: Path, server_counts: bool) -> dict:
     """Completions, streamed; token counts from the tokenizer, or with --use-server-token-count from `usage`."""
     out = work / ("aiperf-server-counts" if server_counts else "aiperf")
-    cmd = [str(script), "profile", "--model", MODEL, "--url", base, "--endpoint-type", "completions", "--streaming",
-           "--tokenizer", str(tokenizer), "--request-count", "16", "--concurrency", str(STREAMS),
-           "--synthetic-input-tokens-mean", str(PROMPT_TOKENS), "--synthetic-input-tokens-stddev", "0",
-           "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-stddev", "0", "--extra-inputs",
-           "ignore_eos:true", "--ui-type", "none", "--artifact-dir", str(out)] + ["--use-server-token-count"] * server_counts
+    cmd = [
+        str(script),
+        "profile",
+        "--model",
+        MODEL,
+        "--url",
+        base,
+        "--endpoint-type",
+        "completions",
+        "--streaming",
+        "--tokenizer",
+        str(tokenizer),
+        "--request-count",
+        "16",
+        "--concurrency",
+        str(STREAMS),
+        "--synthetic-input-tokens-mean",
+        str(PROMPT_TOKENS),
+        "--synthetic-input-tokens-stddev",
+        "0",
+        "--output-tokens-mean",
+        str(OUTPUT_TOKENS),
+        "--output-tokens-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--ui-type",
+        "none",
+        "--artifact-dir",
+        str(out),
+    ] + ["--use-server-token-count"] * server_counts
     done = run(cmd, work)
     metrics = json.loads((out / "profile_export_aiperf.json").read_text())
     # Its own counts (the tokenizer's, or usage's) beside the server's usage: they must be the same numbers.
-    counts = {k: {s: metrics[k][s] for s in ("avg", "min", "max")} for k in (
-        "input_sequence_length", "output_sequence_length", "usage_prompt_tokens", "usage_completion_tokens")
-        if k in metrics}
-    return {"command": shlex.join(cmd), "requests": metrics["request_count"]["avg"],
-            "errors": metrics.get("error_summary"), "token_counts": counts, "mismatch_lines": mismatch_lines(done)}
+    counts = {
+        k: {s: metrics[k][s] for s in ("avg", "min", "max")}
+        for k in ("input_sequence_length", "output_sequence_length", "usage_prompt_tokens", "usage_completion_tokens")
+        if k in metrics
+    }
+    return {
+        "command": shlex.join(cmd),
+        "requests": metrics["request_count"]["avg"],
+        "errors": metrics.get("error_summary"),
+        "token_counts": counts,
+        "mismatch_lines": mismatch_lines(done),
+    }
 
 
 def guidellm(script: Path, base: str, tokenizer: Path, work: Path, route: str) -> dict:
     out = work / f"guidellm{route.replace('/', '-')}.json"
-    cmd = [str(script), "run", "--backend", f"kind=openai_http,target={base},model={MODEL},request_format={route}",
-           "--profile", f"kind=concurrent,streams={STREAMS}", "--constraint", "kind=max_requests,count=16",
-           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--data",
-           f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
-           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    cmd = [
+        str(script),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={base},model={MODEL},request_format={route}",
+        "--profile",
+        f"kind=concurrent,streams={STREAMS}",
+        "--constraint",
+        "kind=max_requests,count=16",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={tokenizer}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
     done = run(cmd, work)
     [bench] = json.loads(out.read_text())["benchmarks"]
     m = bench["metrics"]
-    tokens = {name: {s: m[name]["successful"][s] for s in ("min", "median", "max")}
-              for name in ("prompt_token_count", "output_token_count")}
-    return {"command": shlex.join(cmd), "requests": m["request_totals"], "token_counts": tokens,
-            "warnings": bench.get("warnings"), "mismatch_lines": mismatch_lines(done)}
+    tokens = {
+        name: {s: m[name]["successful"][s] for s in ("min", "median", "max")}
+        for name in ("prompt_token_count", "output_token_count")
+    }
+    return {
+        "command": shlex.join(cmd),
+        "requests": m["request_totals"],
+        "token_counts": tokens,
+        "warnings": bench.get("warnings"),
+        "mismatch_lines": mismatch_lines(done),
+    }
 
 
 def mismatch_lines(done: subprocess.CompletedProcess) -> list[str]:

@@ -25,12 +25,18 @@ MODEL = "SmolLM2-135M-Instruct"
 STOPS = ["\n\n", "Question:", "</s>", "<|im_end|>", "###"]
 MC = [
     {"question": "The capital of France is", "choices": [" Paris", " Berlin", " Madrid", " Rome"], "answer": 0},
-    {"question": "Water freezes at a temperature of", "choices": [" 0 degrees Celsius", " 50 degrees Celsius",
-                                                                  " 100 degrees Celsius"], "answer": 0},
+    {
+        "question": "Water freezes at a temperature of",
+        "choices": [" 0 degrees Celsius", " 50 degrees Celsius", " 100 degrees Celsius"],
+        "answer": 0,
+    },
     {"question": "The largest planet in the solar system is", "choices": [" Jupiter", " Mars", " Venus"], "answer": 0},
     {"question": "A week has", "choices": [" seven days", " ten days", " three days"], "answer": 0},
-    {"question": "Question: What color is the sky on a clear day?\nAnswer:", "choices": [" blue", " green", " red"],
-     "answer": 0},
+    {
+        "question": "Question: What color is the sky on a clear day?\nAnswer:",
+        "choices": [" blue", " green", " red"],
+        "answer": 0,
+    },
     {"question": "2 + 2 =", "choices": [" 4", " 5", " 22"], "answer": 0},
 ]
 GEN = [
@@ -50,7 +56,7 @@ def write_tasks(root: Path) -> Path:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tasks / 'mc.jsonl'}
+    test: {tasks / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
@@ -64,7 +70,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tasks / 'gen.jsonl'}
+    test: {tasks / "gen.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
@@ -125,11 +131,24 @@ def main() -> None:
     subprocess.run([str(ROOT / ".venv" / "bin" / "orcinus"), "export-tokenizer", str(tokenizer_dir)], check=True)
     tasks = write_tasks(work)
     with served([]) as base:
-        cmd = [str(lm_eval), "run", "--model", "local-completions", "--model_args",
-               f"model={MODEL},base_url={base}/v1/completions,tokenizer={tokenizer_dir},"
-               f"tokenizer_backend=huggingface,num_concurrent=4,max_retries=1,tokenized_requests=True",
-               "--tasks", "orcinus_mc,orcinus_gen", "--include_path", str(tasks), "--log_samples",
-               "--output_path", str(work / "results")]
+        cmd = [
+            str(lm_eval),
+            "run",
+            "--model",
+            "local-completions",
+            "--model_args",
+            (
+                f"model={MODEL},base_url={base}/v1/completions,tokenizer={tokenizer_dir},"
+                f"tokenizer_backend=huggingface,num_concurrent=4,max_retries=1,tokenized_requests=True"
+            ),
+            "--tasks",
+            "orcinus_mc,orcinus_gen",
+            "--include_path",
+            str(tasks),
+            "--log_samples",
+            "--output_path",
+            str(work / "results"),
+        ]
         t = time.time()
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         seconds = time.time() - t
@@ -147,17 +166,31 @@ def main() -> None:
     stops_sent = [s["arguments"]["gen_args_0"]["arg_1"]["until"] for s in gen]
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "lm_eval_command": " ".join(shlex.quote(c) for c in cmd), "lm_eval_seconds": round(seconds, 1),
-        "loglikelihood": {"requests": len(logged), "max_abs_diff_vs_engine": worst, "within_1e-4": worst <= 1e-4,
-                          "pairs": [{"context": c, "continuation": x, "lm_eval": a, "engine": b}
-                                    for (c, x), a, b in zip(pairs, logged, reference)]},
+        "lm_eval_command": " ".join(shlex.quote(c) for c in cmd),
+        "lm_eval_seconds": round(seconds, 1),
+        "loglikelihood": {
+            "requests": len(logged),
+            "max_abs_diff_vs_engine": worst,
+            "within_1e-4": worst <= 1e-4,
+            "pairs": [
+                {"context": c, "continuation": x, "lm_eval": a, "engine": b}
+                for (c, x), a, b in zip(pairs, logged, reference)
+            ],
+        },
         "generate_until": {"requests": len(gen), "stop_strings_sent": stops_sent[0], "outputs": outputs},
         "lm_eval_stdout_tail": run.stdout[-3000:],
     }
     write_report(args.out, result)
-    print(json.dumps({k: result[k] for k in ("lm_eval_seconds",)} | {
-        "loglikelihood": {k: v for k, v in result["loglikelihood"].items() if k != "pairs"},
-        "generate_until": result["generate_until"]}, indent=1))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("lm_eval_seconds",)}
+            | {
+                "loglikelihood": {k: v for k, v in result["loglikelihood"].items() if k != "pairs"},
+                "generate_until": result["generate_until"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,11 @@ def free_memory() -> None:
 
 def make_engine(shape_name: str, args, **overrides) -> EngineCore:
     config = EngineConfig(
-        model=f"dummy:{shape_name}", device=args.device, max_num_seqs=max(max(args.batches), args.requests),
-        max_num_batched_tokens=args.token_budget, kv_cache_memory=int(args.kv_gib * 2**30),
+        model=f"dummy:{shape_name}",
+        device=args.device,
+        max_num_seqs=max(max(args.batches), args.requests),
+        max_num_batched_tokens=args.token_budget,
+        kv_cache_memory=int(args.kv_gib * 2**30),
         speculative="off",  # one token per request per step, as a GPU serves by default: the steps timed are decodes
     ).with_(**overrides)
     engine = build_engine(config, load_checkpoint(config.model))
@@ -61,8 +64,9 @@ def make_engine(shape_name: str, args, **overrides) -> EngineCore:
     if r.graphs is None and r.device.type == "cpu":
         # Off a GPU the graph runners' CPU stand-ins keep the eager/graphs comparison runnable.
         r.graphs = CudaGraphRunner(engine.model, r.kv_caches, 64, r.scratch_block, r.device, r.dtype)
-        r.decode_graphs = DecodeGraphRunner(engine.model, r.kv_caches, r.attention, config.max_num_seqs,
-                                            r.scratch_block, r.device, max_rows=64)
+        r.decode_graphs = DecodeGraphRunner(
+            engine.model, r.kv_caches, r.attention, config.max_num_seqs, r.scratch_block, r.device, max_rows=64
+        )
     if r.device.type == "cuda":
         assert_gpu_path(engine)
     return engine
@@ -72,13 +76,17 @@ def assert_gpu_path(engine: EngineCore) -> None:
     """Fail rather than time a fallback: each of these falls back with a warning only where it cannot build."""
     r = engine.runner
     names = {type(m).__name__ for m in engine.model.modules()}
-    missing = [what for what, ok in (
-        ("the CUDA attention backend", type(r.attention).__name__ == "CudaAttention"),
-        ("whole-step graphs", r.decode_graphs is not None),
-        ("compiled token-wise segments", r.graphs is not None and r.graphs.segments is not EAGER),
-        ("the RMSNorm kernel", "CudaRMSNorm" in names),
-        ("the RoPE kernel", "CudaRotary" in names),
-    ) if not ok]
+    missing = [
+        what
+        for what, ok in (
+            ("the CUDA attention backend", type(r.attention).__name__ == "CudaAttention"),
+            ("whole-step graphs", r.decode_graphs is not None),
+            ("compiled token-wise segments", r.graphs is not None and r.graphs.segments is not EAGER),
+            ("the RMSNorm kernel", "CudaRMSNorm" in names),
+            ("the RoPE kernel", "CudaRotary" in names),
+        )
+        if not ok
+    ]
     if missing:
         raise RuntimeError(f"not the GPU path meant to be timed, without {', '.join(missing)}: {r.describe()}")
 
@@ -98,9 +106,13 @@ def graph_runners(engine: EngineCore) -> tuple:
 
 def capture_cost(engine: EngineCore) -> dict:
     g, d = graph_runners(engine)
-    return {"piecewise_s": g.capture_seconds if g else None, "piecewise_mib": g.capture_bytes / 2**20 if g else None,
-            "decode_s": d.capture_seconds if d else None, "decode_mib": d.capture_bytes / 2**20 if d else None,
-            "graphs": (len(g.buckets) * (len(engine.model.layers) + 1) if g else 0) + (len(d.buckets) if d else 0)}
+    return {
+        "piecewise_s": g.capture_seconds if g else None,
+        "piecewise_mib": g.capture_bytes / 2**20 if g else None,
+        "decode_s": d.capture_seconds if d else None,
+        "decode_mib": d.capture_bytes / 2**20 if d else None,
+        "graphs": (len(g.buckets) * (len(engine.model.layers) + 1) if g else 0) + (len(d.buckets) if d else 0),
+    }
 
 
 def run_to_completion(engine: EngineCore, workload, stagger: bool = False) -> tuple[list[list[int]], float]:
@@ -109,7 +121,9 @@ def run_to_completion(engine: EngineCore, workload, stagger: bool = False) -> tu
     reqs = []
     t = time.perf_counter()
     if not stagger:
-        reqs = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in pending]
+        reqs = [
+            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in pending
+        ]
         pending = []
     while pending or engine.has_unfinished():
         if pending:
@@ -129,22 +143,33 @@ def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vo
 
 # ---------------------------------------------------------------- (a) graphs == eager
 
+
 def check_graphs_match_eager(args) -> dict:
     engine = make_engine(args.shapes[0], args, dtype=args.check_dtype)
     graphs = graph_runners(engine)
-    work = workload(args.check_requests, tuple(args.check_input_len), (args.check_steps,) * 2, engine.shape.vocab_size, 1)
+    work = workload(
+        args.check_requests, tuple(args.check_input_len), (args.check_steps,) * 2, engine.shape.vocab_size, 1
+    )
     outputs = {}
     for mode in MODES:
         set_graphs(engine, mode, graphs)
         outputs[mode], _ = run_to_completion(engine, work, stagger=True)
-    result = {"shape": args.shapes[0], "dtype": args.check_dtype, "requests": len(work), "steps": args.check_steps,
-              "capture": capture_cost(engine), "runner": engine.runner.describe(),
-              "steps_by_path": dict(engine.runner.step_paths)}
+    result = {
+        "shape": args.shapes[0],
+        "dtype": args.check_dtype,
+        "requests": len(work),
+        "steps": args.check_steps,
+        "capture": capture_cost(engine),
+        "runner": engine.runner.describe(),
+        "steps_by_path": dict(engine.runner.step_paths),
+    }
     for mode in MODES[1:]:
         result[mode] = {
             "identical": sum(a == b for a, b in zip(outputs["eager"], outputs[mode])),
-            "first_difference_at": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                                    for a, b in zip(outputs["eager"], outputs[mode])],
+            "first_difference_at": [
+                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                for a, b in zip(outputs["eager"], outputs[mode])
+            ],
         }
     del engine, graphs
     free_memory()
@@ -152,6 +177,7 @@ def check_graphs_match_eager(args) -> dict:
 
 
 # ---------------------------------------------------------------- (b) decode step time vs floor
+
 
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s moved by a device-to-device copy (read + write), median of 10 after a warm-up.
@@ -201,7 +227,9 @@ def decode_step_times(args, bandwidth: float, rows: list[dict], save) -> None:
             for i in range(batch):
                 ids = [(7 * i + j) % engine.shape.vocab_size for j in range(prompt_len)]
                 engine.add_request(ids, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
-            while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+            while engine.scheduler.num_waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+            ):
                 engine.step()  # prefill everything first: only pure decode steps are timed
             samples = {mode: [] for mode in MODES}
             for mode in MODES:  # warm-up
@@ -218,17 +246,28 @@ def decode_step_times(args, bandwidth: float, rows: list[dict], save) -> None:
             context = prompt_len + args.steps * args.repeats + 1
             floor = floor_seconds(engine.shape, engine.runner.dtype, batch, context, bandwidth)
             med = {m: statistics.median(v) for m, v in samples.items()}
-            rows.append({
-                "shape": shape_name, "batch": batch, "context": context, "capture": capture,
-                "runner": engine.runner.describe(),
-                "eager_ms": med["eager"] * 1e3, "piecewise_ms": med["piecewise"] * 1e3, "graphs_ms": med["whole"] * 1e3,
-                "floor_ms": floor * 1e3, "graph_speedup": med["eager"] / med["whole"],
-                "graphs_over_floor": med["whole"] / floor,
-            })
+            rows.append(
+                {
+                    "shape": shape_name,
+                    "batch": batch,
+                    "context": context,
+                    "capture": capture,
+                    "runner": engine.runner.describe(),
+                    "eager_ms": med["eager"] * 1e3,
+                    "piecewise_ms": med["piecewise"] * 1e3,
+                    "graphs_ms": med["whole"] * 1e3,
+                    "floor_ms": floor * 1e3,
+                    "graph_speedup": med["eager"] / med["whole"],
+                    "graphs_over_floor": med["whole"] / floor,
+                }
+            )
             save()
-            print(f"(b) {shape_name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, piecewise "
-                  f"{rows[-1]['piecewise_ms']:.2f} ms, whole-step graphs {rows[-1]['graphs_ms']:.2f} ms, "
-                  f"floor {rows[-1]['floor_ms']:.2f} ms", flush=True)
+            print(
+                f"(b) {shape_name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, piecewise "
+                f"{rows[-1]['piecewise_ms']:.2f} ms, whole-step graphs {rows[-1]['graphs_ms']:.2f} ms, "
+                f"floor {rows[-1]['floor_ms']:.2f} ms",
+                flush=True,
+            )
             for r in list(engine.scheduler.running):
                 engine.abort_request(r.request_id)
         set_graphs(engine, "whole", graphs)
@@ -238,32 +277,49 @@ def decode_step_times(args, bandwidth: float, rows: list[dict], save) -> None:
 
 # ---------------------------------------------------------------- (c), (d) throughput
 
+
 def hf_model_from(engine: EngineCore):
     """A transformers Llama with the engine's (dummy) weights, un-fused back to Hugging Face names."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     s = engine.shape
     config = LlamaConfig(
-        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
-        head_dim=s.head_dim, rope_theta=s.rope_theta, rms_norm_eps=s.rms_norm_eps,
-        max_position_embeddings=s.max_position, tie_word_embeddings=s.tie_word_embeddings,
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        rope_theta=s.rope_theta,
+        rms_norm_eps=s.rms_norm_eps,
+        max_position_embeddings=s.max_position,
+        tie_word_embeddings=s.tie_word_embeddings,
     )
     m = engine.model
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    state = {"model.embed_tokens.weight": m.embed_tokens.weight, "model.norm.weight": m.norm.weight,
-             "lm_head.weight": m.lm_head.weight}
+    state = {
+        "model.embed_tokens.weight": m.embed_tokens.weight,
+        "model.norm.weight": m.norm.weight,
+        "lm_head.weight": m.lm_head.weight,
+    }
     for i, layer in enumerate(m.layers):
         p = f"model.layers.{i}."
         wq, wk, wv = layer.qkv_proj.weight.split([q, kv, kv])
         gate, up = layer.gate_up_proj.weight.chunk(2)
-        state.update({
-            p + "input_layernorm.weight": layer.input_layernorm.weight,
-            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-            p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk, p + "self_attn.v_proj.weight": wv,
-            p + "self_attn.o_proj.weight": layer.o_proj.weight, p + "mlp.gate_proj.weight": gate,
-            p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": layer.down_proj.weight,
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": layer.input_layernorm.weight,
+                p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+                p + "self_attn.q_proj.weight": wq,
+                p + "self_attn.k_proj.weight": wk,
+                p + "self_attn.v_proj.weight": wv,
+                p + "self_attn.o_proj.weight": layer.o_proj.weight,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.down_proj.weight,
+            }
+        )
     with torch.device(engine.runner.device):
         hf = LlamaForCausalLM(config).to(engine.runner.dtype)
     with torch.no_grad():
@@ -280,8 +336,14 @@ def run_transformers(hf, work, batch_size: int, device: torch.device) -> float:
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
         with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=0)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] == width + new
     sync(device)
     return time.perf_counter() - t
@@ -303,12 +365,21 @@ def throughput(args, result: dict, save) -> None:
     if "c" in args.parts:
         hf = hf_model_from(first)
         systems["transformers"] = lambda: run_transformers(hf, work, args.hf_batch, first.runner.device)
-    result.update({
-        "shape": shape_name, "requests": len(work), "output_tokens": out_tokens, "hf_batch": args.hf_batch,
-        "max_num_seqs": first.config.max_num_seqs, "capped_seqs": args.capped_seqs,
-        "token_budget": first.config.max_num_batched_tokens, "warm_runs": args.repeats,
-        "first_run_tok_s": {}, "samples_tok_s": {name: [] for name in systems}, "median_tok_s": {},
-    })
+    result.update(
+        {
+            "shape": shape_name,
+            "requests": len(work),
+            "output_tokens": out_tokens,
+            "hf_batch": args.hf_batch,
+            "max_num_seqs": first.config.max_num_seqs,
+            "capped_seqs": args.capped_seqs,
+            "token_budget": first.config.max_num_batched_tokens,
+            "warm_runs": args.repeats,
+            "first_run_tok_s": {},
+            "samples_tok_s": {name: [] for name in systems},
+            "median_tok_s": {},
+        }
+    )
     # The first full run of each system is its warm-up (kernel choices, allocator growth, lazy compiles):
     # seen at 640 tok/s for transformers where its next run made 1442. Reported, never in a median.
     for name, run in systems.items():
@@ -342,26 +413,36 @@ def print_table(report: dict) -> None:
     print(f"\n== {report['device']['name']} ==")
     if a := report.get("graphs_vs_eager"):
         for mode in MODES[1:]:
-            print(f"(a) {mode} graphs vs eager, {a['shape']} {a['dtype']}: {a[mode]['identical']}/{a['requests']} "
-                  f"requests token-identical over {a['steps']} steps")
+            print(
+                f"(a) {mode} graphs vs eager, {a['shape']} {a['dtype']}: {a[mode]['identical']}/{a['requests']} "
+                f"requests token-identical over {a['steps']} steps"
+            )
         print(f"(a) capture: {a['capture']}")
     if "decode_steps" in report:
         print(f"(b) copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s")
-        print(f"{'shape':<14}{'batch':>6}{'eager ms':>10}{'piecew. ms':>11}{'graphs ms':>11}{'floor ms':>10}"
-              f"{'speedup':>9}{'/floor':>8}")
+        print(
+            f"{'shape':<14}{'batch':>6}{'eager ms':>10}{'piecew. ms':>11}{'graphs ms':>11}{'floor ms':>10}"
+            f"{'speedup':>9}{'/floor':>8}"
+        )
     for r in report.get("decode_steps", []):
-        print(f"{r['shape']:<14}{r['batch']:>6}{r['eager_ms']:>10.2f}{r['piecewise_ms']:>11.2f}{r['graphs_ms']:>11.2f}"
-              f"{r['floor_ms']:>10.2f}{r['graph_speedup']:>8.2f}x{r['graphs_over_floor']:>7.2f}x")
+        print(
+            f"{r['shape']:<14}{r['batch']:>6}{r['eager_ms']:>10.2f}{r['piecewise_ms']:>11.2f}{r['graphs_ms']:>11.2f}"
+            f"{r['floor_ms']:>10.2f}{r['graph_speedup']:>8.2f}x{r['graphs_over_floor']:>7.2f}x"
+        )
     t = report.get("throughput", {})
     m = t.get("median_tok_s", {})
     if "orcinus_over_transformers" in t:
-        print(f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}, "
-              f"median of {t['warm_runs']} warm runs: orcinus {m['orcinus']:.0f} tok/s, transformers "
-              f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}; "
-              f"first run {t['first_run_tok_s']['transformers']:.0f}) = {t['orcinus_over_transformers']:.2f}x")
+        print(
+            f"(c) {t['shape']}, {t['requests']} requests, max {t['max_num_seqs']} seqs, budget {t['token_budget']}, "
+            f"median of {t['warm_runs']} warm runs: orcinus {m['orcinus']:.0f} tok/s, transformers "
+            f"{m['transformers']:.0f} tok/s (batch {t['hf_batch']}; "
+            f"first run {t['first_run_tok_s']['transformers']:.0f}) = {t['orcinus_over_transformers']:.2f}x"
+        )
     if "iteration_over_request_level" in t:
-        print(f"(d) max {t['capped_seqs']} seqs: iteration-level {m['orcinus_capped']:.0f} vs request-level "
-              f"{m['orcinus_request_level']:.0f} tok/s = {t['iteration_over_request_level']:.2f}x")
+        print(
+            f"(d) max {t['capped_seqs']} seqs: iteration-level {m['orcinus_capped']:.0f} vs request-level "
+            f"{m['orcinus_request_level']:.0f} tok/s = {t['iteration_over_request_level']:.2f}x"
+        )
 
 
 def main() -> int:
@@ -384,7 +465,9 @@ def main() -> int:
     ap.add_argument("--token-budget", type=int, default=None, help="max_num_batched_tokens; default: the engine's")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache per engine (engines are co-resident)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds of (b), and warm runs of (c)/(d) per system")
-    ap.add_argument("--parts", nargs="+", choices="abcd", default=list("abcd"), help="which of (a)-(d) to run, in this order")
+    ap.add_argument(
+        "--parts", nargs="+", choices="abcd", default=list("abcd"), help="which of (a)-(d) to run, in this order"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script itself")
     ap.add_argument("--out", default="benchmarks/results/gpu/bench_gpu.json")
     args = ap.parse_args()

@@ -29,11 +29,17 @@ def check_sdk(url: str) -> dict:
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
     prompt = [(31 * i) % 1000 + 1 for i in range(24)]
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
-    streamed = [c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)]
-    return {"completion": whole.choices[0].text, "streamed_equals_whole": "".join(streamed) == whole.choices[0].text,
-            "stream_chunks": len(streamed), "completion_tokens": whole.usage.completion_tokens,
-            "finish_reason": whole.choices[0].finish_reason}
+    streamed = [
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+    ]
+    return {
+        "completion": whole.choices[0].text,
+        "streamed_equals_whole": "".join(streamed) == whole.choices[0].text,
+        "stream_chunks": len(streamed),
+        "completion_tokens": whole.usage.completion_tokens,
+        "finish_reason": whole.choices[0].finish_reason,
+    }
 
 
 def check_grid(layout: dict, **config) -> dict:
@@ -66,9 +72,26 @@ def main() -> int:
         save()
         print("sdk", report["sdk"], flush=True)
         bench = subprocess.run(
-            [sys.executable, "-m", "bench.serving.bench_serving", "--base-url", url, "--model", MODEL,
-             "--num-prompts", "64", "--max-concurrency", "32", "--out", str(Path(args.out).with_suffix(".bench.json"))],
-            cwd=ROOT, capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "bench.serving.bench_serving",
+                "--base-url",
+                url,
+                "--model",
+                MODEL,
+                "--num-prompts",
+                "64",
+                "--max-concurrency",
+                "32",
+                "--out",
+                str(Path(args.out).with_suffix(".bench.json")),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         report["bench_serving"] = {"exit": bench.returncode, "tail": bench.stdout[-1500:] + bench.stderr[-500:]}
         save()
         print(report["bench_serving"]["tail"], flush=True)
@@ -82,8 +105,11 @@ def main() -> int:
     print("tensor parallel", report["tensor_parallel_2"], flush=True)
     report["complete"] = True
     save()
-    ok = report["sdk"]["streamed_equals_whole"] and report["sdk"]["completion_tokens"] == 16 and \
-        report["bench_serving"]["exit"] == 0
+    ok = (
+        report["sdk"]["streamed_equals_whole"]
+        and report["sdk"]["completion_tokens"] == 16
+        and report["bench_serving"]["exit"] == 0
+    )
     return 0 if ok and report["pipeline_2_stages"]["identical"] == report["pipeline_2_stages"]["prompts"] else 1
 
 

@@ -29,7 +29,8 @@ def decode_batch(engine, batch: int, context: int, steps: int) -> None:
         ids = [(7 * i + j) % engine.shape.vocab_size for j in range(context)]
         engine.add_request(ids, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     while engine.scheduler.num_waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
         engine.step()
 
 
@@ -83,8 +84,7 @@ def main() -> int:
     engine = make_engine(args.shape, args)
     graphs = graph_runners(engine)
     decode_batch(engine, args.batch, args.context, 12 * args.steps + 20)  # outlasts every timed step
-    report = {"shape": args.shape, "batch": args.batch,
-              "runner": engine.runner.describe(), "modes": {}}
+    report = {"shape": args.shape, "batch": args.batch, "runner": engine.runner.describe(), "modes": {}}
     k = iter(range(10**6))
     cases = {
         "decode whole": ("whole", lambda: engine.step()),
@@ -102,8 +102,12 @@ def main() -> int:
             seconds = timed(fn, args.steps)
         table = profiled(fn, args.steps, args.top)
         median_ms = statistics.median(seconds) * 1e3
-        row = report["modes"][name] = {"median_ms": median_ms, "min_ms": min(seconds) * 1e3, "profile": table,
-                                       "steps_by_path": dict(engine.runner.step_paths)}
+        row = report["modes"][name] = {
+            "median_ms": median_ms,
+            "min_ms": min(seconds) * 1e3,
+            "profile": table,
+            "steps_by_path": dict(engine.runner.step_paths),
+        }
         if name.startswith("decode"):
             decode_ms[mode] = median_ms
         else:  # the mixed step and the decode after it, less a decode step of the same mode

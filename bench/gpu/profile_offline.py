@@ -30,6 +30,7 @@ def timed(stats: dict, name: str, fn, device: torch.device, count_none: bool = T
         stats[name + "_s"] += time.perf_counter() - t
         stats[name + "_n"] += 1 if count_none or out is not None else 0
         return out
+
     return wrapped
 
 
@@ -37,10 +38,15 @@ def instrument(engine) -> dict:
     """Wrap each phase and path of this engine's steps in a timer; returns the totals it fills."""
     stats, r = collections.defaultdict(float), engine.runner
     for name, obj, attr, count_none in (
-            ("decode_graphs", r.decode_graphs, "forward", False), ("piecewise", r.graphs, "forward", False),
-            ("eager_model", r, "model", True), ("schedule", engine.scheduler, "schedule", True),
-            ("update", engine.scheduler, "update", True), ("sample", engine.executor, "sampler", True),
-            ("prepare", r, "prepare", True), ("run", r, "run", True)):
+        ("decode_graphs", r.decode_graphs, "forward", False),
+        ("piecewise", r.graphs, "forward", False),
+        ("eager_model", r, "model", True),
+        ("schedule", engine.scheduler, "schedule", True),
+        ("update", engine.scheduler, "update", True),
+        ("sample", engine.executor, "sampler", True),
+        ("prepare", r, "prepare", True),
+        ("run", r, "run", True),
+    ):
         if obj is not None:
             setattr(obj, attr, timed(stats, name, getattr(obj, attr), r.device, count_none))
     return stats

@@ -46,8 +46,14 @@ def make_batch(requests, hq, hkv, d, bs, dtype, gen):
     cache = torch.randn(2, hkv, sum(nbs) + 1, bs, d, generator=gen).to(dtype).cuda()
     q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype).cuda() for h in (hq, hkv, hkv))
     qsl = torch.tensor([0] + [n for n, _ in requests]).cumsum(0).int()
-    meta = AttentionMetadata(qsl.cuda(), torch.tensor([c for _, c in requests], dtype=torch.int32).cuda(),
-                             tables.cuda(), torch.cat(slots).cuda(), [n for n, _ in requests], [c for _, c in requests])
+    meta = AttentionMetadata(
+        qsl.cuda(),
+        torch.tensor([c for _, c in requests], dtype=torch.int32).cuda(),
+        tables.cuda(),
+        torch.cat(slots).cuda(),
+        [n for n, _ in requests],
+        [c for _, c in requests],
+    )
     write_kv(k, v, cache, meta.slot_mapping)
     return q, cache, meta
 
@@ -66,8 +72,10 @@ def per_request(q, cache, meta):
 
 
 def reference(q, cache, meta):
-    outs = [F.scaled_dot_product_attention(qq.float(), kk.float(), vv.float(), **m, enable_gqa=True)
-            for qq, kk, vv, m in per_request(q, cache, meta)]
+    outs = [
+        F.scaled_dot_product_attention(qq.float(), kk.float(), vv.float(), **m, enable_gqa=True)
+        for qq, kk, vv, m in per_request(q, cache, meta)
+    ]
     return torch.cat([o[0].transpose(0, 1) for o in outs])
 
 
@@ -154,9 +162,13 @@ CHECKS = {
     "mixed": [(1, 8192), (17, 17), (1, 16), (300, 2000), (1, 1), (64, 64), (1, 513), (16, 4096)],
 }
 TIMINGS = {
-    "decode 1x8192": [(1, 8192)], "decode 8x2048": [(1, 2048)] * 8, "decode 64x2048": [(1, 2048)] * 64,
-    "decode 256x512": [(1, 512)] * 256, "decode 16x8192": [(1, 8192)] * 16,
-    "prefill 4x1024": [(1024, 1024)] * 4, "mixed 2x512+62 dec": [(512, 512)] * 2 + [(1, 1024)] * 62,
+    "decode 1x8192": [(1, 8192)],
+    "decode 8x2048": [(1, 2048)] * 8,
+    "decode 64x2048": [(1, 2048)] * 64,
+    "decode 256x512": [(1, 512)] * 256,
+    "decode 16x8192": [(1, 8192)] * 16,
+    "prefill 4x1024": [(1024, 1024)] * 4,
+    "mixed 2x512+62 dec": [(512, 512)] * 2 + [(1, 1024)] * 62,
 }
 
 
@@ -187,9 +199,14 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=20, help="timed eager calls per row")
     p.add_argument("--graph-iters", type=int, default=50, help="graph replays per timed run (x 8 kernel calls each)")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
-                   help="also check and graph-time the decode rows with the kernel built with these NVRTC options "
-                        "(comma-separated), e.g. u2b4=-DORCINUS_DECODE_UNROLL=2,-DORCINUS_DECODE_MIN_BLOCKS=4")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=OPTIONS",
+        help="also check and graph-time the decode rows with the kernel built with these NVRTC options "
+        "(comma-separated), e.g. u2b4=-DORCINUS_DECODE_UNROLL=2,-DORCINUS_DECODE_MIN_BLOCKS=4",
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -197,8 +214,13 @@ def main(argv=None) -> int:
 
     backend, dtype, gen = CudaAttention(), DTYPES[args.dtype], torch.Generator().manual_seed(0)
     d, hkv, bs = args.head_dim, args.kv_heads, args.block_size
-    results = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
-               "checks": [], "timings": [], "complete": False}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "dtype": args.dtype,
+        "checks": [],
+        "timings": [],
+        "complete": False,
+    }
 
     def save() -> None:
         if args.out:
@@ -220,12 +242,18 @@ def main(argv=None) -> int:
         q, cache, meta = make_batch(requests, args.group * hkv, hkv, d, bs, dtype, gen)
         reqs = per_request(q, cache, meta)
         qp, kp, vp, mask = padded(q, cache, meta)
-        row = {"batch": name, "tokens": q.shape[0],
-               "kernel_ms": time_ms(lambda: backend.forward(q, cache, meta), args.iters),
-               "sdpa_per_request_ms": time_ms(lambda: [F.scaled_dot_product_attention(
-                   a, b, c, **m, enable_gqa=True) for a, b, c, m in reqs], args.iters),
-               "sdpa_padded_ms": time_ms(lambda: F.scaled_dot_product_attention(
-                   qp, kp, vp, attn_mask=mask, enable_gqa=True), args.iters)}
+        row = {
+            "batch": name,
+            "tokens": q.shape[0],
+            "kernel_ms": time_ms(lambda: backend.forward(q, cache, meta), args.iters),
+            "sdpa_per_request_ms": time_ms(
+                lambda: [F.scaled_dot_product_attention(a, b, c, **m, enable_gqa=True) for a, b, c, m in reqs],
+                args.iters,
+            ),
+            "sdpa_padded_ms": time_ms(
+                lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True), args.iters
+            ),
+        }
         kv_bytes = sum(meta.context_lens_cpu) * hkv * d * 2 * cache.element_size()
         row["floor_ms"] = kv_bytes / bandwidth
         row["kernel_over_floor"] = row["kernel_ms"] / row["floor_ms"]  # eager: Python and launches included
@@ -237,30 +265,45 @@ def main(argv=None) -> int:
                 row["graph_error"] = f"{type(e).__name__}: {e}"
         results["timings"].append(row)
         save()
-        print(f"{name}: eager {row['kernel_ms']:.3f} ms, graph {row.get('graph_kernel_ms', float('nan')):.3f} ms, "
-              f"floor {row['floor_ms']:.3f} ms {row.get('graph_error', '')}", flush=True)
+        print(
+            f"{name}: eager {row['kernel_ms']:.3f} ms, graph {row.get('graph_kernel_ms', float('nan')):.3f} ms, "
+            f"floor {row['floor_ms']:.3f} ms {row.get('graph_error', '')}",
+            flush=True,
+        )
 
     results["variants"] = {}
     for spec in args.variant:
         results["variants"][spec] = row = variant(CudaAttention, spec, args, gen)
         save()
-        print(f"variant {spec}: checks {'ok' if row['ok'] else 'FAIL'}; graph ms " +
-              ", ".join(f"{k} {v:.3f}" for k, v in row["graph_kernel_ms"].items()), flush=True)
+        print(
+            f"variant {spec}: checks {'ok' if row['ok'] else 'FAIL'}; graph ms "
+            + ", ".join(f"{k} {v:.3f}" for k, v in row["graph_kernel_ms"].items()),
+            flush=True,
+        )
 
     results["complete"] = True
     save()
-    print(f"\n{results['device']}, {args.dtype}, D={d}, Hkv={hkv}, G={args.group}, "
-          f"copy bandwidth {bandwidth / 1e6:.0f} GB/s; floor = K/V bytes / that bandwidth; graph = the kernel alone "
-          f"(forward_decode in a CUDA graph), eager = the backend's whole call from Python")
-    print(f"{'batch':20s} {'eager ms':>9s} {'graph ms':>9s} {'sdpa/req ms':>12s} {'sdpa pad ms':>12s} {'floor ms':>9s} "
-          f"{'eager/fl':>9s} {'graph/fl':>9s}")
+    print(
+        f"\n{results['device']}, {args.dtype}, D={d}, Hkv={hkv}, G={args.group}, "
+        f"copy bandwidth {bandwidth / 1e6:.0f} GB/s; floor = K/V bytes / that bandwidth; graph = the kernel alone "
+        f"(forward_decode in a CUDA graph), eager = the backend's whole call from Python"
+    )
+    print(
+        f"{'batch':20s} {'eager ms':>9s} {'graph ms':>9s} {'sdpa/req ms':>12s} {'sdpa pad ms':>12s} {'floor ms':>9s} "
+        f"{'eager/fl':>9s} {'graph/fl':>9s}"
+    )
     for r in results["timings"]:
         graph = f"{r['graph_kernel_ms']:9.3f}" if "graph_kernel_ms" in r else f"{'':9s}"
         ratio = f"{r['graph_over_floor']:9.2f}" if "graph_over_floor" in r else f"{'':9s}"
-        print(f"{r['batch']:20s} {r['kernel_ms']:9.3f} {graph} {r['sdpa_per_request_ms']:12.3f} "
-              f"{r['sdpa_padded_ms']:12.3f} {r['floor_ms']:9.3f} {r['kernel_over_floor']:9.2f} {ratio}")
-    ok = (all(c["ok"] for c in results["checks"]) and not any("graph_error" in r for r in results["timings"])
-          and all(v["ok"] for v in results["variants"].values()))
+        print(
+            f"{r['batch']:20s} {r['kernel_ms']:9.3f} {graph} {r['sdpa_per_request_ms']:12.3f} "
+            f"{r['sdpa_padded_ms']:12.3f} {r['floor_ms']:9.3f} {r['kernel_over_floor']:9.2f} {ratio}"
+        )
+    ok = (
+        all(c["ok"] for c in results["checks"])
+        and not any("graph_error" in r for r in results["timings"])
+        and all(v["ok"] for v in results["variants"].values())
+    )
     return 0 if ok else 1
 
 

@@ -27,8 +27,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--passes", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--against", default=None,
-                    help="an older engine/kernels/csrc/cpu/int16_matmul.cpp to time instead of float32")
+    ap.add_argument(
+        "--against", default=None, help="an older engine/kernels/csrc/cpu/int16_matmul.cpp to time instead of float32"
+    )
     ap.add_argument("--march", default="native", help="with --against: build both sides for this -march")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -40,8 +41,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     blocks = load_checkpoint(None).blocks
-    groups = [[f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"] for i in range(999)
-              if f"model.layers.{i}.self_attn.q_proj.weight" in blocks]
+    groups = [
+        [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
+        for i in range(999)
+        if f"model.layers.{i}.self_attn.q_proj.weight" in blocks
+    ]
     n = len(groups)
     groups += [[f"model.layers.{i}.self_attn.o_proj.weight"] for i in range(n)]
     groups += [[f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up")] for i in range(n)]
@@ -51,35 +55,57 @@ def main() -> None:
     base = "float32" if args.against is None else "against"
     if args.march != "native" and args.against is None:
         ap.error("--march needs --against")
-    other = None if args.against is None else load_cpu_extension_copy("orcinus_cpu_int16_matmul", args.against,
-                                                                      args.march)
-    tree = None if args.march == "native" else load_cpu_extension_copy(
-        "orcinus_cpu_int16_matmul", str(CPU_SOURCES / "int16_matmul.cpp"), args.march, tag="tree")
-    kinds = {base: [BlockLinear([blocks[k] for k in g]) if other is None else OtherInt16([blocks[k] for k in g], other)
-                    for g in groups],
-             "int16": [Int16BlockLinear([blocks[k] for k in g]) if tree is None else
-                       OtherInt16([blocks[k] for k in g], tree) for g in groups]}
-    result = {"threads": args.threads, "march": args.march, "layers": len(groups),
-              "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g), "rows": {}}
+    other = (
+        None if args.against is None else load_cpu_extension_copy("orcinus_cpu_int16_matmul", args.against, args.march)
+    )
+    tree = (
+        None
+        if args.march == "native"
+        else load_cpu_extension_copy(
+            "orcinus_cpu_int16_matmul", str(CPU_SOURCES / "int16_matmul.cpp"), args.march, tag="tree"
+        )
+    )
+    kinds = {
+        base: [
+            BlockLinear([blocks[k] for k in g]) if other is None else OtherInt16([blocks[k] for k in g], other)
+            for g in groups
+        ],
+        "int16": [
+            Int16BlockLinear([blocks[k] for k in g]) if tree is None else OtherInt16([blocks[k] for k in g], tree)
+            for g in groups
+        ],
+    }
+    result = {
+        "threads": args.threads,
+        "march": args.march,
+        "layers": len(groups),
+        "weight_bytes": sum(blocks[k].data.numel() for g in groups for k in g),
+        "rows": {},
+    }
     for rows in args.rows:
         inputs = [torch.randn(rows, layer.in_features) for layer in kinds[base]]
         times: dict[str, list[float]] = {k: [] for k in kinds}
         outputs = {}
         for p in range(args.passes + 3):
-            for kind in ((base, "int16") if p % 2 else ("int16", base)):
+            for kind in (base, "int16") if p % 2 else ("int16", base):
                 t = time.perf_counter()
                 outputs[kind] = [layer(x) for layer, x in zip(kinds[kind], inputs)]
                 if p >= 3:  # warm-up passes
                     times[kind].append((time.perf_counter() - t) * 1e3)
         ratios = [f / i for f, i in zip(times[base], times["int16"])]
-        result["rows"][rows] = {"median_ms": {k: statistics.median(v) for k, v in times.items()},
-                                f"{base}_over_int16": statistics.median(ratios), "samples_ms": times}
+        result["rows"][rows] = {
+            "median_ms": {k: statistics.median(v) for k, v in times.items()},
+            f"{base}_over_int16": statistics.median(ratios),
+            "samples_ms": times,
+        }
         same = ""
         if args.against is not None:
             result["rows"][rows]["same_bits"] = all(map(torch.equal, outputs[base], outputs["int16"]))
             same = f"; same bits: {result['rows'][rows]['same_bits']}"
-        print(f"rows {rows}: {base} {statistics.median(times[base]):.2f} ms, int16 "
-              f"{statistics.median(times['int16']):.2f} ms a pass; ratio {statistics.median(ratios):.3f}x{same}")
+        print(
+            f"rows {rows}: {base} {statistics.median(times[base]):.2f} ms, int16 "
+            f"{statistics.median(times['int16']):.2f} ms a pass; ratio {statistics.median(ratios):.3f}x{same}"
+        )
     if args.out:
         write_report(args.out, result)
 

@@ -33,8 +33,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     shapes = SHAPES * args.layers
-    layers = {t: [BlockLinear([random_blocks(GGMLQuantizationType[t], n, k, seed=i)]) for i, (n, k) in enumerate(shapes)]
-              for t in args.types}
+    layers = {
+        t: [BlockLinear([random_blocks(GGMLQuantizationType[t], n, k, seed=i)]) for i, (n, k) in enumerate(shapes)]
+        for t in args.types
+    }
     result = {"threads": args.threads, "shapes": shapes, "median_ms": {}}
     for rows in args.rows:
         xs = [torch.randn(rows, k) for _, k in shapes]

@@ -48,8 +48,9 @@ def main() -> None:
             caches = [torch.randn(2, kv_heads, num_blocks, block_size, head_dim) for _ in range(args.layers)]
             tables = torch.randperm(num_blocks)[: per_table * args.requests].int().view(args.requests, per_table)
             requests = torch.tensor([r * args.requests // n for r in range(n)], dtype=torch.int32)
-            lens = torch.tensor([ctx + 1 + r - int((requests == requests[r]).nonzero()[0]) for r in range(n)],
-                                dtype=torch.int32)  # a request's rows: ctx + 1, ctx + 2, ... keys
+            lens = torch.tensor(
+                [ctx + 1 + r - int((requests == requests[r]).nonzero()[0]) for r in range(n)], dtype=torch.int32
+            )  # a request's rows: ctx + 1, ctx + 2, ... keys
             calls = [(q, cache, tables, requests, lens, 0.125, 0, 0.0) for cache in caches]
             outputs = {k: op(*calls[0]) for k, op in ops.items()}
             for _ in range(20):

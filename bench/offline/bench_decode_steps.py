@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=0, help="prompt tokens per request (0: ~10, a short sentence)")
-    ap.add_argument("--config", default="{}", help="EngineConfig fields as JSON, e.g. '{\"dtype\": \"bfloat16\"}'")
+    ap.add_argument("--config", default="{}", help='EngineConfig fields as JSON, e.g. \'{"dtype": "bfloat16"}\'')
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -39,8 +39,9 @@ def main() -> int:
         # Another checkout's engine: this script again, in a process that imports from that tree first (a tree
         # from before the script existed still compares).
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child"],
-                            env=env).returncode
+        rc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child"], env=env
+        ).returncode
         if rc == 0 and args.out:  # the child wrote its measurements: the report's provenance is this process's
             from bench.common import write_report
 
@@ -52,8 +53,12 @@ def main() -> int:
     from engine.model.loader import load_checkpoint
 
     torch.set_num_threads(args.threads)
-    llm = LLM(checkpoint=load_checkpoint(None), num_threads=args.threads, max_num_seqs=max(args.batches),
-              **json.loads(args.config))
+    llm = LLM(
+        checkpoint=load_checkpoint(None),
+        num_threads=args.threads,
+        max_num_seqs=max(args.batches),
+        **json.loads(args.config),
+    )
     engine = llm.engine
     result = {}
     for batch in args.batches:

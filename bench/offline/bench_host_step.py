@@ -28,12 +28,19 @@ def measure(batch: int, rounds: int, steps: int) -> dict[str, float]:
     from engine.core.request import SampledTokens
     from engine.launch import build_engine
 
-    config = EngineConfig(model="dummy:tiny", device="cpu", max_num_seqs=batch, speculative="off",
-                          kv_cache_memory=2**30, async_scheduling="on")
+    config = EngineConfig(
+        model="dummy:tiny",
+        device="cpu",
+        max_num_seqs=batch,
+        speculative="off",
+        kv_cache_memory=2**30,
+        async_scheduling="on",
+    )
     engine = build_engine(config)
     for i in range(batch):
-        engine.add_request([(7 * i + j) % 40000 for j in range(128)],
-                           SamplingParams(max_tokens=1800, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            [(7 * i + j) % 40000 for j in range(128)], SamplingParams(max_tokens=1800, temperature=0.0, ignore_eos=True)
+        )
     sched, runner = engine.scheduler, engine.executor.runner
     while sched.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()
@@ -83,9 +90,24 @@ def main() -> int:
             path = Path(tree).resolve()
             env = {**os.environ, "PYTHONPATH": str(path)}
             # This script, importing the tree's engine: a tree from before the script existed still compares.
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
-                                  "--batch", str(args.batch), "--rounds", str(args.rounds), "--steps", str(args.steps)],
-                                 cwd=path, env=env, capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    "--batch",
+                    str(args.batch),
+                    "--rounds",
+                    str(args.rounds),
+                    "--steps",
+                    str(args.steps),
+                ],
+                cwd=path,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             results[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"run {run} {tree}: " + " ".join(f"{k} {v:.3f}" for k, v in results[tree][-1].items()), flush=True)
     summary = {tree: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for tree, runs in results.items()}

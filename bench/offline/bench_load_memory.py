@@ -36,8 +36,15 @@ print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 def probe(tree: Path, model: str, extensions: str) -> dict:
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": extensions}  # each checkout's C++ ops built once, not in turn
-    out = subprocess.run([sys.executable, "-c", PROBE, model], cwd=tree, capture_output=True, text=True, check=True,
-                         timeout=1800, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, model],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+        env=env,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -60,8 +67,11 @@ def main() -> int:
             samples.append(probe(tree, args.model, extensions[tree]))
             report["median"][str(tree)] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
             write_report(args.out, report)
-            print(f"{tree}: peak {samples[-1]['peak_mib']:.0f} MiB, after {samples[-1]['after_mib']:.0f} MiB, "
-                  f"{samples[-1]['seconds']:.1f} s", flush=True)
+            print(
+                f"{tree}: peak {samples[-1]['peak_mib']:.0f} MiB, after {samples[-1]['after_mib']:.0f} MiB, "
+                f"{samples[-1]['seconds']:.1f} s",
+                flush=True,
+            )
     scratch.cleanup()
     return 0
 

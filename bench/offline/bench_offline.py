@@ -60,8 +60,12 @@ def time_transformers(model, prompts: list[list[int]], num_tokens: int, pad_id: 
     t = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-            do_sample=False, pad_token_id=pad_id,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
         )
     assert out.shape[1] == width + num_tokens
     return time.perf_counter() - t
@@ -82,8 +86,11 @@ def unfused_llm(**kw) -> LLM:
 def machine() -> dict:
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     return {
-        "cpu": cpu.stdout.strip(), "cores": torch.get_num_threads(), "platform": platform.platform(),
-        "torch": torch.__version__, "python": platform.python_version(),
+        "cpu": cpu.stdout.strip(),
+        "cores": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
     }
 
 
@@ -105,8 +112,12 @@ def main() -> None:
 
     ckpt = load_checkpoint(None)
     # Long prompts time their prefill too (the first token's time): none may come from the cache of a run before.
-    common = dict(checkpoint=ckpt, max_num_seqs=max(args.batches), dtype=args.dtype,
-                  prefix_caching=args.prompt_tokens is None)
+    common = {
+        "checkpoint": ckpt,
+        "max_num_seqs": max(args.batches),
+        "dtype": args.dtype,
+        "prefix_caching": args.prompt_tokens is None,
+    }
     llm = LLM(**common)
     path = default_model_path()
     dtype = getattr(torch, args.dtype)
@@ -145,13 +156,18 @@ def main() -> None:
         results[batch] = {"samples_tok_s": samples, "median_tok_s": med, "ratio": med["orcinus"] / med[base]}
         results[batch]["ratios"] = {name: med[name] / med[base] for name in med}
         results[batch]["first_token_s"] = {name: statistics.median(v) for name, v in firsts.items()}
-        print(f"batch {batch:>3}: " + "  ".join(f"{name} {v:7.1f} tok/s" for name, v in med.items())
-              + "  ratios " + " ".join(f"{r:.2f}x" for r in results[batch]["ratios"].values()), flush=True)
+        print(
+            f"batch {batch:>3}: "
+            + "  ".join(f"{name} {v:7.1f} tok/s" for name, v in med.items())
+            + "  ratios "
+            + " ".join(f"{r:.2f}x" for r in results[batch]["ratios"].values()),
+            flush=True,
+        )
 
     report = {
         "machine": machine(),
         "what": f"decode tokens/s, greedy, {args.dtype}, prefill excluded; median of interleaved repeats "
-                "(first_token_s: the prefill and first token's time, median)",
+        "(first_token_s: the prefill and first token's time, median)",
         "prompt_tokens": args.prompt_tokens,
         "tokens_per_request": args.tokens,
         "results": results,

@@ -58,8 +58,16 @@ def main() -> int:
         # Named by the tree's path (hash() of a str differs from run to run: every run would build again).
         name = hashlib.sha1(tree.encode()).hexdigest()[:12]
         env = dict(os.environ, TORCH_EXTENSIONS_DIR=f"/tmp/bench_prefill_ext_{name}")
-        workers.append(subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env, cwd=tree))
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=tree,
+            )
+        )
     for w in workers:
         assert json.loads(w.stdout.readline()) == "ready"
 
@@ -81,8 +89,11 @@ def main() -> int:
                 rng.shuffle(order)  # who goes first alternates
                 for i in order:
                     seconds[n][i].append(prefill(workers[i], n, seed))
-        print(f"round {r}:", {n: [round(statistics.median(s) * 1e3, 1) for s in v] for n, v in seconds.items()},
-              flush=True)
+        print(
+            f"round {r}:",
+            {n: [round(statistics.median(s) * 1e3, 1) for s in v] for n, v in seconds.items()},
+            flush=True,
+        )
     for w in workers:
         w.stdin.close()
         w.wait()
@@ -93,8 +104,13 @@ def main() -> int:
             "median_ratio_to_first": [statistics.median(a / b for a, b in zip(per_tree[0], s)) for s in per_tree],
             "prompts": len(per_tree[0]),
         }
-        print(n, "tokens:", json.dumps({k: [round(x, 3) for x in v] if isinstance(v, list) else v
-                                        for k, v in result["lengths"][n].items()}))
+        print(
+            n,
+            "tokens:",
+            json.dumps(
+                {k: [round(x, 3) for x in v] if isinstance(v, list) else v for k, v in result["lengths"][n].items()}
+            ),
+        )
     if args.out:
         write_report(args.out, result)
     return 0

@@ -59,11 +59,16 @@ def main() -> None:
     table = {}
     for b, runs in samples.items():
         prefill = statistics.median(r["prefill_s"] for r in runs)
-        table[b] = {"prefill_tok_s": args.prompt_len / prefill, "max_step_s": statistics.median(r["max_step_s"] for r in runs)}
-        print(f"budget {b:>5}: prefill {table[b]['prefill_tok_s']:7.1f} tok/s beside {args.decodes} decodes, "
-              f"longest step {table[b]['max_step_s']:.3f} s", flush=True)
-    report = {"prompt_len": args.prompt_len, "decodes": args.decodes,
-              "medians": table, "samples": samples}
+        table[b] = {
+            "prefill_tok_s": args.prompt_len / prefill,
+            "max_step_s": statistics.median(r["max_step_s"] for r in runs),
+        }
+        print(
+            f"budget {b:>5}: prefill {table[b]['prefill_tok_s']:7.1f} tok/s beside {args.decodes} decodes, "
+            f"longest step {table[b]['max_step_s']:.3f} s",
+            flush=True,
+        )
+    report = {"prompt_len": args.prompt_len, "decodes": args.decodes, "medians": table, "samples": samples}
     write_report(args.out, report)
 
 

@@ -29,9 +29,15 @@ def main() -> int:
     hidden, layers, ffn, heads, kv = args.hidden, args.layers, args.ffn, args.heads, args.kv_heads
     src = GGUFReader(default_model_path())
     w = GGUFWriter(args.out, "llama")
-    override = {"llama.block_count": layers, "llama.embedding_length": hidden, "llama.feed_forward_length": ffn,
-                "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv,
-                "llama.rope.dimension_count": hidden // heads, "llama.context_length": 4096}
+    override = {
+        "llama.block_count": layers,
+        "llama.embedding_length": hidden,
+        "llama.feed_forward_length": ffn,
+        "llama.attention.head_count": heads,
+        "llama.attention.head_count_kv": kv,
+        "llama.rope.dimension_count": hidden // heads,
+        "llama.context_length": 4096,
+    }
     for k, f in src.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture":
             continue
@@ -53,9 +59,15 @@ def main() -> int:
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
-        for name, rows, cols in [("attn_q", hidden, hidden), ("attn_k", kv * head_dim, hidden),
-                                 ("attn_v", kv * head_dim, hidden), ("attn_output", hidden, hidden),
-                                 ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)]:
+        for name, rows, cols in [
+            ("attn_q", hidden, hidden),
+            ("attn_k", kv * head_dim, hidden),
+            ("attn_v", kv * head_dim, hidden),
+            ("attn_output", hidden, hidden),
+            ("ffn_gate", ffn, hidden),
+            ("ffn_up", ffn, hidden),
+            ("ffn_down", hidden, ffn),
+        ]:
             w.add_tensor(p + name + ".weight", blocks(rows, cols), raw_dtype=Q.Q4_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()

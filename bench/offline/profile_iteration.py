@@ -22,13 +22,25 @@ from engine.core.engine_core import EngineCore
 from engine.launch import build_engine
 
 GEMM = {"aten::mm", "aten::addmm", "aten::linear", "aten::_weight_int4pack_mm_for_cpu"}
-ATTENTION = {"aten::index", "aten::index_copy_", "aten::bmm", "aten::_softmax", "aten::masked_fill_",
-             "aten::_scaled_dot_product_flash_attention_for_cpu"}
+ATTENTION = {
+    "aten::index",
+    "aten::index_copy_",
+    "aten::bmm",
+    "aten::_softmax",
+    "aten::masked_fill_",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+}
 
 
 def decode_engine(batch: int, context: int, args) -> EngineCore:
-    config = EngineConfig(model=args.model, device=args.device, max_num_seqs=batch, enforce_eager=args.enforce_eager,
-                          max_num_batched_tokens=max(2048, batch * context), compile=args.compile)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        max_num_seqs=batch,
+        enforce_eager=args.enforce_eager,
+        max_num_batched_tokens=max(2048, batch * context),
+        compile=args.compile,
+    )
     engine = build_engine(config)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)  # outlasts the profiled steps
     for i in range(batch):
@@ -72,14 +84,20 @@ def op_split(engine: EngineCore, steps: int, table: bool) -> tuple[dict[str, flo
         kind = device_kind
     else:
         times = {e.key: e.self_cpu_time_total for e in events}
-        kind = lambda name: "gemm" if name in GEMM else "attention" if name in ATTENTION else "other"  # noqa: E731
+        kind = lambda name: "gemm" if name in GEMM else "attention" if name in ATTENTION else "other"
     total = sum(times.values()) or 1.0
     split = {k: 0.0 for k in ("gemm", "attention", "other")}
     for name, t in times.items():
         split[kind(name)] += t / total
     calls = {e.key: e.count for e in events}
-    kernels = [{"name": name, "us_per_step": t / steps, "calls_per_step": calls[name] / steps}
-               for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:40]] if gpu else []
+    kernels = (
+        [
+            {"name": name, "us_per_step": t / steps, "calls_per_step": calls[name] / steps}
+            for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:40]
+        ]
+        if gpu
+        else []
+    )
     return split, kernels
 
 
@@ -101,25 +119,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when there is one)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                    help="torch.compile of the token-wise ops inside the graphs (off: PyTorch's ops, for an A/B)")
+    ap.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile of the token-wise ops inside the graphs (off: PyTorch's ops, for an A/B)",
+    )
     ap.add_argument("--table", action="store_true", help="print the profiler's table of ops")
     ap.add_argument("--out", default="benchmarks/results/offline/iteration_profile.json")
     args = ap.parse_args()
     rows = {}
-    report = {"threads": torch.get_num_threads(),
-              "context": args.context, "rows": rows, "complete": False}
+    report = {"threads": torch.get_num_threads(), "context": args.context, "rows": rows, "complete": False}
     for b in args.batches:
         engine = decode_engine(b, args.context, args)
         phases(engine, 3)  # warm-up
         ph = phases(engine, args.steps)
         split, kernels = op_split(engine, max(3, args.steps // 3), args.table)
-        rows[b] = {"phases_ms": ph, "model_op_share": split, "step_ms": sum(ph.values()),
-                   "tokens_per_s": b / sum(ph.values()) * 1000, "kernels": kernels}
-        print(f"batch {b:>3}: step {rows[b]['step_ms']:7.1f} ms ({rows[b]['tokens_per_s']:6.1f} tok/s)  "
-              + "  ".join(f"{k} {v:6.1f}" for k, v in ph.items())
-              + f"  | model: gemm {split['gemm']:.0%} attention {split['attention']:.0%} other {split['other']:.0%}",
-              flush=True)
+        rows[b] = {
+            "phases_ms": ph,
+            "model_op_share": split,
+            "step_ms": sum(ph.values()),
+            "tokens_per_s": b / sum(ph.values()) * 1000,
+            "kernels": kernels,
+        }
+        print(
+            f"batch {b:>3}: step {rows[b]['step_ms']:7.1f} ms ({rows[b]['tokens_per_s']:6.1f} tok/s)  "
+            + "  ".join(f"{k} {v:6.1f}" for k, v in ph.items())
+            + f"  | model: gemm {split['gemm']:.0%} attention {split['attention']:.0%} other {split['other']:.0%}",
+            flush=True,
+        )
         write_report(args.out, report)  # each batch size as it is measured: a time limit keeps what is done
         del engine  # its KV cache holds most of a GPU's memory: the next engine needs it
         gc.collect()

@@ -28,8 +28,12 @@ def profile(args: argparse.Namespace, speculative: str) -> dict:
     from engine import LLM, SamplingParams
     from engine.model.loader import load_checkpoint
 
-    llm = LLM(checkpoint=load_checkpoint(None), speculative=speculative, num_threads=args.threads,
-              max_num_seqs=max(64, args.concurrency))
+    llm = LLM(
+        checkpoint=load_checkpoint(None),
+        speculative=speculative,
+        num_threads=args.threads,
+        max_num_seqs=max(64, args.concurrency),
+    )
     engine, tokenizer = llm.engine, llm.tokenizer
     make, temperature = WORKLOADS[args.workload]
     rng = random.Random(args.seed)
@@ -45,6 +49,7 @@ def profile(args: argparse.Namespace, speculative: str) -> dict:
                 step["rows"] = out.num_tokens  # a prompt chunk: more tokens than a decode and its drafts
                 step["prompt"] = any(len(r.token_ids) > r.num_draft + 1 for r in out.requests)
             return out
+
         return wrapper
 
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
@@ -52,8 +57,9 @@ def profile(args: argparse.Namespace, speculative: str) -> dict:
     engine.scheduler.update = timed("update", engine.scheduler.update)
     steps, tokens, seconds = [], 0, 0.0
     for wave in range(args.waves + 1):  # the first wave warms up
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": make(rng)}])
-                   for _ in range(args.concurrency)]
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": make(rng)}]) for _ in range(args.concurrency)
+        ]
         requests = [engine.add_request(p if isinstance(p, list) else tokenizer.encode(p), params) for p in prompts]
         started = time.perf_counter()
         while engine.has_unfinished():
@@ -72,13 +78,22 @@ def profile(args: argparse.Namespace, speculative: str) -> dict:
     by_rows: dict[int, list[float]] = {}
     for s in decode:
         by_rows.setdefault(s["rows"], []).append(s["run"])
-    return {"speculative": speculative, "output_tok_s": round(tokens / seconds, 1), "tokens": tokens,
-            "prompt_steps": len(prompt_steps), "prompt_step_ms": ms([s["total"] for s in prompt_steps]),
-            "prompt_share": round(sum(s["total"] for s in prompt_steps) / seconds, 4),
-            "decode_steps": len(decode), "decode_step_ms": ms([s["total"] for s in decode]),
-            "schedule_ms": ms([s["schedule"] for s in decode]), "update_ms": ms([s["update"] for s in decode]),
-            "run_ms_by_rows": {rows: {"steps": len(v), "median_ms": round(1e3 * statistics.median(v), 3)}
-                               for rows, v in sorted(by_rows.items())}}
+    return {
+        "speculative": speculative,
+        "output_tok_s": round(tokens / seconds, 1),
+        "tokens": tokens,
+        "prompt_steps": len(prompt_steps),
+        "prompt_step_ms": ms([s["total"] for s in prompt_steps]),
+        "prompt_share": round(sum(s["total"] for s in prompt_steps) / seconds, 4),
+        "decode_steps": len(decode),
+        "decode_step_ms": ms([s["total"] for s in decode]),
+        "schedule_ms": ms([s["schedule"] for s in decode]),
+        "update_ms": ms([s["update"] for s in decode]),
+        "run_ms_by_rows": {
+            rows: {"steps": len(v), "median_ms": round(1e3 * statistics.median(v), 3)}
+            for rows, v in sorted(by_rows.items())
+        },
+    }
 
 
 def main() -> int:
@@ -98,13 +113,17 @@ def main() -> int:
         return 0
     results = []
     for variant in args.variants:  # a process each: both start from a cold engine and the same prompts
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", variant], capture_output=True,
-                               text=True, check=True)
+        child = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--one", variant], capture_output=True, text=True, check=True
+        )
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"--speculative {variant}: {r['output_tok_s']} tok/s; prompt steps {r['prompt_step_ms']} ms "
-              f"({r['prompt_share']:.1%} of the time); decode steps {r['decode_step_ms']} ms, schedule "
-              f"{r['schedule_ms']} ms, update {r['update_ms']} ms", flush=True)
+        print(
+            f"--speculative {variant}: {r['output_tok_s']} tok/s; prompt steps {r['prompt_step_ms']} ms "
+            f"({r['prompt_share']:.1%} of the time); decode steps {r['decode_step_ms']} ms, schedule "
+            f"{r['schedule_ms']} ms, update {r['update_ms']} ms",
+            flush=True,
+        )
         for rows, v in r["run_ms_by_rows"].items():
             print(f"    {rows:>4} rows: {v['steps']:5d} steps, run {v['median_ms']} ms (median)")
     if args.out:

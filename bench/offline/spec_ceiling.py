@@ -34,8 +34,14 @@ from engine.core.speculation import Speculation
 from engine.drafting.sources import NgramSource
 
 
-def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step_cost: Callable[[int], float],
-           oracle: bool, shared: bool) -> dict:
+def replay(
+    data: list[tuple[list[int], list[int]]],
+    min_n: int,
+    max_k: int,
+    step_cost: Callable[[int], float],
+    oracle: bool,
+    shared: bool,
+) -> dict:
     """Modeled speedup, tokens per step and draft acceptance of one policy over every request, served one at a time
     in order (so `shared` drafts come from the outputs before); `step_cost(R)`: a step of R rows in units of a
     one-row step. The engine's rule is engine/core/speculation.py itself, given its drafts' outcomes."""
@@ -65,8 +71,11 @@ def replay(data: list[tuple[list[int], list[int]]], min_n: int, max_k: int, step
             advance = min(agree, k) + 1
             t, tokens, steps, cost = t + advance, tokens + advance, steps + 1, cost + step_cost(1 + k)
         policy.source.finished(out)
-    return {"modeled_speedup": tokens / cost, "tokens_per_step": tokens / steps,
-            "acceptance": accepted / max(1, drafted)}
+    return {
+        "modeled_speedup": tokens / cost,
+        "tokens_per_step": tokens / steps,
+        "acceptance": accepted / max(1, drafted),
+    }
 
 
 def main() -> int:
@@ -91,8 +100,9 @@ def main() -> int:
     result = {"row_cost": r, "pass_rows": p, "pass_cost": c, "workloads": {}}
     for name, make in [("grounded", grounded), ("chat", chat)]:
         rng = random.Random(args.seed)
-        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": make(rng)}]))
-               for _ in range(args.prompts)]
+        ids = [
+            tok.encode(tok.apply_chat_template([{"role": "user", "content": make(rng)}])) for _ in range(args.prompts)
+        ]
         outs = llm.generate(ids, SamplingParams(max_tokens=256, temperature=0.0))
         data = [(i, list(o.token_ids)) for i, o in zip(ids, outs)]
         rows = {}

@@ -54,8 +54,12 @@ def big_schema(seed: int, target_bytes: int) -> dict:
     (a flat object of thousands of optional ones is past llguidance's limit on alternatives, and fails)."""
     groups, size, g = {}, 0, 0
     while size < target_bytes:
-        fields = {f"s{seed}_g{g}_f{i}": {"type": "string", "maxLength": 20} if i % 2 else
-                  {"type": "integer", "minimum": 0, "maximum": 999} for i in range(40)}
+        fields = {
+            f"s{seed}_g{g}_f{i}": {"type": "string", "maxLength": 20}
+            if i % 2
+            else {"type": "integer", "minimum": 0, "maximum": 999}
+            for i in range(40)
+        }
         group = {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
         groups[f"s{seed}_group_{g}"] = group
         size += len(json.dumps(group))
@@ -67,17 +71,32 @@ def schema_bodies(args) -> list[list[bytes]]:
     """Every round's schema requests, encoded before the victim starts: building and encoding 1.2 MB of JSON in
     the client's event loop would stall the victim's reader and show up as the server's gaps. Distinct schemas in
     every round: none is answered from the compile cache."""
-    return [[json.dumps({"messages": [{"role": "user", "content": "Fill in the form."}], "max_tokens": 8,
-                         "response_format": {"type": "json_schema", "json_schema": {
-                             "name": "form", "schema": big_schema(1000 + r * args.schemas + i, args.schema_bytes)}}
-                         }).encode() for i in range(args.schemas)] for r in range(args.rounds)]
+    return [
+        [
+            json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "Fill in the form."}],
+                    "max_tokens": 8,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {
+                            "name": "form",
+                            "schema": big_schema(1000 + r * args.schemas + i, args.schema_bytes),
+                        },
+                    },
+                }
+            ).encode()
+            for i in range(args.schemas)
+        ]
+        for r in range(args.rounds)
+    ]
 
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class Observer:
@@ -100,8 +119,13 @@ class Observer:
         return [g for g, t in zip(self.gaps, self.arrivals) if start <= t <= end]
 
     async def victim(self) -> None:
-        body = {"prompt": "Tell me a long story about the sea.", "max_tokens": self.max_tokens, "stream": True,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "prompt": "Tell me a long story about the sea.",
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         async with httpx.AsyncClient(timeout=120, headers=self.headers) as client:
             while self.running:
                 last = None
@@ -129,10 +153,18 @@ class Observer:
 
 
 def summary(name: str, gaps: list[float], health: list[float], errors: int, **extra) -> dict:
-    row = {"phase": name, "gaps": len(gaps), "itl_p50_ms": _ms(percentile(gaps, 0.5)),
-           "itl_p99_ms": _ms(percentile(gaps, 0.99)), "itl_max_ms": _ms(max(gaps, default=None)),
-           "health_probes": len(health), "health_p99_ms": _ms(percentile(health, 0.99)),
-           "health_max_ms": _ms(max(health, default=None)), "health_errors": errors, **extra}
+    row = {
+        "phase": name,
+        "gaps": len(gaps),
+        "itl_p50_ms": _ms(percentile(gaps, 0.5)),
+        "itl_p99_ms": _ms(percentile(gaps, 0.99)),
+        "itl_max_ms": _ms(max(gaps, default=None)),
+        "health_probes": len(health),
+        "health_p99_ms": _ms(percentile(health, 0.99)),
+        "health_max_ms": _ms(max(health, default=None)),
+        "health_errors": errors,
+        **extra,
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -169,7 +201,7 @@ async def _slowloris(url: str, count: int, seconds: float, result) -> None:
                 try:
                     data = await asyncio.wait_for(reader.read(4096), 1.0)
                     break  # an answer (408 or 503) or the end of the connection
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     try:
                         writer.write(b"x")
                         await writer.drain()
@@ -195,8 +227,14 @@ def unread_stream(url: str, body: bytes, headers: dict[str, str]) -> socket.sock
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes back up
     sock.connect(("127.0.0.1", urlparse(url).port))
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 + extra + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + extra
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     return sock
 
 
@@ -207,7 +245,10 @@ def metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
 async def others(url: str, seconds: float, headers: dict[str, str]) -> dict[str, int]:
     counts: dict[str, int] = {}
     body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
-    async with httpx.AsyncClient(timeout=900, headers=headers) as client:  # one admitted behind 128 sequences waits its turn
+    async with httpx.AsyncClient(
+        timeout=900, headers=headers
+    ) as client:  # one admitted behind 128 sequences waits its turn
+
         async def one():
             r = await client.post(f"{url}/v1/completions", json=body)
             counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
@@ -231,10 +272,12 @@ async def quiet(args, url: str, obs: Observer) -> dict:
 async def schema(args, url: str, obs: Observer) -> dict:
     bodies = args.schema_bodies.pop()
     async with httpx.AsyncClient(timeout=600, headers=obs.headers) as client:
+
         async def constrained(body: bytes):
             t = time.perf_counter()
-            r = await client.post(f"{url}/v1/chat/completions", content=body,
-                                  headers={"Content-Type": "application/json"})
+            r = await client.post(
+                f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
             return r.status_code, time.perf_counter() - t
 
         t = time.perf_counter()
@@ -242,10 +285,16 @@ async def schema(args, url: str, obs: Observer) -> dict:
         burst_end = time.perf_counter()
         await asyncio.sleep(max(0.0, args.quiet - (time.perf_counter() - t)))  # as many gaps as quiet
     burst = obs.gaps_between(t, burst_end)
-    return summary("schema", *obs.take(), request_bytes=[len(b) for b in bodies],
-                   statuses=[s for s, _ in results], request_seconds=[round(x, 2) for _, x in results],
-                   burst_gaps=len(burst), burst_itl_p99_ms=_ms(percentile(burst, 0.99)),
-                   burst_itl_max_ms=_ms(max(burst, default=None)))
+    return summary(
+        "schema",
+        *obs.take(),
+        request_bytes=[len(b) for b in bodies],
+        statuses=[s for s, _ in results],
+        request_seconds=[round(x, 2) for _, x in results],
+        burst_gaps=len(burst),
+        burst_itl_p99_ms=_ms(percentile(burst, 0.99)),
+        burst_itl_max_ms=_ms(max(burst, default=None)),
+    )
 
 
 async def slowloris_phase(args, url: str, obs: Observer) -> dict:
@@ -264,9 +313,18 @@ async def never_read(args, url: str, headers: dict[str, str]) -> dict:
     before = metrics(url, headers)
     # 20 top logprobs make each chunk ~4 KB, so a stream outgrows loopback's socket buffers (a few MB) and the
     # server's writes really stall; without them the whole stream fits there and nothing is left unsent.
-    body = json.dumps({"messages": [{"role": "user", "content": "Write a long story about a dragon."}],
-                       "max_tokens": args.unread_tokens, "n": 16, "stream": True, "ignore_eos": True,
-                       "temperature": 0.8, "logprobs": True, "top_logprobs": 20}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": args.unread_tokens,
+            "n": 16,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
+    ).encode()
     socks = [unread_stream(url, body, headers) for _ in range(8)]
     t = time.perf_counter()
     while metrics(url, headers)["orcinus_sequences_admitted"] < 8 * 16:
@@ -284,12 +342,19 @@ async def never_read(args, url: str, headers: dict[str, str]) -> dict:
     m = metrics(url, headers)
     for sock in socks:
         sock.close()
-    row = {"phase": "never-read", "streams": 8, "n": 16, "max_tokens": args.unread_tokens,
-           "engine_done_seconds": round(engine_done, 1), "statuses_while_running": during,
-           "sequences_admitted_when_engine_done": admitted_after,
-           "tokens_turned_into_chunks": read_tokens, "tokens_generated": 8 * 16 * args.unread_tokens,
-           "statuses_after_engine_done": after,
-           "aborted_by_send_timeout": m["orcinus_requests_aborted_total"] - before["orcinus_requests_aborted_total"]}
+    row = {
+        "phase": "never-read",
+        "streams": 8,
+        "n": 16,
+        "max_tokens": args.unread_tokens,
+        "engine_done_seconds": round(engine_done, 1),
+        "statuses_while_running": during,
+        "sequences_admitted_when_engine_done": admitted_after,
+        "tokens_turned_into_chunks": read_tokens,
+        "tokens_generated": 8 * 16 * args.unread_tokens,
+        "statuses_after_engine_done": after,
+        "aborted_by_send_timeout": m["orcinus_requests_aborted_total"] - before["orcinus_requests_aborted_total"],
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -305,21 +370,28 @@ async def cache_timing(args, url: str, keys: list[str]) -> dict:
                 headers = {"Authorization": f"Bearer {key}"}
                 before = metrics(url, headers)
                 t = time.perf_counter()
-                resp = await client.post(f"{url}/v1/completions", headers=headers,
-                                         json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+                resp = await client.post(
+                    f"{url}/v1/completions", headers=headers, json={"prompt": prompt, "max_tokens": 1, "temperature": 0}
+                )
                 seconds = time.perf_counter() - t
                 resp.raise_for_status()
                 want = before["orcinus_prefix_cache_queried_tokens"] + resp.json()["usage"]["prompt_tokens"]
                 while (m := metrics(url, headers))["orcinus_prefix_cache_queried_tokens"] < want:
                     await asyncio.sleep(0.05)  # the engine's stats come after its tokens
-                row[name] = {"ms": _ms(seconds), "hit_tokens": int(m["orcinus_prefix_cache_hit_tokens"]
-                                                                   - before["orcinus_prefix_cache_hit_tokens"])}
+                row[name] = {
+                    "ms": _ms(seconds),
+                    "hit_tokens": int(m["orcinus_prefix_cache_hit_tokens"] - before["orcinus_prefix_cache_hit_tokens"]),
+                }
             row["prompt_tokens"] = resp.json()["usage"]["prompt_tokens"]
             rounds.append(row)
     med = {name: statistics.median(r[name]["ms"] for r in rounds) for name in ("a_cold", "b", "a_warm")}
-    row = {"phase": "cache-timing", "rounds": rounds, "median_ms": med,
-           "b_hit_tokens": [r["b"]["hit_tokens"] for r in rounds],
-           "a_warm_hit_tokens": [r["a_warm"]["hit_tokens"] for r in rounds]}
+    row = {
+        "phase": "cache-timing",
+        "rounds": rounds,
+        "median_ms": med,
+        "b_hit_tokens": [r["b"]["hit_tokens"] for r in rounds],
+        "a_warm_hit_tokens": [r["a_warm"]["hit_tokens"] for r in rounds],
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -337,11 +409,12 @@ async def run(args, url: str, keys: list[str]) -> list[dict]:
                 await asyncio.sleep(0.5)
             obs.take()
             for r in range(args.rounds):
-                order = observed[r % len(observed):] + observed[:r % len(observed)]
+                order = observed[r % len(observed) :] + observed[: r % len(observed)]
                 for phase in order:
                     print(f"round {r}: {phase}, load average {os.getloadavg()}", flush=True)
-                    rows.append({"round": r, **await OBSERVED[phase](args, url, obs),
-                                 "load_average_after": os.getloadavg()})
+                    rows.append(
+                        {"round": r, **await OBSERVED[phase](args, url, obs), "load_average_after": os.getloadavg()}
+                    )
         finally:
             obs.running = False
             for task in tasks:
@@ -363,30 +436,41 @@ def verdict(rows: list[dict]) -> dict:
             rounds.setdefault(row["round"], {})[row["phase"]] = row
     out = {}
     for name in ("schema", "slowloris"):
-        ratios = [rs[name]["itl_p99_ms"] / rs["quiet"]["itl_p99_ms"] for rs in rounds.values()
-                  if name in rs and "quiet" in rs and rs[name]["itl_p99_ms"] and rs["quiet"]["itl_p99_ms"]]
+        ratios = [
+            rs[name]["itl_p99_ms"] / rs["quiet"]["itl_p99_ms"]
+            for rs in rounds.values()
+            if name in rs and "quiet" in rs and rs[name]["itl_p99_ms"] and rs["quiet"]["itl_p99_ms"]
+        ]
         if ratios:
-            out[name] = {"itl_p99_over_quiet_per_round": [round(x, 2) for x in ratios],
-                         "itl_p99_over_quiet_median": round(statistics.median(ratios), 2),
-                         "itl_within_1_5x": statistics.median(ratios) <= 1.5}
+            out[name] = {
+                "itl_p99_over_quiet_per_round": [round(x, 2) for x in ratios],
+                "itl_p99_over_quiet_median": round(statistics.median(ratios), 2),
+                "itl_within_1_5x": statistics.median(ratios) <= 1.5,
+            }
     for name in OBSERVED:
         phase_rows = [rs[name] for rs in rounds.values() if name in rs]
         if phase_rows:
-            out.setdefault(name, {}).update({
-                "itl_p99_ms_median": statistics.median(r["itl_p99_ms"] for r in phase_rows),
-                "health_max_ms": max(r["health_max_ms"] for r in phase_rows),
-                "health_under_100ms": all(r["health_max_ms"] < 100 and r["health_errors"] == 0 for r in phase_rows)})
+            out.setdefault(name, {}).update(
+                {
+                    "itl_p99_ms_median": statistics.median(r["itl_p99_ms"] for r in phase_rows),
+                    "health_max_ms": max(r["health_max_ms"] for r in phase_rows),
+                    "health_under_100ms": all(r["health_max_ms"] < 100 and r["health_errors"] == 0 for r in phase_rows),
+                }
+            )
     if "cache-timing" in by:
         row = by["cache-timing"]
-        out["cache-timing"] = {"b_never_hits": not any(row["b_hit_tokens"]),
-                               "a_warm_always_hits": all(row["a_warm_hit_tokens"]),
-                               "b_over_a_cold_ms": round(row["median_ms"]["b"] / row["median_ms"]["a_cold"], 2),
-                               "a_warm_over_a_cold_ms": round(row["median_ms"]["a_warm"] / row["median_ms"]["a_cold"],
-                                                              2)}
+        out["cache-timing"] = {
+            "b_never_hits": not any(row["b_hit_tokens"]),
+            "a_warm_always_hits": all(row["a_warm_hit_tokens"]),
+            "b_over_a_cold_ms": round(row["median_ms"]["b"] / row["median_ms"]["a_cold"], 2),
+            "a_warm_over_a_cold_ms": round(row["median_ms"]["a_warm"] / row["median_ms"]["a_cold"], 2),
+        }
     if "never-read" in by:
         row = by["never-read"]
-        out["never-read"] = {"no_429_while_running": "429" not in row["statuses_while_running"],
-                             "no_429_after_engine_done": "429" not in row["statuses_after_engine_done"]}
+        out["never-read"] = {
+            "no_429_while_running": "429" not in row["statuses_while_running"],
+            "no_429_after_engine_done": "429" not in row["statuses_after_engine_done"],
+        }
     return out
 
 
@@ -402,16 +486,26 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                          cwd=Path(__file__).resolve().parent).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parent,
+    ).stdout.strip()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", default=None, help="a running server (default: start one here)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of quiet/schema/slowloris, order rotated")
-    ap.add_argument("--keys", nargs=2, default=None, metavar=("KEY_A", "KEY_B"),
-                    help="with --base-url: two of its API keys (default: none; then no cache-timing phase)")
+    ap.add_argument(
+        "--keys",
+        nargs=2,
+        default=None,
+        metavar=("KEY_A", "KEY_B"),
+        help="with --base-url: two of its API keys (default: none; then no cache-timing phase)",
+    )
     ap.add_argument("--quiet", type=float, default=20.0, help="seconds of the quiet phase")
     ap.add_argument("--schemas", type=int, default=3)
     ap.add_argument("--schema-bytes", type=int, default=400_000)
@@ -423,8 +517,11 @@ def main() -> int:
     ap.add_argument("--cache-rounds", type=int, default=5)
     phases = [*OBSERVED, "cache-timing", "never-read"]
     ap.add_argument("--phases", nargs="+", default=phases, choices=phases)
-    ap.add_argument("--server-flags", default="--num-threads 1",
-                    help="more `orcinus serve` flags (default: one engine thread, a core left for the clients)")
+    ap.add_argument(
+        "--server-flags",
+        default="--num-threads 1",
+        help="more `orcinus serve` flags (default: one engine thread, a core left for the clients)",
+    )
     ap.add_argument("--server-log", default=None, help="write the server's log here")
     ap.add_argument("--note", default="", help="recorded with the result (e.g. what else loaded the machine)")
     ap.add_argument("--out", default="benchmarks/results/serving/abuse.json")
@@ -438,8 +535,9 @@ def main() -> int:
             keys_file.write("\n".join(keys) + "\n")
         log = open(args.server_log, "wb") if args.server_log else subprocess.DEVNULL
         try:
-            proc, url = launch_server([*shlex.split(args.server_flags), "--api-key-file", keys_file.name], log=log,
-                                      timeout=300)
+            proc, url = launch_server(
+                [*shlex.split(args.server_flags), "--api-key-file", keys_file.name], log=log, timeout=300
+            )
         finally:
             os.unlink(keys_file.name)  # read at startup
     try:
@@ -447,11 +545,21 @@ def main() -> int:
     finally:
         leaked = stop_server(proc) if proc is not None else []
     del args.schema_bodies
-    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_model(),
-                          "uptime_before": uptime_before, "uptime_after": uptime(),
-                          "git_commit": git_commit()},
-              "note": args.note, "config": vars(args), "phases": rows, "verdict": verdict(rows),
-              "leaked_shm": leaked}
+    result = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
+            "uptime_before": uptime_before,
+            "uptime_after": uptime(),
+            "git_commit": git_commit(),
+        },
+        "note": args.note,
+        "config": vars(args),
+        "phases": rows,
+        "verdict": verdict(rows),
+        "leaked_shm": leaked,
+    }
     print(json.dumps(result["verdict"]))
     write_report(args.out, result)
     return 0

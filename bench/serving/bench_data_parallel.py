@@ -26,8 +26,10 @@ from bench.common import served, write_report
 from bench.serving.bench_multiturn import WORDS, conversations, median_of, pct, run_mode
 
 CLOSED_LOOP = {"dp2": ["--data-parallel-size", "2", "--num-threads", "1"], "one": ["--num-threads", "2"]}
-ROUTING = {"cache-aware": ["--data-parallel-size", "2", "--routing", "cache-aware"],
-           "round-robin": ["--data-parallel-size", "2", "--routing", "round-robin"]}
+ROUTING = {
+    "cache-aware": ["--data-parallel-size", "2", "--routing", "cache-aware"],
+    "round-robin": ["--data-parallel-size", "2", "--routing", "round-robin"],
+}
 
 
 def prompts(n: int, seed: int) -> list[str]:
@@ -48,8 +50,13 @@ async def closed_loop(url: str, clients: int, warmup: float, seconds: float, max
         nonlocal tokens_in_window, failed
         rng = random.Random(f"{seed}-{i}")
         while time.perf_counter() < window[1]:
-            body = {"prompt": rng.choice(pool), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "prompt": rng.choice(pool),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             t0 = time.perf_counter()
             ttft, n = None, 0
             try:
@@ -73,8 +80,13 @@ async def closed_loop(url: str, clients: int, warmup: float, seconds: float, max
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
         await asyncio.gather(*(client(i, http) for i in range(clients)))
-    return {"output_tok_s": tokens_in_window / seconds, "requests": len(done), "failed": failed,
-            "ttft_p50_s": pct([d[0] for d in done], 0.5), "latency_p50_s": pct([d[1] for d in done], 0.5)}
+    return {
+        "output_tok_s": tokens_in_window / seconds,
+        "requests": len(done),
+        "failed": failed,
+        "ttft_p50_s": pct([d[0] for d in done], 0.5),
+        "latency_p50_s": pct([d[1] for d in done], 0.5),
+    }
 
 
 def main() -> int:
@@ -85,13 +97,22 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--conversations", type=int, nargs="+", default=[16, 40],
-                    help="chat users (one conversation each); at 16 both replicas' caches hold every conversation, "
-                         "at 40 one replica's holds about half of them")
+    ap.add_argument(
+        "--conversations",
+        type=int,
+        nargs="+",
+        default=[16, 40],
+        help="chat users (one conversation each); at 16 both replicas' caches hold every conversation, "
+        "at 40 one replica's holds about half of them",
+    )
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--chat-max-tokens", type=int, default=32)
-    ap.add_argument("--think-time", type=float, default=4.0,
-                    help="chat users' mean seconds between a reply and their next turn (exponential; 0: none)")
+    ap.add_argument(
+        "--think-time",
+        type=float,
+        default=4.0,
+        help="chat users' mean seconds between a reply and their next turn (exponential; 0: none)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/scaling/data_parallel.json")
     args = ap.parse_args()
@@ -104,19 +125,32 @@ def main() -> int:
             for variant, flags in CLOSED_LOOP.items():  # alternate, so drift on a shared machine hits both alike
                 with served(flags, out.with_suffix(f".{variant}-{r}.server.log"), timeout=300) as url:
                     for c in args.clients:
-                        res = asyncio.run(closed_loop(url, c, args.warmup, args.seconds, args.max_tokens,
-                                                      args.seed + r))
+                        res = asyncio.run(
+                            closed_loop(url, c, args.warmup, args.seconds, args.max_tokens, args.seed + r)
+                        )
                         runs[variant][c].append(res)
-                        print(f"round {r} {variant:>4} {c:>3} clients: {res['output_tok_s']:.1f} tok/s, TTFT p50 "
-                              f"{res['ttft_p50_s']:.3f} s, latency p50 {res['latency_p50_s']:.2f} s, "
-                              f"failed {res['failed']}", flush=True)
+                        print(
+                            f"round {r} {variant:>4} {c:>3} clients: {res['output_tok_s']:.1f} tok/s, TTFT p50 "
+                            f"{res['ttft_p50_s']:.3f} s, latency p50 {res['latency_p50_s']:.2f} s, "
+                            f"failed {res['failed']}",
+                            flush=True,
+                        )
                 result["closed_loop"] = {"runs": runs}
                 write_report(out, result)
-        medians = {v: {c: {k: median_of(rs, k) for k in ("output_tok_s", "ttft_p50_s", "latency_p50_s")}
-                       for c, rs in by_c.items()} for v, by_c in runs.items()}
-        result["closed_loop"] = {"medians": medians, "dp2_over_one_tok_s": {
-            c: medians["dp2"][c]["output_tok_s"] / medians["one"][c]["output_tok_s"] for c in args.clients},
-            "runs": runs}
+        medians = {
+            v: {
+                c: {k: median_of(rs, k) for k in ("output_tok_s", "ttft_p50_s", "latency_p50_s")}
+                for c, rs in by_c.items()
+            }
+            for v, by_c in runs.items()
+        }
+        result["closed_loop"] = {
+            "medians": medians,
+            "dp2_over_one_tok_s": {
+                c: medians["dp2"][c]["output_tok_s"] / medians["one"][c]["output_tok_s"] for c in args.clients
+            },
+            "runs": runs,
+        }
         write_report(out, result)
 
     if "routing" in args.part:
@@ -128,9 +162,12 @@ def main() -> int:
                     with served(flags, out.with_suffix(f".{policy}-{n}-{r}.server.log"), timeout=300) as url:
                         res = asyncio.run(run_mode(url, convs, args.chat_max_tokens, args.think_time))
                     runs_r[n][policy].append(res)
-                    print(f"round {r} {n:>3} users {policy:>11}: hit rate {res['hit_rate']:.3f}, TTFT p50 turns 2+ "
-                          f"{res['ttft_p50_later_turns_s'] * 1000:.0f} ms, {res['output_tok_s']:.1f} tok/s, "
-                          f"failed {res['failed']}", flush=True)
+                    print(
+                        f"round {r} {n:>3} users {policy:>11}: hit rate {res['hit_rate']:.3f}, TTFT p50 turns 2+ "
+                        f"{res['ttft_p50_later_turns_s'] * 1000:.0f} ms, {res['output_tok_s']:.1f} tok/s, "
+                        f"failed {res['failed']}",
+                        flush=True,
+                    )
                     result["routing"] = {"runs": runs_r}
                     write_report(out, result)
         keys = ("hit_rate", "ttft_p50_later_turns_s", "ttft_p50_s", "output_tok_s")
@@ -138,15 +175,18 @@ def main() -> int:
         for n, by_policy in runs_r.items():
             medians_r = {p: {k: median_of(rs, k) for k in keys} for p, rs in by_policy.items()}
             ca, rr = medians_r["cache-aware"], medians_r["round-robin"]
-            summary = {"medians": medians_r,
-                       "hit_rate_ratio": ca["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
-                       "ttft_p50_later_turns_ratio_rr_over_ca": rr["ttft_p50_later_turns_s"]
-                       / ca["ttft_p50_later_turns_s"]}
+            summary = {
+                "medians": medians_r,
+                "hit_rate_ratio": ca["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
+                "ttft_p50_later_turns_ratio_rr_over_ca": rr["ttft_p50_later_turns_s"] / ca["ttft_p50_later_turns_s"],
+            }
             result["routing"]["by_users"][n] = summary
-            print(f"{n} users, cache-aware vs round-robin: hit rate {ca['hit_rate']:.3f} vs {rr['hit_rate']:.3f} "
-                  f"({summary['hit_rate_ratio']:.2f}x; goal >= 1.8x), TTFT p50 turns 2+ "
-                  f"{ca['ttft_p50_later_turns_s'] * 1000:.0f} vs {rr['ttft_p50_later_turns_s'] * 1000:.0f} ms "
-                  f"({summary['ttft_p50_later_turns_ratio_rr_over_ca']:.2f}x lower; goal >= 1.5x)")
+            print(
+                f"{n} users, cache-aware vs round-robin: hit rate {ca['hit_rate']:.3f} vs {rr['hit_rate']:.3f} "
+                f"({summary['hit_rate_ratio']:.2f}x; goal >= 1.8x), TTFT p50 turns 2+ "
+                f"{ca['ttft_p50_later_turns_s'] * 1000:.0f} vs {rr['ttft_p50_later_turns_s'] * 1000:.0f} ms "
+                f"({summary['ttft_p50_later_turns_ratio_rr_over_ca']:.2f}x lower; goal >= 1.5x)"
+            )
         write_report(out, result)
     if "closed-loop" in args.part:
         for c, ratio in result["closed_loop"]["dp2_over_one_tok_s"].items():

@@ -28,11 +28,16 @@ def time_to_healthy(tree: Path, extensions: str, flags: list[str]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="checkouts to start `orcinus serve` from")
+    ap.add_argument(
+        "--trees", type=Path, nargs="+", default=[Path(".")], help="checkouts to start `orcinus serve` from"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--flags", default="", help="extra `orcinus serve` flags")
-    ap.add_argument("--cached-only", action="store_true",
-                    help="time only starts with the C++ ops already built (each tree builds them once, untimed)")
+    ap.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="time only starts with the C++ ops already built (each tree builds them once, untimed)",
+    )
     ap.add_argument("--out", default="benchmarks/results/startup/first_start.json")
     args = ap.parse_args()
     trees = [t.resolve() for t in args.trees]

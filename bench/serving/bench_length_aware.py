@@ -45,21 +45,27 @@ async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[flo
 
 
 def body(model: str, prompt: str, max_tokens: int, priority: int = 0) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": max_tokens, "temperature": 0.0, "stream_options": {"include_usage": True},
-            "priority": priority}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+        "priority": priority,
+    }
 
 
 async def timed(http: httpx.AsyncClient, url: str, payload: dict, kind: str, at: float) -> dict:
     """One request's row: its kind, arrival, TTFT, end-to-end seconds and output tokens."""
     sent = time.perf_counter()
     ttft, tokens = await stream_one(http, url, payload)
-    return {"kind": kind, "arrival_s": at, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent,
-            "output_tokens": tokens}
+    return {"kind": kind, "arrival_s": at, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent, "output_tokens": tokens}
 
 
-async def open_loop(url: str, model: str, schedule: list[tuple[float, str, str, int]],
-                    lengths: list[int] | None) -> dict:
+async def open_loop(
+    url: str, model: str, schedule: list[tuple[float, str, str, int]], lengths: list[int] | None
+) -> dict:
     """Send each request at its time; wait for all. `lengths`: the oracle's priorities."""
     rows: list[dict] = [{} for _ in schedule]
     start = time.perf_counter()
@@ -88,12 +94,15 @@ def summarize(rows: list[dict], elapsed: float) -> dict:
     e2e = sorted(r["e2e_s"] for r in rows)
     ttfts = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
     return {
-        "requests": len(rows), "elapsed_s": elapsed,
+        "requests": len(rows),
+        "elapsed_s": elapsed,
         "output_tok_s": sum(r["output_tokens"] for r in rows) / elapsed,
-        "e2e_mean_s": statistics.fmean(e2e), "e2e_p99_s": e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
+        "e2e_mean_s": statistics.fmean(e2e),
+        "e2e_p99_s": e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
         "ttft_median_s": statistics.median(ttfts),
-        "e2e_mean_by_kind_s": {k: statistics.fmean(r["e2e_s"] for r in rows if r["kind"] == k)
-                               for k in sorted({r["kind"] for r in rows})},
+        "e2e_mean_by_kind_s": {
+            k: statistics.fmean(r["e2e_s"] for r in rows if r["kind"] == k) for k in sorted({r["kind"] for r in rows})
+        },
         "rows": rows,
     }
 
@@ -134,8 +143,9 @@ def poisson(rng: random.Random, rate: float, seconds: float) -> list[tuple[float
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--length-predictor", required=True,
-                    help="a trained predictor (bench/serving/eval_length_predictor.py)")
+    ap.add_argument(
+        "--length-predictor", required=True, help="a trained predictor (bench/serving/eval_length_predictor.py)"
+    )
     ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95], help="shares of the saturation rate")
     ap.add_argument("--seconds", type=float, default=90, help="arrivals per run")
     ap.add_argument("--rounds", type=int, default=1)
@@ -143,13 +153,23 @@ def main() -> int:
     ap.add_argument("--saturation-clients", type=int, default=64)
     ap.add_argument("--saturation-seconds", type=float, default=60)
     ap.add_argument("--saturation-warmup", type=float, default=60)
-    ap.add_argument("--mean-output-tokens", type=float, required=True,
-                    help="the workload's mean output length (eval_length_predictor.py's held-out requests)")
+    ap.add_argument(
+        "--mean-output-tokens",
+        type=float,
+        required=True,
+        help="the workload's mean output length (eval_length_predictor.py's held-out requests)",
+    )
     ap.add_argument("--flags", default="", help="more `orcinus serve` flags for every policy")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="one more server to compare, with these flags (PREDICTOR in them: the trained predictor)")
-    ap.add_argument("--alone", action="store_true",
-                    help="also each run's requests one at a time (the floor no order reaches)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more server to compare, with these flags (PREDICTOR in them: the trained predictor)",
+    )
+    ap.add_argument(
+        "--alone", action="store_true", help="also each run's requests one at a time (the floor no order reaches)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="length_aware_"))
@@ -157,28 +177,35 @@ def main() -> int:
     shutil.copy(args.length_predictor, predictor)
     from bench.serving import length_oracle  # the servers import it too, by the name it registers
 
-    variants = {"fcfs": ["--scheduling-policy", "fcfs"],
-                "predicted": ["--scheduling-policy", "predicted", "--length-predictor", str(predictor)],
-                "oracle": ["--scheduling-policy", length_oracle.NAME]}
+    variants = {
+        "fcfs": ["--scheduling-policy", "fcfs"],
+        "predicted": ["--scheduling-policy", "predicted", "--length-predictor", str(predictor)],
+        "oracle": ["--scheduling-policy", length_oracle.NAME],
+    }
     for spec in args.variant:
         name, _, flags = spec.partition("=")
         variants[name] = flags.replace("PREDICTOR", str(predictor)).split()
     oracles = [n for n in variants if n.startswith("oracle")]  # given the true lengths
     with served_all({name: flags + args.flags.split() for name, flags in variants.items()}) as urls:
         model = httpx.get(f"{urls['fcfs']}/v1/models", timeout=10).json()["data"][0]["id"]
-        tok_s = asyncio.run(saturation_tokens(urls["fcfs"], model, args.saturation_clients, args.saturation_warmup,
-                                              args.saturation_seconds, seed=99))
+        tok_s = asyncio.run(
+            saturation_tokens(
+                urls["fcfs"], model, args.saturation_clients, args.saturation_warmup, args.saturation_seconds, seed=99
+            )
+        )
         rate = tok_s / args.mean_output_tokens
         print(f"saturation: {tok_s:.1f} output tok/s, {rate:.2f} requests/s", flush=True)
         time.sleep(5)  # the aborted requests leave
         runs: dict = {str(load): {name: [] for name in variants} for load in args.loads}
         for r in range(args.rounds):
             for load in args.loads:
-                schedule = poisson(random.Random(args.seed_base + 1000 * r + int(100 * load)), load * rate, args.seconds)
+                schedule = poisson(
+                    random.Random(args.seed_base + 1000 * r + int(100 * load)), load * rate, args.seconds
+                )
                 # Who goes first rotates (the machine's speed drifts within a round); the oracle goes second, taking
                 # its lengths from the first (greedy: every policy gives the same tokens).
                 others = [n for n in variants if n not in oracles]
-                order = others[r % len(others):] + others[:r % len(others)]
+                order = others[r % len(others) :] + others[: r % len(others)]
                 order[1:1] = oracles
                 lengths = None
                 for name in order:
@@ -188,34 +215,59 @@ def main() -> int:
                     if lengths is None:
                         lengths = [row["output_tokens"] for row in res["rows"]]
                     runs[str(load)][name].append(res)
-                    print(f"round {r} load {load} {name}: mean e2e {res['e2e_mean_s']:.2f}s p99 {res['e2e_p99_s']:.2f}s "
-                          f"median TTFT {res['ttft_median_s']:.3f}s {res['output_tok_s']:.1f} tok/s "
-                          f"({res['requests']} requests, {res['preemptions']:.0f} preemptions)", flush=True)
+                    print(
+                        f"round {r} load {load} {name}: mean e2e {res['e2e_mean_s']:.2f}s p99 {res['e2e_p99_s']:.2f}s "
+                        f"median TTFT {res['ttft_median_s']:.3f}s {res['output_tok_s']:.1f} tok/s "
+                        f"({res['requests']} requests, {res['preemptions']:.0f} preemptions)",
+                        flush=True,
+                    )
                 if args.alone:
                     res = asyncio.run(one_at_a_time(urls["fcfs"], model, schedule))
                     runs[str(load)].setdefault("alone", []).append(res)
                     fcfs = runs[str(load)]["fcfs"][-1]
-                    print(f"round {r} load {load} alone: mean e2e {res['e2e_mean_s']:.2f}s (fcfs "
-                          f"{fcfs['e2e_mean_s'] / res['e2e_mean_s']:.2f}x it) median TTFT {res['ttft_median_s']:.3f}s "
-                          f"(fcfs {fcfs['ttft_median_s'] / res['ttft_median_s']:.2f}x it)", flush=True)
-        summary = {load: {name: {k: statistics.median(x[k] for x in xs)
-                                 for k in ("e2e_mean_s", "e2e_p99_s", "ttft_median_s", "output_tok_s")}
-                          for name, xs in by.items() if xs} for load, by in runs.items()}
+                    print(
+                        f"round {r} load {load} alone: mean e2e {res['e2e_mean_s']:.2f}s (fcfs "
+                        f"{fcfs['e2e_mean_s'] / res['e2e_mean_s']:.2f}x it) median TTFT {res['ttft_median_s']:.3f}s "
+                        f"(fcfs {fcfs['ttft_median_s'] / res['ttft_median_s']:.2f}x it)",
+                        flush=True,
+                    )
+        summary = {
+            load: {
+                name: {
+                    k: statistics.median(x[k] for x in xs)
+                    for k in ("e2e_mean_s", "e2e_p99_s", "ttft_median_s", "output_tok_s")
+                }
+                for name, xs in by.items()
+                if xs
+            }
+            for load, by in runs.items()
+        }
         for load, by in summary.items():
             f, p = by["fcfs"], by["predicted"]
-            print(f"load {load}: predicted vs fcfs: mean e2e {f['e2e_mean_s'] / p['e2e_mean_s']:.2f}x lower, "
-                  f"median TTFT {f['ttft_median_s'] / p['ttft_median_s']:.2f}x lower, p99 {p['e2e_p99_s'] / f['e2e_p99_s']:.2f}x "
-                  f"fcfs's, throughput {p['output_tok_s'] / f['output_tok_s']:.2f}x", flush=True)
+            print(
+                f"load {load}: predicted vs fcfs: mean e2e {f['e2e_mean_s'] / p['e2e_mean_s']:.2f}x lower, "
+                f"median TTFT {f['ttft_median_s'] / p['ttft_median_s']:.2f}x lower, p99 {p['e2e_p99_s'] / f['e2e_p99_s']:.2f}x "
+                f"fcfs's, throughput {p['output_tok_s'] / f['output_tok_s']:.2f}x",
+                flush=True,
+            )
             if "alone" in by:
                 a = by["alone"]
-                print(f"load {load}: fcfs vs each request alone: mean e2e {f['e2e_mean_s'] / a['e2e_mean_s']:.2f}x, "
-                      f"median TTFT {f['ttft_median_s'] / a['ttft_median_s']:.2f}x (no order lowers them further)",
-                      flush=True)
+                print(
+                    f"load {load}: fcfs vs each request alone: mean e2e {f['e2e_mean_s'] / a['e2e_mean_s']:.2f}x, "
+                    f"median TTFT {f['ttft_median_s'] / a['ttft_median_s']:.2f}x (no order lowers them further)",
+                    flush=True,
+                )
         if args.out:
-            write_report(args.out, {
-                "variants": variants, "saturation_output_tok_s": tok_s, "saturation_rate": rate,
-                "summary": summary, "runs": runs,
-            })
+            write_report(
+                args.out,
+                {
+                    "variants": variants,
+                    "saturation_output_tok_s": tok_s,
+                    "saturation_rate": rate,
+                    "summary": summary,
+                    "runs": runs,
+                },
+            )
     return 0
 
 

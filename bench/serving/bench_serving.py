@@ -70,8 +70,13 @@ class Result:
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
     res = Result(len(prompt), max_tokens)
     body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     res.start = t0 = time.perf_counter()
     last = None
@@ -110,8 +115,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return res
 
 
-async def run_timed(base_url: str, model: str, workload: Workload, concurrency: int, seconds: float
-                    ) -> tuple[list[Result], float]:
+async def run_timed(
+    base_url: str, model: str, workload: Workload, concurrency: int, seconds: float
+) -> tuple[list[Result], float]:
     """Closed loop for `seconds`: each of `concurrency` clients sends the workload's next request as soon as its
     last one ends, until the time is up; requests started before then run to their end and count."""
     stream = workload.stream()
@@ -131,8 +137,14 @@ async def run_timed(base_url: str, model: str, workload: Workload, concurrency: 
     return results, duration
 
 
-async def run(base_url: str, model: str, workload: Workload, request_rate: float, max_concurrency: int | None,
-              progress: bool = True) -> tuple[list[Result], float]:
+async def run(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    request_rate: float,
+    max_concurrency: int | None,
+    progress: bool = True,
+) -> tuple[list[Result], float]:
     reqs = workload.requests()
     rng = random.Random(workload.seed + 1)
     limit = asyncio.Semaphore(max_concurrency or len(reqs))
@@ -211,8 +223,12 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("LO", "HI"))
     ap.add_argument("--output-len", type=int, nargs=2, default=[1, 128], metavar=("LO", "HI"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--duration", type=float, default=None,
-                    help="closed loop for this many seconds (with --max-concurrency) instead of --num-prompts")
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="closed loop for this many seconds (with --max-concurrency) instead of --num-prompts",
+    )
     ap.add_argument("--out", default=None, help="write the summary and per-request results as JSON")
     args = ap.parse_args()
 
@@ -220,17 +236,23 @@ def main() -> int:
     if args.duration is not None:
         if not args.max_concurrency:
             ap.error("--duration needs --max-concurrency")
-        results, duration = asyncio.run(run_timed(args.base_url, args.model, workload, args.max_concurrency,
-                                                  args.duration))
+        results, duration = asyncio.run(
+            run_timed(args.base_url, args.model, workload, args.max_concurrency, args.duration)
+        )
     else:
-        results, duration = asyncio.run(run(args.base_url, args.model, workload, args.request_rate,
-                                            args.max_concurrency))
+        results, duration = asyncio.run(
+            run(args.base_url, args.model, workload, args.request_rate, args.max_concurrency)
+        )
     summary = summarize(results, duration)
     print_table(summary)
     if args.out:
-        report = {"workload": asdict(workload),
-                  "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                  "summary": summary, "requests": [asdict(r) | {"itl": r.itl} for r in results]}
+        report = {
+            "workload": asdict(workload),
+            "request_rate": args.request_rate,
+            "max_concurrency": args.max_concurrency,
+            "summary": summary,
+            "requests": [asdict(r) | {"itl": r.itl} for r in results],
+        }
         write_report(args.out, report)
     return 0 if summary["failed"] == 0 else 1
 

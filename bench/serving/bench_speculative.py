@@ -30,33 +30,92 @@ import httpx
 from bench.common import chat_chunks, scrape_metrics, served_all, write_report
 from bench.serving.compare_llama_server import peer_settings
 
-NAMES = ["Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
-         "Marta", "Nils", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tomas", "Uma", "Vera", "Wes", "Yuki"]
+NAMES = [
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dalia",
+    "Emeka",
+    "Farah",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Jules",
+    "Kofi",
+    "Lena",
+    "Marta",
+    "Nils",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tomas",
+    "Uma",
+    "Vera",
+    "Wes",
+    "Yuki",
+]
 CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Quebec", "Tunis", "Perth", "Krakow", "Austin", "Hanoi"]
-THINGS = ["a red bicycle", "three old books", "a blue umbrella", "a wooden chair", "two green apples",
-          "a silver watch", "a paper map", "a glass jar", "a warm scarf", "a small radio"]
+THINGS = [
+    "a red bicycle",
+    "three old books",
+    "a blue umbrella",
+    "a wooden chair",
+    "two green apples",
+    "a silver watch",
+    "a paper map",
+    "a glass jar",
+    "a warm scarf",
+    "a small radio",
+]
 VERBS = ["bought", "found", "repaired", "painted", "sold", "borrowed", "packed", "cleaned", "lost", "gave away"]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 WORDS = ["total", "count", "price", "value", "score", "index", "item", "name", "data", "result", "limit", "step"]
 ANIMALS = ["fox", "owl", "whale", "tortoise", "cat", "dragon", "robot", "penguin", "wolf", "bee"]
-TOPICS = ["photosynthesis", "gravity", "the water cycle", "compound interest", "volcanoes", "the internet",
-          "vaccines", "electricity", "tides", "rainbows", "black holes", "recycling"]
-ACTIVITIES = ["learning to cook", "running a first marathon", "keeping a garden", "saving money", "sleeping well",
-              "learning a language", "moving to a new city", "starting to paint"]
+TOPICS = [
+    "photosynthesis",
+    "gravity",
+    "the water cycle",
+    "compound interest",
+    "volcanoes",
+    "the internet",
+    "vaccines",
+    "electricity",
+    "tides",
+    "rainbows",
+    "black holes",
+    "recycling",
+]
+ACTIVITIES = [
+    "learning to cook",
+    "running a first marathon",
+    "keeping a garden",
+    "saving money",
+    "sleeping well",
+    "learning a language",
+    "moving to a new city",
+    "starting to paint",
+]
 
 
 def story(rng: random.Random, n: int) -> str:
-    return " ".join(f"On {rng.choice(DAYS)}, {rng.choice(NAMES)} from {rng.choice(CITIES)} {rng.choice(VERBS)} "
-                    f"{rng.choice(THINGS)}." for _ in range(n))
+    return " ".join(
+        f"On {rng.choice(DAYS)}, {rng.choice(NAMES)} from {rng.choice(CITIES)} {rng.choice(VERBS)} "
+        f"{rng.choice(THINGS)}."
+        for _ in range(n)
+    )
 
 
 def function(rng: random.Random) -> str:
     name, a, b, c = rng.sample(WORDS, 4)
     k = [rng.randint(2, 99) for _ in range(4)]
-    return (f"def get_{name}({a}, {b}, {c}):\n    {name} = {a} * {k[0]}\n    if {name} > {b}:\n"
-            f"        {name} = {name} - {b}\n    else:\n        {name} = {name} + {c}\n"
-            f"    for i in range({k[1]}):\n        {name} = {name} + i * {k[2]}\n        if {name} > {c}:\n"
-            f"            {name} = {name} % {k[3]}\n    return {name}\n")
+    return (
+        f"def get_{name}({a}, {b}, {c}):\n    {name} = {a} * {k[0]}\n    if {name} > {b}:\n"
+        f"        {name} = {name} - {b}\n    else:\n        {name} = {name} + {c}\n"
+        f"    for i in range({k[1]}):\n        {name} = {name} + i * {k[2]}\n        if {name} > {c}:\n"
+        f"            {name} = {name} % {k[3]}\n    return {name}\n"
+    )
 
 
 def grounded(rng: random.Random) -> str:
@@ -66,8 +125,9 @@ def grounded(rng: random.Random) -> str:
     if kind == 1:
         return f"Copy these sentences as a numbered list, one per line:\n\n{story(rng, 8)}"
     if kind == 2:
-        rows = "\n".join(f"Name: {rng.choice(NAMES)}, Age: {rng.randint(18, 90)}, City: {rng.choice(CITIES)}"
-                         for _ in range(8))
+        rows = "\n".join(
+            f"Name: {rng.choice(NAMES)}, Age: {rng.randint(18, 90)}, City: {rng.choice(CITIES)}" for _ in range(8)
+        )
         return f"Convert these records to a JSON list of objects with keys name, age and city:\n\n{rows}"
     if kind == 3:
         return f"Add a docstring to this Python function and return the whole function:\n\n{function(rng)}"
@@ -75,19 +135,22 @@ def grounded(rng: random.Random) -> str:
 
 
 def chat(rng: random.Random) -> str:
-    return rng.choice([
-        f"Write a short story about a {rng.choice(ANIMALS)} who lives in {rng.choice(CITIES)}.",
-        f"Explain {rng.choice(TOPICS)} to a ten-year-old.",
-        f"Give me five tips for {rng.choice(ACTIVITIES)}.",
-        f"Write a poem about {rng.choice(TOPICS)} and {rng.choice(THINGS)}.",
-    ])
+    return rng.choice(
+        [
+            f"Write a short story about a {rng.choice(ANIMALS)} who lives in {rng.choice(CITIES)}.",
+            f"Explain {rng.choice(TOPICS)} to a ten-year-old.",
+            f"Give me five tips for {rng.choice(ACTIVITIES)}.",
+            f"Write a poem about {rng.choice(TOPICS)} and {rng.choice(THINGS)}.",
+        ]
+    )
 
 
 WORKLOADS = {"grounded": (grounded, 0.0), "chat": (chat, 0.7)}
 
 
-async def closed_loop(url: str, model: str, workload: str, concurrency: int, warmup: float, seconds: float,
-                      seed: int, max_tokens: int) -> dict:
+async def closed_loop(
+    url: str, model: str, workload: str, concurrency: int, warmup: float, seconds: float, seed: int, max_tokens: int
+) -> dict:
     """`concurrency` clients, each sending its next request when the last one ends; output tokens counted over the
     window after `warmup` seconds, at full concurrency throughout (requests still under way at its end are cut off).
 
@@ -103,8 +166,14 @@ async def closed_loop(url: str, model: str, workload: str, concurrency: int, war
 
     async def request(http: httpx.AsyncClient) -> None:
         nonlocal chunks_in_window, usage_tokens, usage_chunks
-        body = {"model": model, "messages": [{"role": "user", "content": next(prompts)}], "stream": True,
-                "max_tokens": max_tokens, "temperature": temperature, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": next(prompts)}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream_options": {"include_usage": True},
+        }
         t, chunks, usage = time.perf_counter(), 0, None
         async for chunk in chat_chunks(http, url, body):
             usage = chunk.get("usage") or usage
@@ -120,28 +189,42 @@ async def closed_loop(url: str, model: str, workload: str, concurrency: int, war
         while time.perf_counter() < window[1]:
             try:
                 await asyncio.wait_for(request(http), timeout=max(0.0, window[1] - time.perf_counter()))
-            except asyncio.TimeoutError:  # cut off at the window's end: its chunks so far have counted
+            except TimeoutError:  # cut off at the window's end: its chunks so far have counted
                 return
 
     # A new connection per request: llama-server may close a kept-alive one just as the next request reuses it.
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
     tokens_per_chunk = usage_tokens / max(1, usage_chunks)
-    return {"output_tok_s": chunks_in_window * tokens_per_chunk / seconds, "completed": len(latencies),
-            "tokens_per_chunk": tokens_per_chunk, "mean_output_tokens": usage_tokens / max(1, len(latencies)),
-            "latency_p50_s": statistics.median(latencies) if latencies else None, "seed": seed}
+    return {
+        "output_tok_s": chunks_in_window * tokens_per_chunk / seconds,
+        "completed": len(latencies),
+        "tokens_per_chunk": tokens_per_chunk,
+        "mean_output_tokens": usage_tokens / max(1, len(latencies)),
+        "latency_p50_s": statistics.median(latencies) if latencies else None,
+        "seed": seed,
+    }
 
 
 def metrics(url: str) -> dict[str, float]:
     m = scrape_metrics(url)
-    keep = ("orcinus_spec_decode_draft_tokens", "orcinus_spec_decode_accepted_tokens", "orcinus_generation_tokens_total")
+    keep = (
+        "orcinus_spec_decode_draft_tokens",
+        "orcinus_spec_decode_accepted_tokens",
+        "orcinus_generation_tokens_total",
+    )
     return {k: m.get(k, 0.0) for k in keep}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="an `orcinus serve` with these flags (repeatable)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="an `orcinus serve` with these flags (repeatable)",
+    )
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL", help="a running server (repeatable)")
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -163,29 +246,39 @@ def main() -> int:
             for w in args.workload:
                 for c in args.concurrency:
                     seed = args.seed_base + 1000 * r + 10 * c + args.workload.index(w)
-                    order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotate who goes first
+                    order = systems[r % len(systems) :] + systems[: r % len(systems)]  # rotate who goes first
                     for s in order:
                         model = httpx.get(f"{urls[s]}/v1/models", timeout=10).json()["data"][0]["id"]
                         before = metrics(urls[s]) if s in servers else {}
-                        res = asyncio.run(closed_loop(urls[s], model, w, c, args.warmup, args.seconds, seed,
-                                                          args.max_tokens))
+                        res = asyncio.run(
+                            closed_loop(urls[s], model, w, c, args.warmup, args.seconds, seed, args.max_tokens)
+                        )
                         if s in servers:
                             after = metrics(urls[s])
                             res["spec"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
                         runs[w][str(c)][s].append(res)
-                        print(f"round {r} {w} c={c} {s}: {res['output_tok_s']:.1f} tok/s "
-                              f"({res['completed']} requests, {res['mean_output_tokens']:.0f} tokens each)", flush=True)
-        summary = {w: {c: {s: statistics.median(x["output_tok_s"] for x in runs[w][c][s]) for s in systems}
-                       for c in runs[w]} for w in runs}
+                        print(
+                            f"round {r} {w} c={c} {s}: {res['output_tok_s']:.1f} tok/s "
+                            f"({res['completed']} requests, {res['mean_output_tokens']:.0f} tokens each)",
+                            flush=True,
+                        )
+        summary = {
+            w: {c: {s: statistics.median(x["output_tok_s"] for x in runs[w][c][s]) for s in systems} for c in runs[w]}
+            for w in runs
+        }
         for w, by_c in summary.items():
             for c, tok_s in by_c.items():
                 print(w, f"c={c}", "  ".join(f"{s} {v:.1f}" for s, v in tok_s.items()))
         if args.out:
-            write_report(args.out, {
-                "variants": variants,
-                "peers": {name: {"url": url, **peer_settings(url)} for name, url in peers.items()},
-                "summary_median_output_tok_s": summary, "runs": runs,
-            })
+            write_report(
+                args.out,
+                {
+                    "variants": variants,
+                    "peers": {name: {"url": url, **peer_settings(url)} for name, url in peers.items()},
+                    "summary_median_output_tok_s": summary,
+                    "runs": runs,
+                },
+            )
     return 0
 
 

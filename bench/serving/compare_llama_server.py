@@ -38,16 +38,40 @@ METRICS = ("output_tok_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s")
 
 def bench(url: str, model: str, concurrency: int, args, seed: int, seconds: float) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, "-m", "bench.serving.bench_serving", "--base-url", url, "--model", model,
-               "--duration", str(seconds), "--max-concurrency", str(concurrency),
-               "--input-len", *map(str, args.input_len), "--output-len", *map(str, args.output_len),
-               "--seed", str(seed), "--out", f.name]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.serving.bench_serving",
+            "--base-url",
+            url,
+            "--model",
+            model,
+            "--duration",
+            str(seconds),
+            "--max-concurrency",
+            str(concurrency),
+            "--input-len",
+            *map(str, args.input_len),
+            "--output-len",
+            *map(str, args.output_len),
+            "--seed",
+            str(seed),
+            "--out",
+            f.name,
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds + 900)
         if proc.returncode != 0:
             raise RuntimeError(f"bench_serving failed against {url}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
         s = json.loads(Path(f.name).read_text())["summary"]
-    return {"output_tok_s": s["output_throughput"], "ttft_p50_s": s["ttft_s"]["p50"], "itl_p50_s": s["itl_s"]["p50"],
-            "itl_p99_s": s["itl_s"]["p99"], "completed": s["completed"], "duration_s": s["duration_s"], "seed": seed}
+    return {
+        "output_tok_s": s["output_throughput"],
+        "ttft_p50_s": s["ttft_s"]["p50"],
+        "itl_p50_s": s["itl_s"]["p50"],
+        "itl_p99_s": s["itl_s"]["p99"],
+        "completed": s["completed"],
+        "duration_s": s["duration_s"],
+        "seed": seed,
+    }
 
 
 def peer_settings(url: str) -> dict:
@@ -74,8 +98,13 @@ def peer_settings(url: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-url", default="http://127.0.0.1:8101")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="an orcinus serve configuration (repeatable; default: one with no flags)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="an orcinus serve configuration (repeatable; default: one with no flags)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--seconds", type=float, default=60.0, help="closed-loop time per point (steady state)")
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 284], help="~150 prompt tokens on average")
@@ -101,32 +130,45 @@ def main() -> int:
         for rep in range(args.repeats):
             for c in args.concurrency:
                 seed = args.seed_base + 1000 * rep + c  # one per round and point, the same for every system
-                for name in names[rep % len(names):] + names[:rep % len(names)]:  # each round another order
+                for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each round another order
                     url, model = systems[name]
                     r = bench(url, model, c, args, seed, args.seconds)
                     samples[c][name].append(r)
-                    print(f"round {rep} c={c:<3} {name:<28} {r['output_tok_s']:7.1f} tok/s  "
-                          f"TTFT p50 {r['ttft_p50_s']:.3f} s  ITL p50 {r['itl_p50_s'] * 1000:.1f} ms  "
-                          f"p99 {r['itl_p99_s']:.3f} s", flush=True)
+                    print(
+                        f"round {rep} c={c:<3} {name:<28} {r['output_tok_s']:7.1f} tok/s  "
+                        f"TTFT p50 {r['ttft_p50_s']:.3f} s  ITL p50 {r['itl_p50_s'] * 1000:.1f} ms  "
+                        f"p99 {r['itl_p99_s']:.3f} s",
+                        flush=True,
+                    )
 
     table = {}
     for c, by_system in samples.items():
         med = {s: {k: statistics.median(r[k] for r in runs) for k in METRICS} for s, runs in by_system.items()}
-        for s in med:
-            med[s]["vs_llama_server"] = med[s]["output_tok_s"] / med["llama-server"]["output_tok_s"]
+        for m in med.values():
+            m["vs_llama_server"] = m["output_tok_s"] / med["llama-server"]["output_tok_s"]
         table[c] = med
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
-    report = {"variants": variants,
-              "machine": {"cpu": cpu.stdout.strip(), "cores": os.cpu_count()}, "llama_server": peer,
-              "workload": {"input_len": args.input_len, "output_len": args.output_len, "seconds": args.seconds,
-                           "rounds": args.repeats},
-              "medians": table, "samples": samples}
+    report = {
+        "variants": variants,
+        "machine": {"cpu": cpu.stdout.strip(), "cores": os.cpu_count()},
+        "llama_server": peer,
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "seconds": args.seconds,
+            "rounds": args.repeats,
+        },
+        "medians": table,
+        "samples": samples,
+    }
     write_report(args.out, report)
     print(f"\n{'clients':>7}  {'system':<28}{'tok/s':>8}{'ratio':>7}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}")
     for c, med in table.items():
         for s, m in med.items():
-            print(f"{c:>7}  {s:<28}{m['output_tok_s']:>8.1f}{m['vs_llama_server']:>6.2f}x"
-                  f"{m['ttft_p50_s']:>9.3f}s{m['itl_p50_s'] * 1000:>7.1f}ms{m['itl_p99_s']:>8.3f}s")
+            print(
+                f"{c:>7}  {s:<28}{m['output_tok_s']:>8.1f}{m['vs_llama_server']:>6.2f}x"
+                f"{m['ttft_p50_s']:>9.3f}s{m['itl_p50_s'] * 1000:>7.1f}ms{m['itl_p99_s']:>8.3f}s"
+            )
     return 0
 
 

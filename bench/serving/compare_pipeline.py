@@ -29,8 +29,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="as `orcinus serve --model` (default: the bundled model)")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--no-single-thread-baseline", action="store_true",
-                    help="skip `1 stage, --num-threads 1` (it separates pipelining from torch's threading)")
+    ap.add_argument(
+        "--no-single-thread-baseline",
+        action="store_true",
+        help="skip `1 stage, --num-threads 1` (it separates pipelining from torch's threading)",
+    )
     ap.add_argument("--num-prompts", type=int, default=24, help="requests per run")
     ap.add_argument("--max-concurrency", type=int, default=16, help="closed-loop clients (saturation)")
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 128])
@@ -56,13 +59,24 @@ def main() -> int:
         runs: dict[str, list[dict]] = {k: [] for k in configs}
         for rep in range(args.repeats):
             for k, url in urls.items():
-                results, duration = asyncio.run(run(url, None, workload, float("inf"), args.max_concurrency,
-                                                    progress=False))
+                results, duration = asyncio.run(
+                    run(url, None, workload, float("inf"), args.max_concurrency, progress=False)
+                )
                 s = summarize(results, duration)
-                runs[k].append({"output_tok_s": s["output_throughput"], "req_s": s["request_throughput"],
-                                "p50_tpot_s": s["tpot_s"]["p50"], "failed": s["failed"], "duration_s": duration})
-                print(f"repeat {rep}: {k}: {s['output_throughput']:6.1f} output tok/s "
-                      f"{s['request_throughput']:.3f} req/s  failed {s['failed']}", flush=True)
+                runs[k].append(
+                    {
+                        "output_tok_s": s["output_throughput"],
+                        "req_s": s["request_throughput"],
+                        "p50_tpot_s": s["tpot_s"]["p50"],
+                        "failed": s["failed"],
+                        "duration_s": duration,
+                    }
+                )
+                print(
+                    f"repeat {rep}: {k}: {s['output_throughput']:6.1f} output tok/s "
+                    f"{s['request_throughput']:.3f} req/s  failed {s['failed']}",
+                    flush=True,
+                )
 
     median = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
     base = median[next(iter(configs))]
@@ -74,7 +88,10 @@ def main() -> int:
         "model": args.model or "SmolLM2-135M-Instruct (bundled GGUF, fp32 CPU)",
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "workload": asdict(workload),
-        "server_flags": configs, "runs": runs, "summary": summary, "summary_line": line,
+        "server_flags": configs,
+        "runs": runs,
+        "summary": summary,
+        "summary_line": line,
         "elapsed_s": time.perf_counter() - t_start,
     }
     write_report(args.out, result)

@@ -24,18 +24,30 @@ from engine import LLM, SamplingParams
 def run(llm: LLM, batch: list[tuple[str, str, int]]) -> list[dict]:
     tok = llm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for _, p, _ in batch]
-    reqs = [llm.engine.add_request(i, SamplingParams(max_tokens=m, temperature=0.0)) for i, (_, _, m) in zip(ids, batch)]
+    reqs = [
+        llm.engine.add_request(i, SamplingParams(max_tokens=m, temperature=0.0)) for i, (_, _, m) in zip(ids, batch)
+    ]
     while llm.engine.has_unfinished():
         llm.engine.step()
-    return [{"kind": k, "prompt_tokens": len(i), "max_tokens": m, "output_tokens": r.num_output_tokens,
-             "predicted": r.length.first_predicted if r.length is not None else None, "finish": r.finish_reason}
-            for (k, _, m), i, r in zip(batch, ids, reqs)]
+    return [
+        {
+            "kind": k,
+            "prompt_tokens": len(i),
+            "max_tokens": m,
+            "output_tokens": r.num_output_tokens,
+            "predicted": r.length.first_predicted if r.length is not None else None,
+            "finish": r.finish_reason,
+        }
+        for (k, _, m), i, r in zip(batch, ids, reqs)
+    ]
 
 
 def taus(rows: list[dict]) -> dict:
     real = [r["output_tokens"] for r in rows]
-    out = {"max_tokens": kendall_tau([r["max_tokens"] for r in rows], real),
-           "prompt_tokens": kendall_tau([r["prompt_tokens"] for r in rows], real)}
+    out = {
+        "max_tokens": kendall_tau([r["max_tokens"] for r in rows], real),
+        "prompt_tokens": kendall_tau([r["prompt_tokens"] for r in rows], real),
+    }
     if all(r["predicted"] is not None for r in rows):
         out["predicted"] = kendall_tau([r["predicted"] for r in rows], real)
     return out
@@ -64,16 +76,25 @@ def main() -> int:
         print(json.dumps(entry), f"{time.time() - t0:.0f}s", flush=True)
     predictor.save()
     trained_on = predictor.num_requests
-    predictor.REFIT_EVERY = predictor.SAVE_EVERY = 10 ** 9  # frozen: the held-out requests change nothing
+    predictor.REFIT_EVERY = predictor.SAVE_EVERY = 10**9  # frozen: the held-out requests change nothing
     held = run(llm, requests(random.Random(args.seed + 1), args.held_out))
-    result = {"trained_on": trained_on, "held_out": len(held), "kendall_tau": taus(held),
-              "by_kind": {k: {"output_tokens_median": statistics.median(r["output_tokens"] for r in held if r["kind"] == k),
-                              "predicted_median": statistics.median(r["predicted"] for r in held if r["kind"] == k)}
-                          for k in sorted({r["kind"] for r in held})}}
+    result = {
+        "trained_on": trained_on,
+        "held_out": len(held),
+        "kendall_tau": taus(held),
+        "by_kind": {
+            k: {
+                "output_tokens_median": statistics.median(r["output_tokens"] for r in held if r["kind"] == k),
+                "predicted_median": statistics.median(r["predicted"] for r in held if r["kind"] == k),
+            }
+            for k in sorted({r["kind"] for r in held})
+        },
+    }
     print(json.dumps(result, indent=1))
     if args.out:
-        write_report(args.out, {"seconds": round(time.time() - t0), **result, "progress": progress,
-                                "held_out_rows": held})
+        write_report(
+            args.out, {"seconds": round(time.time() - t0), **result, "progress": progress, "held_out_rows": held}
+        )
     llm.close()
     return 0
 

@@ -10,14 +10,50 @@ from __future__ import annotations
 import random
 
 ANIMALS = ["fox", "owl", "whale", "tortoise", "cat", "dragon", "robot", "penguin", "wolf", "bee", "horse", "crow"]
-TOPICS = ["photosynthesis", "gravity", "the water cycle", "compound interest", "volcanoes", "the internet",
-          "vaccines", "electricity", "tides", "rainbows", "black holes", "recycling", "earthquakes", "magnets"]
-THINGS = ["fruits", "vegetables", "colors", "countries", "musical instruments", "sports", "tools", "flowers",
-          "animals that live in the sea", "board games", "kitchen utensils", "rivers"]
-WORD_QUESTIONS = ["What is the opposite of hot?", "What color is a ripe banana?", "What is the capital of France?",
-                  "Which animal says moo?", "What is frozen water called?", "What is the largest planet?",
-                  "What do bees make?", "Which season comes after winter?", "What gas do plants breathe in?",
-                  "What is two plus two, as a word?", "What do you call a baby dog?", "Which star is closest to us?"]
+TOPICS = [
+    "photosynthesis",
+    "gravity",
+    "the water cycle",
+    "compound interest",
+    "volcanoes",
+    "the internet",
+    "vaccines",
+    "electricity",
+    "tides",
+    "rainbows",
+    "black holes",
+    "recycling",
+    "earthquakes",
+    "magnets",
+]
+THINGS = [
+    "fruits",
+    "vegetables",
+    "colors",
+    "countries",
+    "musical instruments",
+    "sports",
+    "tools",
+    "flowers",
+    "animals that live in the sea",
+    "board games",
+    "kitchen utensils",
+    "rivers",
+]
+WORD_QUESTIONS = [
+    "What is the opposite of hot?",
+    "What color is a ripe banana?",
+    "What is the capital of France?",
+    "Which animal says moo?",
+    "What is frozen water called?",
+    "What is the largest planet?",
+    "What do bees make?",
+    "Which season comes after winter?",
+    "What gas do plants breathe in?",
+    "What is two plus two, as a word?",
+    "What do you call a baby dog?",
+    "Which star is closest to us?",
+]
 PLACES = ["a lighthouse", "a desert town", "a floating market", "an old library", "a mountain village", "the moon"]
 MAX_TOKENS = [256, 384, 512]  # what clients ask for, whatever the prompt: it bounds, it does not predict
 

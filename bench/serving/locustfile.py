@@ -22,10 +22,27 @@ from locust import HttpUser, between, task
 MODEL = os.environ.get("ORCINUS_MODEL", "SmolLM2-135M-Instruct")  # what to put in the `model` field
 API_KEY = os.environ.get("ORCINUS_API_KEY")  # sent as `Authorization: Bearer ...` when set
 
-SUBJECTS = ["the ocean", "a lighthouse keeper", "bread", "the moon landing", "a chess game", "autumn", "a robot",
-            "volcanoes", "a city at night", "honeybees", "the printing press", "a long train ride"]
-FORMS = ["Write a short poem about {}.", "Explain {} to a child.", "List three facts about {}.",
-         "Tell a very short story about {}.", "Describe {} in one paragraph."]
+SUBJECTS = [
+    "the ocean",
+    "a lighthouse keeper",
+    "bread",
+    "the moon landing",
+    "a chess game",
+    "autumn",
+    "a robot",
+    "volcanoes",
+    "a city at night",
+    "honeybees",
+    "the printing press",
+    "a long train ride",
+]
+FORMS = [
+    "Write a short poem about {}.",
+    "Explain {} to a child.",
+    "List three facts about {}.",
+    "Tell a very short story about {}.",
+    "Describe {} in one paragraph.",
+]
 
 
 def _prompt(rng: random.Random) -> str:
@@ -42,15 +59,26 @@ class OpenAIStreamingUser(HttpUser):
 
     @task(2)
     def completion(self) -> None:
-        body = {"model": MODEL, "prompt": _prompt(self.rng), "max_tokens": self.rng.randint(8, 48),
-                "temperature": 0.7, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "prompt": _prompt(self.rng),
+            "max_tokens": self.rng.randint(8, 48),
+            "temperature": 0.7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         self._stream("/v1/completions", body)
 
     @task(1)
     def chat(self) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": _prompt(self.rng)}],
-                "max_tokens": self.rng.randint(8, 48), "temperature": 0.7, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": _prompt(self.rng)}],
+            "max_tokens": self.rng.randint(8, 48),
+            "temperature": 0.7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         self._stream("/v1/chat/completions", body)
 
     def _stream(self, path: str, body: dict) -> None:
@@ -89,8 +117,20 @@ class OpenAIStreamingUser(HttpUser):
         end = time.perf_counter()
         fire = self.environment.events.request.fire
         if first is not None:
-            fire(request_type="METRIC", name="TTFT", response_time=(first - start) * 1000, response_length=0,
-                 exception=None, context={})
+            fire(
+                request_type="METRIC",
+                name="TTFT",
+                response_time=(first - start) * 1000,
+                response_length=0,
+                exception=None,
+                context={},
+            )
         if tokens and end > start:
-            fire(request_type="METRIC", name="tokens/s", response_time=tokens / (end - start), response_length=tokens,
-                 exception=None, context={})
+            fire(
+                request_type="METRIC",
+                name="tokens/s",
+                response_time=tokens / (end - start),
+                response_length=tokens,
+                exception=None,
+                context={},
+            )

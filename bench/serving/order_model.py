@@ -40,7 +40,7 @@ def mean_latency(take, load: float, c: float, n: int, seed: int) -> float:
             now = arrivals[i][0]
             continue
         jobs.sort()
-        running = jobs[:take(len(jobs))]
+        running = jobs[: take(len(jobs))]
         now += (c + len(running)) / (c + 1)
         for job in running:
             job[0] -= 1
@@ -57,17 +57,27 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out")
     args = ap.parse_args()
-    policies = {"cap 8": lambda k: 8, "cap 4": lambda k: 4, "half 8": lambda k: max(8, math.ceil(k / 2)),
-                "half 2": lambda k: max(2, math.ceil(k / 2)), "srpt": lambda k: 1}
+    policies = {
+        "cap 8": lambda k: 8,
+        "cap 4": lambda k: 4,
+        "half 8": lambda k: max(8, math.ceil(k / 2)),
+        "half 2": lambda k: max(2, math.ceil(k / 2)),
+        "srpt": lambda k: 1,
+    }
     results = []
     for c in args.c:
         for load in args.loads:
             base = mean_latency(lambda k: k, load, c, args.requests, args.seed)
-            gains = {name: round(base / mean_latency(take, load, c, args.requests, args.seed), 3)
-                     for name, take in policies.items()}
+            gains = {
+                name: round(base / mean_latency(take, load, c, args.requests, args.seed), 3)
+                for name, take in policies.items()
+            }
             results.append({"c": c, "load": load, "all_mean_steps": round(base, 1), "gain_over_all": gains})
-            print(f"c {c} load {load}: all {base:.0f} steps; mean latency all / policy: "
-                  + ", ".join(f"{k} {v:.2f}x" for k, v in gains.items()), flush=True)
+            print(
+                f"c {c} load {load}: all {base:.0f} steps; mean latency all / policy: "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in gains.items()),
+                flush=True,
+            )
     if args.out:
         write_report(args.out, {"sizes": SIZES, "results": results})
 

@@ -29,17 +29,34 @@ from bench.common import ROOT, launch_server, scrape_metrics, stop_server, write
 LOCUST = Path(sys.executable).parent / "locust"
 MIB = 2**20
 # One sample: seconds since the start, then what /metrics says.
-COLUMNS = ["elapsed_s", "gateway_rss_mib", "engine_rss_mib", "gateway_private_mib", "engine_private_mib",
-           "requests_finished", "sequences_admitted",
-           "requests_running", "requests_waiting", "kv_blocks_used", "generation_tokens", "requests_rejected",
-           "engine_restarts"]
-METRICS = {"gateway_rss_mib": "process_resident_memory_bytes", "engine_rss_mib": "orcinus_engine_resident_memory_bytes",
-           "gateway_private_mib": "orcinus_gateway_private_memory_bytes",
-           "engine_private_mib": "orcinus_engine_private_memory_bytes",
-           "sequences_admitted": "orcinus_sequences_admitted", "requests_running": "orcinus_requests_running",
-           "requests_waiting": "orcinus_requests_waiting", "kv_blocks_used": "orcinus_kv_blocks_used",
-           "generation_tokens": "orcinus_generation_tokens_total", "requests_rejected": "orcinus_requests_rejected_total",
-           "engine_restarts": "orcinus_engine_restarts_total"}
+COLUMNS = [
+    "elapsed_s",
+    "gateway_rss_mib",
+    "engine_rss_mib",
+    "gateway_private_mib",
+    "engine_private_mib",
+    "requests_finished",
+    "sequences_admitted",
+    "requests_running",
+    "requests_waiting",
+    "kv_blocks_used",
+    "generation_tokens",
+    "requests_rejected",
+    "engine_restarts",
+]
+METRICS = {
+    "gateway_rss_mib": "process_resident_memory_bytes",
+    "engine_rss_mib": "orcinus_engine_resident_memory_bytes",
+    "gateway_private_mib": "orcinus_gateway_private_memory_bytes",
+    "engine_private_mib": "orcinus_engine_private_memory_bytes",
+    "sequences_admitted": "orcinus_sequences_admitted",
+    "requests_running": "orcinus_requests_running",
+    "requests_waiting": "orcinus_requests_waiting",
+    "kv_blocks_used": "orcinus_kv_blocks_used",
+    "generation_tokens": "orcinus_generation_tokens_total",
+    "requests_rejected": "orcinus_requests_rejected_total",
+    "engine_restarts": "orcinus_engine_restarts_total",
+}
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -73,9 +90,26 @@ def first_sample(url: str, headers: dict, started: float) -> dict:
 
 
 def run_locust(url: str, users: int, duration: int, out: Path) -> subprocess.Popen:
-    cmd = [str(LOCUST), "-f", str(ROOT / "bench" / "serving" / "locustfile.py"), "--host", url, "--headless",
-           "-u", str(users), "-r", str(users), "-t", f"{duration}s", "--csv", str(out / "locust"),
-           "--csv-full-history", "--only-summary", "--stop-timeout", "60"]
+    cmd = [
+        str(LOCUST),
+        "-f",
+        str(ROOT / "bench" / "serving" / "locustfile.py"),
+        "--host",
+        url,
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{duration}s",
+        "--csv",
+        str(out / "locust"),
+        "--csv-full-history",
+        "--only-summary",
+        "--stop-timeout",
+        "60",
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "locust.log", "wb"), stderr=subprocess.STDOUT)
 
 
@@ -106,15 +140,22 @@ def locust_totals(out: Path) -> dict:
     routes = {}
     for r in csv.DictReader(open(out / "locust_stats.csv")):
         if r["Type"] == "POST":
-            routes[r["Name"]] = {"requests": int(r["Request Count"]), "failures": int(r["Failure Count"]),
-                                 "median_ms": float(r["Median Response Time"] or 0), "p95_ms": float(r["95%"] or 0)}
+            routes[r["Name"]] = {
+                "requests": int(r["Request Count"]),
+                "failures": int(r["Failure Count"]),
+                "median_ms": float(r["Median Response Time"] or 0),
+                "p95_ms": float(r["95%"] or 0),
+            }
     failures = {}
     if (out / "locust_failures.csv").exists():
         for r in csv.DictReader(open(out / "locust_failures.csv")):
             failures[r["Error"][:120]] = failures.get(r["Error"][:120], 0) + int(r["Occurrences"])
-    return {"requests": sum(r["requests"] for r in routes.values()),
-            "failures": sum(r["failures"] for r in routes.values()), "routes": routes,
-            "failures_by_error": failures}
+    return {
+        "requests": sum(r["requests"] for r in routes.values()),
+        "failures": sum(r["failures"] for r in routes.values()),
+        "routes": routes,
+        "failures_by_error": failures,
+    }
 
 
 # RSS, and RSS less the shared-memory pages of the channel rings: those count once a process has touched them, so
@@ -132,13 +173,19 @@ def summarize(rows: list[dict], warmup_requests: int) -> dict:
     for column in MEMORY_COLUMNS:
         values = [r[column] for r in rows]
         loaded = values[1:] or values  # the first sample is taken before Locust's users arrive
-        out[column] = {"before_load": values[0], "last": values[-1], "max": max(values),
-                       "growth_under_load": round(loaded[-1] - loaded[0], 3)}
+        out[column] = {
+            "before_load": values[0],
+            "last": values[-1],
+            "max": max(values),
+            "growth_under_load": round(loaded[-1] - loaded[0], 3),
+        }
         if len(set(x)) >= 3:
             fit = statistics.linear_regression(x, [r[column] * MIB / 1024 for r in after])  # KiB per request
-            out[column] |= {"requests_after_warmup": x[-1] - x[0],
-                            "growth_after_warmup_mib": round(after[-1][column] - after[0][column], 3),
-                            "kib_per_request_after_warmup": round(fit.slope, 4)}
+            out[column] |= {
+                "requests_after_warmup": x[-1] - x[0],
+                "growth_after_warmup_mib": round(after[-1][column] - after[0][column], 3),
+                "kib_per_request_after_warmup": round(fit.slope, 4),
+            }
     return out
 
 
@@ -191,11 +238,19 @@ def main() -> int:
     plot(rows, out / "rss.png", title)
     summary = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "server": url if args.base_url else {"max_num_seqs": args.max_num_seqs, "max_waiting": args.max_waiting,
-                                             "num_threads": args.num_threads,
-                                             "model": args.model or "bundled SmolLM2-135M-Instruct"},
-        "users": users, "duration_s": args.duration, "interval_s": args.interval,
-        "locust_exit_code": locust.returncode, "locust": locust_totals(out),
+        "server": url
+        if args.base_url
+        else {
+            "max_num_seqs": args.max_num_seqs,
+            "max_waiting": args.max_waiting,
+            "num_threads": args.num_threads,
+            "model": args.model or "bundled SmolLM2-135M-Instruct",
+        },
+        "users": users,
+        "duration_s": args.duration,
+        "interval_s": args.interval,
+        "locust_exit_code": locust.returncode,
+        "locust": locust_totals(out),
         "rss": summarize(rows, args.warmup_requests),
         "engine_restarts": rows[-1]["engine_restarts"] - rows[0]["engine_restarts"],
         "shm_segments_left": leaked,

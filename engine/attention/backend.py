@@ -72,9 +72,12 @@ class AttentionMetadata:
         if rows:
             device = self.query_start_loc.device
             every = len(rows) == start
-            d = DecodeRows(None if every else torch.tensor(rows, device=device),
-                           torch.tensor(requests, dtype=torch.int32, device=device),
-                           torch.tensor(lens, dtype=torch.int32, device=device), max(lens))
+            d = DecodeRows(
+                None if every else torch.tensor(rows, device=device),
+                torch.tensor(requests, dtype=torch.int32, device=device),
+                torch.tensor(lens, dtype=torch.int32, device=device),
+                max(lens),
+            )
         self._decode_rows[context_limit] = d
         return d
 
@@ -94,8 +97,12 @@ class AttentionMetadata:
 
     def to(self, device) -> AttentionMetadata:
         return AttentionMetadata(
-            self.query_start_loc.to(device), self.context_lens.to(device), self.block_tables.to(device),
-            self.slot_mapping.to(device), list(self.query_lens_cpu), list(self.context_lens_cpu),
+            self.query_start_loc.to(device),
+            self.context_lens.to(device),
+            self.block_tables.to(device),
+            self.slot_mapping.to(device),
+            list(self.query_lens_cpu),
+            list(self.context_lens_cpu),
         )
 
 
@@ -125,14 +132,16 @@ class AttentionBackend(Protocol):
     graph_safe_decode: bool  # whether whole decode steps around forward_decode should be captured as CUDA graphs
     label: str  # what runs, in the server's startup block
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                params: AttentionParams | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, params: AttentionParams | None = None
+    ) -> torch.Tensor:
         """q: [T, Hq, D] (rows may be strided, heads and head_dim dense); returns [T, Hq, D].
         params None: AttentionParams.plain(D)."""
         ...
 
-    def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                       params: AttentionParams | None = None) -> torch.Tensor:
+    def forward_decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, params: AttentionParams | None = None
+    ) -> torch.Tensor:
         """`forward` for a batch of one query per request that reads only device tensors and static shapes
         (never the host length lists), so a whole decode step can be captured as a CUDA graph."""
         ...

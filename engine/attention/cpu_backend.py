@@ -39,5 +39,6 @@ class CpuAttention(TorchAttention):
     def _decode(self, q, kv_cache, tables, requests, lens, params: AttentionParams):
         if q.shape[-1] % 8:  # the op's vectors take 8 lanes of a head at a time
             return TorchAttention._decode(q, kv_cache, tables, requests, lens, params)
-        return self._op(q, kv_cache, tables, requests, lens, params.scale, params.sliding_window or 0,
-                        params.logit_softcap or 0.0)
+        return self._op(
+            q, kv_cache, tables, requests, lens, params.scale, params.sliding_window or 0, params.logit_softcap or 0.0
+        )

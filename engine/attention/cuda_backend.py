@@ -47,7 +47,8 @@ def cuda_backend_available() -> bool:
     compiles the module (NVRTC, seconds, once per process) and launches it on a tiny batch.
     """
     return torch.cuda.is_available() and builds(
-        lambda: CudaAttention().self_test(), "the CUDA attention kernel is unusable here, using the PyTorch reference")
+        lambda: CudaAttention().self_test(), "the CUDA attention kernel is unusable here, using the PyTorch reference"
+    )
 
 
 class CudaAttention:
@@ -62,8 +63,9 @@ class CudaAttention:
 
     def __init__(self, options: tuple[str, ...] = ()) -> None:
         """`options`: extra NVRTC options for the kernels (benchmarks build -D variants; the engine, none)."""
-        self._kernels = NvrtcKernels(KERNEL_SOURCE, decode_kernel_name(torch.bfloat16, 128),
-                                     "the cuda attention backend", options)
+        self._kernels = NvrtcKernels(
+            KERNEL_SOURCE, decode_kernel_name(torch.bfloat16, 128), "the cuda attention backend", options
+        )
         self._fallback = TorchAttention()
         self._resident: dict = {}  # (kernel, device, shared bytes) -> (SMs, resident blocks per SM)
         self._counters: dict[int, torch.Tensor] = {}  # device -> the split launches' counters, zero between launches
@@ -76,8 +78,14 @@ class CudaAttention:
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(1, 2, 64, generator=gen).to(torch.bfloat16)
         cache = torch.randn(2, 1, 2, 16, 64, generator=gen).to(torch.bfloat16)  # the request lives in block 1
-        meta = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                                 torch.tensor([[1]], dtype=torch.int32), torch.tensor([18]), [1], [3])
+        meta = AttentionMetadata(
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32),
+            torch.tensor([[1]], dtype=torch.int32),
+            torch.tensor([18]),
+            [1],
+            [3],
+        )
         expected = self._fallback.forward(q.float(), cache.float(), meta)
         dev = torch.device("cuda", torch.cuda.current_device())
         for splits in (None, 3):
@@ -105,8 +113,13 @@ class CudaAttention:
 
     def _attend_prefills(self, q, kv_cache, meta: AttentionMetadata, out, params: AttentionParams) -> None:
         """All prefill chunks in one flash-attention call where it runs (bf16/f16, no soft cap), else one SDPA each."""
-        if (self.prefill_kernel == "flash" and q.dtype != torch.float32 and q.shape[2] % 8 == 0
-                and q.shape[2] <= 256 and params.logit_softcap is None):
+        if (
+            self.prefill_kernel == "flash"
+            and q.dtype != torch.float32
+            and q.shape[2] % 8 == 0
+            and q.shape[2] <= 256
+            and params.logit_softcap is None
+        ):
             if self._plan_meta is not meta:  # once per step: layers share the gather plans (one per window)
                 self._plan_meta, self._plans = meta, {}
             if params.sliding_window not in self._plans:
@@ -130,14 +143,22 @@ class CudaAttention:
         if not self._fits(q):
             return self._fallback.forward_decode(q, kv_cache, meta, params)
         # The split plan for the longest context the block tables can hold: fixed, so it can be captured.
-        return self.attend(q, kv_cache, meta, meta.block_tables.shape[1] * kv_cache.shape[3], params,
-                           context_known=False)
+        return self.attend(
+            q, kv_cache, meta, meta.block_tables.shape[1] * kv_cache.shape[3], params, context_known=False
+        )
 
     # ----------------------------------------------------------------------------- launches
 
-    def attend(self, q, kv_cache, meta: AttentionMetadata, max_context_len: int,
-               params: AttentionParams | None = None, context_known: bool = True,
-               num_splits: int | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        max_context_len: int,
+        params: AttentionParams | None = None,
+        context_known: bool = True,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
         """Attention of every request with one query token; other rows of the result are left unwritten.
         `context_known=False`: max_context_len is only the capacity (a captured step), not the longest context.
         `num_splits` overrides the plan (the self-test)."""
@@ -159,12 +180,15 @@ class CudaAttention:
         name = decode_kernel_name(q.dtype, head_dim)
         # The merge buffer: each lane group's acc [heads, D] and (m, l) per head, float32; the splits' merge reuses
         # it for kMaxHeads x (splits + 1) weights and sums.
-        shared = 4 * max((WARPS * 32 // lanes_per_key(head_dim, q.element_size())) * heads_per_block * (head_dim + 2),
-                         MAX_HEADS_PER_BLOCK * (MAX_SPLITS + 1))
+        shared = 4 * max(
+            (WARPS * 32 // lanes_per_key(head_dim, q.element_size())) * heads_per_block * (head_dim + 2),
+            MAX_HEADS_PER_BLOCK * (MAX_SPLITS + 1),
+        )
         sm_count, resident = self._occupancy(name, q.device, shared)
         keys = min(max_context_len, params.sliding_window or max_context_len)  # the most keys a request reads
-        num_splits = num_splits or plan_splits(num_requests, num_kv_heads * blocks_per_kv, keys, sm_count, resident,
-                                               one_wave=not context_known)
+        num_splits = num_splits or plan_splits(
+            num_requests, num_kv_heads * blocks_per_kv, keys, sm_count, resident, one_wave=not context_known
+        )
         if num_splits > 1:
             rows = num_requests * num_q_heads * num_splits
             ws_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
@@ -177,13 +201,29 @@ class CudaAttention:
         scale_log2, cap_log2 = math.log2(math.e) * params.scale, math.log2(math.e) * (params.logit_softcap or 0.0)
         with self._kernels.on_torch_stream(q):
             self._kernels(name, q.device)(
-                (num_requests, num_kv_heads * blocks_per_kv, num_splits), (WARPS * 32,),
-                (ptr(out), ptr(ws_acc), ptr(ws_ml), ptr(counters), ptr(q), ptr(kv_cache), ptr(qsl), ptr(ctx),
-                 ptr(tables),
-                 np.int32(tables.shape[1]), np.int32(num_q_heads), np.int32(num_kv_heads),
-                 np.int32(heads_per_block), np.int32(head_dim), np.int32(block_size),
-                 np.int64(kv_cache.shape[2] * block_size), np.float32(scale_log2),
-                 np.int32(params.sliding_window or 0), np.float32(cap_log2)),
+                (num_requests, num_kv_heads * blocks_per_kv, num_splits),
+                (WARPS * 32,),
+                (
+                    ptr(out),
+                    ptr(ws_acc),
+                    ptr(ws_ml),
+                    ptr(counters),
+                    ptr(q),
+                    ptr(kv_cache),
+                    ptr(qsl),
+                    ptr(ctx),
+                    ptr(tables),
+                    np.int32(tables.shape[1]),
+                    np.int32(num_q_heads),
+                    np.int32(num_kv_heads),
+                    np.int32(heads_per_block),
+                    np.int32(head_dim),
+                    np.int32(block_size),
+                    np.int64(kv_cache.shape[2] * block_size),
+                    np.float32(scale_log2),
+                    np.int32(params.sliding_window or 0),
+                    np.float32(cap_log2),
+                ),
                 shared_mem=shared,
             )
         return out
@@ -192,8 +232,9 @@ class CudaAttention:
         """The device's split counters, one per (request, head block); each launch leaves them zero again. Made once
         at their full size: a captured step bakes in their address."""
         if head_blocks > MAX_HEAD_BLOCKS:
-            raise ValueError(f"{head_blocks} (request, KV head block) pairs in one decode launch; at most "
-                             f"{MAX_HEAD_BLOCKS}")
+            raise ValueError(
+                f"{head_blocks} (request, KV head block) pairs in one decode launch; at most {MAX_HEAD_BLOCKS}"
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._counters:
             self._counters[index] = torch.zeros(MAX_HEAD_BLOCKS, dtype=torch.int32, device=device)
@@ -207,7 +248,8 @@ class CudaAttention:
             kernel = self._kernels(name, torch.device("cuda", index))
             with self._kernels.cp.cuda.Device(index):
                 blocks = self._kernels.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                    kernel.kernel.ptr, WARPS * 32, shared)
+                    kernel.kernel.ptr, WARPS * 32, shared
+                )
             self._resident[key] = (torch.cuda.get_device_properties(index).multi_processor_count, blocks)
         return self._resident[key]
 
@@ -236,8 +278,14 @@ def split_partition(context_len: int, num_splits: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function, asked by every layer of a step: its loop runs once a shape
-def plan_splits(num_requests: int, kv_head_blocks: int, max_context_len: int, sm_count: int,
-                blocks_per_sm: int, one_wave: bool = False) -> int:
+def plan_splits(
+    num_requests: int,
+    kv_head_blocks: int,
+    max_context_len: int,
+    sm_count: int,
+    blocks_per_sm: int,
+    one_wave: bool = False,
+) -> int:
     """How many KV ranges the decode kernel cuts every context into (its grid: requests x kv_head_blocks x splits).
 
     The grid runs in waves of sm_count x blocks_per_sm resident blocks, each block taking about its keys plus a

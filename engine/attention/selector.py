@@ -36,8 +36,12 @@ def _cpu_invariant_backend():
 
 # "auto": the kernel for the engine's device (CuPy on a GPU, the C++ op on the CPU) when it builds and runs,
 # else the PyTorch reference. "cpu-invariant" is --batch-invariant's (engine/runner/device.py sets it).
-BACKENDS = {"torch": TorchAttention, "cuda": _cuda_backend, "cpu": _cpu_backend,
-            "cpu-invariant": _cpu_invariant_backend}
+BACKENDS = {
+    "torch": TorchAttention,
+    "cuda": _cuda_backend,
+    "cpu": _cpu_backend,
+    "cpu-invariant": _cpu_invariant_backend,
+}
 
 
 def make_backend(name: str, device_type: str = "cpu") -> AttentionBackend:

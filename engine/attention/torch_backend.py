@@ -72,8 +72,9 @@ def attend(query, keys, values, mask, params: AttentionParams, causal: bool = Fa
     allows (or causally, mask None): SDPA, or for soft-capped scores, which SDPA cannot take, the same in plain ops."""
     group = query.shape[1] // keys.shape[1]
     if params.logit_softcap is None:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
-                                              scale=params.scale, enable_gqa=group > 1)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=causal, scale=params.scale, enable_gqa=group > 1
+        )
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     cap = params.logit_softcap

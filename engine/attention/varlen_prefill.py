@@ -37,20 +37,25 @@ class PrefillPlan:
             return None
         starts = meta.query_starts_cpu
         q_lens = torch.tensor([meta.query_lens_cpu[i] for i in ids])
-        first = torch.tensor([max(0, meta.context_lens_cpu[i] - meta.query_lens_cpu[i] + 1 - window) if window else 0
-                              for i in ids])
+        first = torch.tensor(
+            [max(0, meta.context_lens_cpu[i] - meta.query_lens_cpu[i] + 1 - window) if window else 0 for i in ids]
+        )
         k_lens = torch.tensor([meta.context_lens_cpu[i] for i in ids]) - first
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in ids])
         owner = torch.repeat_interleave(torch.tensor(ids), k_lens)  # the batch row of each key's request
-        positions = (torch.arange(int(k_lens.sum())) - torch.repeat_interleave(_offsets(k_lens)[:-1], k_lens)
-                     + torch.repeat_interleave(first, k_lens))
+        positions = (
+            torch.arange(int(k_lens.sum()))
+            - torch.repeat_interleave(_offsets(k_lens)[:-1], k_lens)
+            + torch.repeat_interleave(first, k_lens)
+        )
         # One host-to-device copy for all of it; pinned, so it does not wait for the queued kernels.
         host = torch.cat([rows, owner, positions, _offsets(q_lens), _offsets(k_lens)])
         device = meta.block_tables.device
         if device.type == "cuda":
             host = host.pin_memory()
         rows, owner, positions, cu_q, cu_k = host.to(device, non_blocking=True).split(
-            [len(rows), len(owner), len(positions), len(ids) + 1, len(ids) + 1])
+            [len(rows), len(owner), len(positions), len(ids) + 1, len(ids) + 1]
+        )
         slots = meta.block_tables[owner, positions // block_size].long() * block_size + positions % block_size
         return cls(rows, slots, cu_q.int(), cu_k.int(), int(q_lens.max()), int(k_lens.max()))
 
@@ -72,9 +77,21 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, params: AttentionParams) -> 
     """PyTorch's FlashAttention-2 over packed sequences (GQA native; causal aligned to each sequence's end; a
     sliding window as its left window). bfloat16/float16 on sm80+ only; no soft cap (the backend checks)."""
     left = params.sliding_window - 1 if params.sliding_window else None
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
-                                                   scale=params.scale, window_size_left=left,
-                                                   window_size_right=0 if left is not None else None)[0]
+    return torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        True,
+        False,
+        scale=params.scale,
+        window_size_left=left,
+        window_size_right=0 if left is not None else None,
+    )[0]
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, params: AttentionParams) -> torch.Tensor:
@@ -82,8 +99,10 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, params: AttentionParams)
     out = torch.empty_like(q)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for p in range(len(cq) - 1):
-        query, key, value = (t[a:b].transpose(0, 1)[None] for t, a, b in
-                             ((q, cq[p], cq[p + 1]), (k, ck[p], ck[p + 1]), (v, ck[p], ck[p + 1])))
+        query, key, value = (
+            t[a:b].transpose(0, 1)[None]
+            for t, a, b in ((q, cq[p], cq[p + 1]), (k, ck[p], ck[p + 1]), (v, ck[p], ck[p + 1]))
+        )
         n, ctx = query.shape[2], key.shape[2]
         key_pos = torch.arange(ctx, device=q.device)[None, :]
         query_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]

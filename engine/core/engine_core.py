@@ -23,8 +23,15 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, executor: Executor, model_name: str, shape: ModelShape, tokenizer, max_model_len: int,
-        draft_source: DraftSource | None = None, policy: QueuePolicy | None = None,
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        model_name: str,
+        shape: ModelShape,
+        tokenizer,
+        max_model_len: int,
+        draft_source: DraftSource | None = None,
+        policy: QueuePolicy | None = None,
     ):
         self.config = config
         self.executor = executor
@@ -34,8 +41,11 @@ class EngineCore:
         self.max_model_len = max_model_len
         num_blocks = executor.num_blocks
         # Speculative decoding: `draft_source` (engine/drafting) makes each request's drafter, as --speculative names.
-        speculation = None if draft_source is None else Speculation(
-            draft_source, config.num_speculative_tokens, config.speculative_row_cost)
+        speculation = (
+            None
+            if draft_source is None
+            else Speculation(draft_source, config.num_speculative_tokens, config.speculative_row_cost)
+        )
         # `policy`: who runs first (None: the config's, as named); launch builds the `predicted` one with its predictor.
         self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, policy)
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
@@ -59,7 +69,9 @@ class EngineCore:
         return self.executor.model  # in-process execution only
 
     def add_request(
-        self, request: EngineRequest | list[int], params: SamplingParams | None = None,
+        self,
+        request: EngineRequest | list[int],
+        params: SamplingParams | None = None,
         options: RequestOptions = NO_OPTIONS,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError for one that can never run. Prompt token ids
@@ -71,8 +83,14 @@ class EngineCore:
         # An id whose batch is still in flight is taken too: that batch's tokens must not reach a newcomer.
         if request_id in self.scheduler.requests or request_id in self.scheduler.in_flight:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
-        req = Request(request_id, list(request.prompt_token_ids), request.params, time.monotonic(), self.eos_token_id,
-                      request.options)
+        req = Request(
+            request_id,
+            list(request.prompt_token_ids),
+            request.params,
+            time.monotonic(),
+            self.eos_token_id,
+            request.options,
+        )
         self.scheduler.add(req)
         return req
 

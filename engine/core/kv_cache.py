@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from engine.core.request import Request
 
@@ -142,7 +142,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         # Last block first, so a request's tail is evicted before its (more widely shared) head.
-        for block in reversed(req.block_table[req.num_released_blocks:]):
+        for block in reversed(req.block_table[req.num_released_blocks :]):
             self._release(block)
         req.block_table = []
         req.num_registered_blocks = 0
@@ -152,7 +152,7 @@ class KVCacheManager:
         """Give back the blocks wholly before `position`, which no query of `req` will read again (they are before
         every layer's sliding window). Their table entries stay, stale, so positions still index the table."""
         end = min(max(0, position) // self.block_size, len(req.block_table))
-        for block in req.block_table[req.num_released_blocks:end]:
+        for block in req.block_table[req.num_released_blocks : end]:
             self._release(block)
         req.num_released_blocks = max(req.num_released_blocks, end)
 

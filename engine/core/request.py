@@ -99,7 +99,9 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission (usage reports them)
     queue_seconds: float | None = None  # from arrival to its first admission (the queue-time histogram)
-    matcher: object | None = None  # a constrained request's llguidance matcher, compiled by the engine process for its sampler
+    matcher: object | None = (
+        None  # a constrained request's llguidance matcher, compiled by the engine process for its sampler
+    )
     speculation: object | None = None  # its drafter and acceptance estimate (core/speculation.py), from its first draft
     num_delivered_tokens: int = 0  # outputs already handed to its caller (the engine process's deltas)
     error: str | None = None  # why it failed (status FINISHED_ERROR)
@@ -141,8 +143,8 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def max_total_tokens(self) -> int:

@@ -28,7 +28,9 @@ class RequestLimits(msgspec.Struct, frozen=True, array_like=True):
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({n} in the prompt, {params.output_room} for the completion). "
-                "Please reduce the prompt or max_tokens.", param)
+                "Please reduce the prompt or max_tokens.",
+                param,
+            )
         held = min(total, self.max_held_tokens) if self.max_held_tokens else total
         if -(-held // self.block_size) > self.num_kv_blocks:
             raise InvalidRequestError("the request needs more KV cache than the server has", param)

@@ -82,11 +82,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject token ids the model does not have."""

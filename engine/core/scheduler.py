@@ -13,7 +13,6 @@ from engine.core.queue_policy import QueuePolicy, WaitingQueue, queue_policy
 from engine.core.request import Failure, Request, RequestStatus, SampledTokens, TokenLogprobs
 from engine.core.speculation import Speculation, StepDrafts
 
-
 # In a chunk scheduled ahead (async scheduling): the token the batch before samples for this request, which only
 # the device knows yet; the executor puts it in place.
 PLACEHOLDER = -1
@@ -48,7 +47,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
 
     @property
     def draft_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.token_ids) - self.num_draft:]
+        return self.token_ids[len(self.token_ids) - self.num_draft :]
 
 
 class Batch(msgspec.Struct):
@@ -85,8 +84,15 @@ class Scheduler:
     """Running requests first, then the waiting queue in the policy's order (engine/core/queue_policy.py);
     preempts the newest of the policy's highest rank when blocks run out."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, kv_window: int | None = None,
-                 speculation: Speculation | None = None, policy: QueuePolicy | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        kv_window: int | None = None,
+        speculation: Speculation | None = None,
+        policy: QueuePolicy | None = None,
+    ):
         self.config = config
         self.max_model_len = max_model_len
         self.kv_window = kv_window  # every layer's sliding window: blocks before it go back as requests move on
@@ -221,11 +227,12 @@ class Scheduler:
         if not draft or self.kv.allocate(req, 1 + len(draft)):
             return draft
         room = (len(req.block_table) + self.kv.num_free_blocks) * self.kv.block_size - req.num_scheduled_tokens - 1
-        draft = draft[:max(0, room)]
+        draft = draft[: max(0, room)]
         return draft if draft and self.kv.allocate(req, 1 + len(draft)) else []
 
-    def _admit_waiting(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int,
-                       num_running_at_start: int) -> int:
+    def _admit_waiting(
+        self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int, num_running_at_start: int
+    ) -> int:
         """Waiting requests in the policy's order, while they fit. Returns the budget left."""
         pending = self._blocks_being_computed() if self.waiting and self.kv.prefix_caching else set()
         while (
@@ -253,7 +260,7 @@ class Scheduler:
             self.waiting.pop_first()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            pending.update(req.block_names[req.num_registered_blocks:])
+            pending.update(req.block_names[req.num_registered_blocks :])
             if num_new:
                 scheduled.append((req, num_new, []))
                 budget -= num_new
@@ -283,8 +290,7 @@ class Scheduler:
             return []
         if req.params.seed is not None and not req.params.greedy:
             return []  # its draws would follow its drafts, which follow the batch: a seed gives the same tokens anywhere
-        limit = min(budget, req.params.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
+        limit = min(budget, req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
         return self.speculation.draft(req, limit, step)
 
     def _num_schedulable(self, req: Request) -> int:
@@ -307,7 +313,7 @@ class Scheduler:
 
     def _blocks_being_computed(self) -> set[bytes]:
         """Prefix-cache names of the full blocks that running requests have yet to compute."""
-        return {name for r in self.running for name in r.block_names[r.num_registered_blocks:]}
+        return {name for r in self.running for name in r.block_names[r.num_registered_blocks :]}
 
     def _to_scheduled(self, req: Request, num_new: int, draft: list[int]) -> ScheduledRequest:
         start = req.num_scheduled_tokens
@@ -321,8 +327,14 @@ class Scheduler:
         prompt_rows = None if req.params.prompt_logprobs is None else self._prompt_logprob_rows(req, start, end)
         probe = sample and self.policy.probing and self.policy.probes(req)
         return ScheduledRequest(
-            req.request_id, token_ids + draft if draft else token_ids, start, list(req.block_table), sample,
-            prompt_rows, len(draft), probe,
+            req.request_id,
+            token_ids + draft if draft else token_ids,
+            start,
+            list(req.block_table),
+            sample,
+            prompt_rows,
+            len(draft),
+            probe,
         )
 
     @staticmethod
@@ -335,7 +347,7 @@ class Scheduler:
         if hi <= lo:
             return None
         req.num_prompt_logprob_rows = hi
-        return PromptLogprobRows(lo - start, req.prompt_token_ids[lo + 1:hi + 1], req.params.prompt_logprobs)
+        return PromptLogprobRows(lo - start, req.prompt_token_ids[lo + 1 : hi + 1], req.params.prompt_logprobs)
 
     def _make_room(self, budget: int) -> None:
         """Before running requests take this iteration's blocks: where the first waiting request's first chunk would
@@ -364,8 +376,13 @@ class Scheduler:
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
         # One in a batch still in flight is left alone: its tokens are being computed into those blocks.
         rank = self.policy.rank
-        candidates = [(rank(r), i) for i, r in enumerate(self.running) if r.request_id not in self.in_flight
-                      and r.request_id not in scheduled and (above is None or rank(r) > above)]
+        candidates = [
+            (rank(r), i)
+            for i, r in enumerate(self.running)
+            if r.request_id not in self.in_flight
+            and r.request_id not in scheduled
+            and (above is None or rank(r) > above)
+        ]
         if not candidates:
             return None
         victim = self.running[max(candidates)[1]]
@@ -379,14 +396,20 @@ class Scheduler:
         return victim
 
     def update(
-        self, batch: Batch, sampled: dict[str, SampledTokens | Failure],
-        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None, seconds: float | None = None,
+        self,
+        batch: Batch,
+        sampled: dict[str, SampledTokens | Failure],
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        seconds: float | None = None,
     ) -> list[Request]:
         """Account computed tokens, append sampled ones (and the prompt logprobs of chunks that asked for them),
         retire finished requests; returns those that got a token. `seconds`: how long the batch took, if known."""
         # A step of decoding requests only (prompt chunks would swamp it) shows what its rows cost.
-        if self.speculation is not None and seconds is not None and all(
-                sr.sample and len(sr.token_ids) == sr.num_draft + 1 for sr in batch.requests):
+        if (
+            self.speculation is not None
+            and seconds is not None
+            and all(sr.sample and len(sr.token_ids) == sr.num_draft + 1 for sr in batch.requests)
+        ):
             self.speculation.step_cost.observe(batch.num_tokens, seconds)
         updated = []
         for sr in batch.requests:

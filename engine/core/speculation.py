@@ -98,8 +98,10 @@ class StepCost:
             self.level = (float(rows), seconds)
         else:
             level_rows, level_seconds = self.level
-            self.level = (level_rows + self.LEVEL * (rows - level_rows),
-                          level_seconds + self.LEVEL * (seconds - level_seconds))
+            self.level = (
+                level_rows + self.LEVEL * (rows - level_rows),
+                level_seconds + self.LEVEL * (seconds - level_seconds),
+            )
         if self.last is not None:
             dx, dy = rows - self.last[0], seconds - self.last[1]
             slope = self.slope()
@@ -241,7 +243,7 @@ class Speculation:
         if state is None:
             drafters = self.source.new_drafters(req.options.cache_salt)
             self.priors += [self.PRIOR] * (len(drafters) - len(self.priors))
-            state = req.speculation = RequestSpeculation(drafters, self.priors[:len(drafters)])
+            state = req.speculation = RequestSpeculation(drafters, self.priors[: len(drafters)])
         limit = min(limit, self.max_tokens)
         if limit <= 0:
             return []
@@ -271,7 +273,7 @@ class Speculation:
     def join(self, req: Request, draft: list[int], step: StepDrafts) -> None:
         """Count `req`'s scheduled draft in its step: a row each, and the tokens they should yield."""
         step.rows += len(draft)
-        step.tokens += sum(req.speculation.survival[:len(draft)])
+        step.tokens += sum(req.speculation.survival[: len(draft)])
 
     def _recover(self, state: RequestSpeculation, drafters) -> None:
         """Not worth a row now: the drafters' estimates move slowly back toward a new request's, to probe again."""

@@ -13,5 +13,14 @@ from engine.drafting.ngram import NgramDrafter, RecentNgrams, SaltedNgrams
 from engine.drafting.sources import DRAFT_SOURCES, NgramSource, SuffixSource
 from engine.drafting.suffix_tree import RecentOutputs, SuffixDrafter, SuffixTree
 
-__all__ = ["DRAFT_SOURCES", "NgramDrafter", "NgramSource", "RecentNgrams", "RecentOutputs", "SaltedNgrams",
-           "SuffixDrafter", "SuffixSource", "SuffixTree"]
+__all__ = [
+    "DRAFT_SOURCES",
+    "NgramDrafter",
+    "NgramSource",
+    "RecentNgrams",
+    "RecentOutputs",
+    "SaltedNgrams",
+    "SuffixDrafter",
+    "SuffixSource",
+    "SuffixTree",
+]

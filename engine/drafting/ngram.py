@@ -13,19 +13,20 @@ def _check_sizes(min_n: int, max_n: int) -> None:
         raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
 
 
-def _ngrams_ending(tokens: Sequence[int], ends: Iterable[int], min_n: int, max_n: int
-                   ) -> Iterator[tuple[tuple[int, ...], int]]:
+def _ngrams_ending(
+    tokens: Sequence[int], ends: Iterable[int], min_n: int, max_n: int
+) -> Iterator[tuple[tuple[int, ...], int]]:
     """(n-gram, end) for every n-gram of `min_n` to `max_n` tokens of `tokens` that ends at one of `ends`."""
     for end in ends:
         for n in range(min_n, min(max_n, end) + 1):
-            yield tuple(tokens[end - n:end]), end
+            yield tuple(tokens[end - n : end]), end
 
 
 def _longest_suffix(index: dict, tokens: Sequence[int], min_n: int, max_n: int):
     """`index`'s value for the longest n-gram (`max_n` tokens down to `min_n`) that ends `tokens`, and its n;
     (None, 0) if none."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
-        value = index.get(tuple(tokens[len(tokens) - n:]))
+        value = index.get(tuple(tokens[len(tokens) - n :]))
         if value is not None:
             return value, n
     return None, 0
@@ -35,7 +36,7 @@ class _OutputNgrams:
     """One salt's recent outputs' n-grams, each pointing at its latest occurrence; an output's n-grams leave with it
     unless a later output has them too."""
 
-    __slots__ = ("min_n", "max_n", "latest")
+    __slots__ = ("latest", "max_n", "min_n")
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -76,7 +77,7 @@ class RecentNgrams:
         self.matched = 0  # the context suffix the latest proposal matched, in tokens (0: none)
 
     def add(self, output: Sequence[int], salt: bytes = b"") -> None:
-        tokens = tuple(output[:min(self.capacity, self.MAX_OUTPUT_TOKENS)])
+        tokens = tuple(output[: min(self.capacity, self.MAX_OUTPUT_TOKENS)])
         if tokens:  # an empty one has no n-gram, and outputs of no size would pile up under the bound
             self._serial += 1
             self._pools.add(salt, (self._serial, tokens), len(tokens))
@@ -91,7 +92,7 @@ class RecentNgrams:
         if entry is None:
             return []
         _, output, end = entry
-        return list(output[end:end + k])
+        return list(output[end : end + k])
 
     def drafter(self, salt: bytes = b"") -> SaltedNgrams:
         return SaltedNgrams(self, salt)
@@ -137,4 +138,4 @@ class NgramDrafter:
         self._indexed = max(self._indexed, len(tokens) - 1)
         # At most len - 1 tokens: an indexed n-gram ends before the last token.
         end, self.matched = _longest_suffix(self._latest_end, tokens, self.min_n, min(self.max_n, len(tokens) - 1))
-        return [] if end is None else list(tokens[end:end + k])
+        return [] if end is None else list(tokens[end : end + k])

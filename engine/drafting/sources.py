@@ -14,8 +14,9 @@ class NgramSource:
 
     # Matches of up to 8 tokens: on copy-heavy answers longer matches draft more accepted tokens in fewer steps than
     # n <= 4 did; recent outputs' matches of up to 4 draft as well as up to 8 (docs/performance.md, Speculative).
-    def __init__(self, shared: bool = True, min_n: int = 2, max_n: int = 8, shared_max_n: int = 4,
-                 shared_capacity: int = 32768):
+    def __init__(
+        self, shared: bool = True, min_n: int = 2, max_n: int = 8, shared_max_n: int = 4, shared_capacity: int = 32768
+    ):
         self.min_n, self.max_n = min_n, max_n
         self.recent = RecentNgrams(min_n, shared_max_n, shared_capacity) if shared else None
 

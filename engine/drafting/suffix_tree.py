@@ -17,7 +17,7 @@ from engine.drafting.pools import SaltedPools
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("children", "count")
 
     def __init__(self) -> None:
         self.count = 0  # occurrences of the path from the root to here
@@ -55,7 +55,7 @@ class SuffixTree:
         """Take back an earlier `add(tokens)`: its counts go, and the nodes only it made."""
         for start in range(len(tokens)):
             node = self.root
-            for t in tokens[start:start + self.depth]:
+            for t in tokens[start : start + self.depth]:
                 child = node.children[t]
                 child.count -= 1
                 if child.count == 0:
@@ -68,7 +68,7 @@ class SuffixTree:
         its length and its node; (0, None) if none has."""
         for n in range(min(self.depth - 1, len(tokens)), 0, -1):
             node = self.root
-            for t in tokens[len(tokens) - n:]:
+            for t in tokens[len(tokens) - n :]:
                 node = node.children.get(t)
                 if node is None:
                     break
@@ -108,8 +108,14 @@ class SuffixDrafter:
     tokens wins. A draft is at most `max_spec_factor` times the matched suffix's length (a one-token match drafts
     little)."""
 
-    def __init__(self, recent: RecentOutputs | None = None, salt: bytes = b"", depth: int = 24,
-                 min_probability: float = 0.1, max_spec_factor: float = 1.0):
+    def __init__(
+        self,
+        recent: RecentOutputs | None = None,
+        salt: bytes = b"",
+        depth: int = 24,
+        min_probability: float = 0.1,
+        max_spec_factor: float = 1.0,
+    ):
         self.own = SuffixTree(depth)
         self.recent, self.salt = recent, salt
         self.min_probability = min_probability
@@ -120,7 +126,7 @@ class SuffixDrafter:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k draft tokens to follow `tokens` (the request's whole context so far, which only grows)."""
-        for t in tokens[self._seen:]:
+        for t in tokens[self._seen :]:
             self._active = self.own.extend(self._active, t)
         self._seen = len(tokens)
         if k <= 0:

@@ -59,7 +59,7 @@ import threading
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
@@ -71,8 +71,6 @@ HEADER_SIZE = 192
 _MAGIC, _VERSION, _CAPACITY, _HEAD, _TAIL = 0, 1, 2, 8, 16  # uint64 indices (byte offset / 8)
 _LEN = struct.Struct("<I")
 _TRACKER_LOCK = threading.Lock()
-
-
 
 
 # ----------------------------------------------------------------------------- ring
@@ -336,7 +334,7 @@ class Channel:
             if msgs:
                 return msgs
             ready = loop.create_future()
-            loop.add_reader(self.fileno(), lambda: ready.done() or ready.set_result(None))
+            loop.add_reader(self.fileno(), lambda fut=ready: fut.done() or fut.set_result(None))
             try:
                 await ready
             finally:
@@ -353,7 +351,7 @@ class Channel:
         finally:
             self.doorbell.unlink()
 
-    def __enter__(self) -> Channel:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -84,9 +84,18 @@ class EngineLoop:
         self.engine = build_engine(serving_config(args.config))
         e = self.engine
         c = e.config  # resolved: the device and dtype are what "auto" became
-        summary = EngineSummary(c.device, c.dtype, e.shape.num_params, c.max_num_seqs, c.max_num_batched_tokens,
-                                c.prefix_caching, c.pipeline_stages, c.tensor_parallel_size,
-                                getattr(e.executor, "describe", lambda: "")(), cpp_ops_origin())
+        summary = EngineSummary(
+            c.device,
+            c.dtype,
+            e.shape.num_params,
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+            c.prefix_caching,
+            c.pipeline_stages,
+            c.tensor_parallel_size,
+            getattr(e.executor, "describe", lambda: "")(),
+            cpp_ops_origin(),
+        )
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)
         self.cache_events = args.cache_events and c.prefix_caching
@@ -171,7 +180,7 @@ class EngineLoop:
                 delta = self.delta(req)
                 self.generation_tokens_total += len(delta.token_ids)
                 self.outbox.send(delta)
-            except Exception as e:  # noqa: BLE001 - one request's bad delta must not take the others down
+            except Exception as e:
                 self.engine.abort_request(req.request_id)
                 self.outbox.send(RequestError(req.request_id, f"publishing its tokens failed: {e!r}", internal=True))
         self.publish_stats(elapsed)
@@ -182,8 +191,14 @@ class EngineLoop:
         start, req.num_delivered_tokens = req.num_delivered_tokens, req.num_output_tokens
         lp = req.output_logprobs[start:] if req.params.logprobs is not None else None
         first = start == 0  # the first delta also says what admission found
-        return TokenDelta(req.request_id, req.output_token_ids[start:], req.finish_reason, lp,
-                          req.num_cached_tokens if first else None, req.queue_seconds if first else None)
+        return TokenDelta(
+            req.request_id,
+            req.output_token_ids[start:],
+            req.finish_reason,
+            lp,
+            req.num_cached_tokens if first else None,
+            req.queue_seconds if first else None,
+        )
 
     def send_cache_events(self) -> None:
         stored, removed = self.engine.scheduler.kv.drain_events()
@@ -194,22 +209,41 @@ class EngineLoop:
         """A request's prompt logprobs, all computed by its first token, in parts (positions 1, 2, ...)."""
         rows = req.prompt_logprobs
         for start in range(0, len(rows), PROMPT_LOGPROBS_PART):
-            self.outbox.send(PromptLogprobsPart(req.request_id, start + 1, rows[start:start + PROMPT_LOGPROBS_PART]))
+            self.outbox.send(PromptLogprobsPart(req.request_id, start + 1, rows[start : start + PROMPT_LOGPROBS_PART]))
 
     def publish_stats(self, iteration_seconds: float) -> None:
         e = self.engine
         s = e.scheduler
         memory = self._memory()
         spec = s.speculation
-        self.outbox.send(EngineStats(
-            s.num_running, s.num_waiting, s.kv.num_used_blocks, s.kv.num_free_blocks, e.num_iterations,
-            e.last_batch_size, s.num_preemptions, self.prompt_tokens_total, self.generation_tokens_total,
-            e.last_batch_tokens, iteration_seconds, memory.resident_bytes, s.prefix_queried_tokens,
-            s.prefix_hit_tokens, s.kv.num_cached_blocks, memory.private_bytes,
-            *((spec.num_drafted, spec.num_accepted, spec.drain_accepted_lengths()) if spec is not None else (0, 0, [])),
-            s.policy.drain_length_outcomes(), spec.step_cost.value if spec is not None else 0.0,
-            dict(runner.step_paths) if (runner := getattr(e.executor, "runner", None)) is not None else {},
-        ))
+        self.outbox.send(
+            EngineStats(
+                s.num_running,
+                s.num_waiting,
+                s.kv.num_used_blocks,
+                s.kv.num_free_blocks,
+                e.num_iterations,
+                e.last_batch_size,
+                s.num_preemptions,
+                self.prompt_tokens_total,
+                self.generation_tokens_total,
+                e.last_batch_tokens,
+                iteration_seconds,
+                memory.resident_bytes,
+                s.prefix_queried_tokens,
+                s.prefix_hit_tokens,
+                s.kv.num_cached_blocks,
+                memory.private_bytes,
+                *(
+                    (spec.num_drafted, spec.num_accepted, spec.drain_accepted_lengths())
+                    if spec is not None
+                    else (0, 0, [])
+                ),
+                s.policy.drain_length_outcomes(),
+                spec.step_cost.value if spec is not None else 0.0,
+                dict(runner.step_paths) if (runner := getattr(e.executor, "runner", None)) is not None else {},
+            )
+        )
 
     def _memory(self) -> Memory:
         now = time.monotonic()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from engine.core.request import EngineRequest, TokenLogprobs
@@ -55,7 +53,9 @@ class EngineSummary(msgspec.Struct, frozen=True, array_like=True):
     pipeline_stages: int
     tensor_parallel_size: int = 1
     kernels: str = ""  # what the executor built (attention, linear layers, token ops, graphs); "" when not known
-    cpp_ops: str = ""  # where the engine's C++ ops came from (prebuilt by the install, or built at run time); "" if none
+    cpp_ops: str = (
+        ""  # where the engine's C++ ops came from (prebuilt by the install, or built at run time); "" if none
+    )
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):
@@ -138,5 +138,5 @@ def cache_key(name: bytes) -> int:
     return int.from_bytes(name[:8], "little", signed=True)
 
 
-ToEngine = Union[AddGrammar, ReleaseGrammar, AddRequest, Abort, Shutdown]
-FromEngine = Union[EngineReady, PromptLogprobsPart, TokenDelta, RequestError, EngineStats, CacheEvents, Heartbeat]
+ToEngine = AddGrammar | ReleaseGrammar | AddRequest | Abort | Shutdown
+FromEngine = EngineReady | PromptLogprobsPart | TokenDelta | RequestError | EngineStats | CacheEvents | Heartbeat

@@ -111,8 +111,12 @@ def build_stamp(source: Path, flags: list[str]) -> dict[str, str]:
     (its headers and ABI) and, for -march=native, the CPU."""
     import torch
 
-    return {"source": hashlib.sha256(source.read_bytes()).hexdigest(), "flags": " ".join(flags),
-            "torch": str(torch.__version__), "cpu": cpu_identity()}
+    return {
+        "source": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "flags": " ".join(flags),
+        "torch": str(torch.__version__),
+        "cpu": cpu_identity(),
+    }
 
 
 def read_stamp(so: Path) -> dict[str, str]:
@@ -125,8 +129,18 @@ def read_stamp(so: Path) -> dict[str, str]:
 @functools.cache
 def cpu_identity() -> str:
     """A digest of this CPU's model and instruction-set flags (what -march=native compiles for)."""
-    keys = {"vendor_id", "cpu family", "model", "model name", "flags", "features", "cpu implementer",
-            "cpu architecture", "cpu variant", "cpu part"}
+    keys = {
+        "vendor_id",
+        "cpu family",
+        "model",
+        "model name",
+        "flags",
+        "features",
+        "cpu implementer",
+        "cpu architecture",
+        "cpu variant",
+        "cpu part",
+    }
     try:
         block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
@@ -147,8 +161,11 @@ def load_prebuilt(so: Path, source: Path, flags: list[str]):
         log.warning("the prebuilt C++ op %s has no stamp of what it was built from; building it at run time", so)
         return None
     if changed:
-        log.warning("the prebuilt C++ op %s is out of date (its %s changed since it was built); building it at run "
-                    "time", so, " and ".join(changed))
+        log.warning(
+            "the prebuilt C++ op %s is out of date (its %s changed since it was built); building it at run time",
+            so,
+            " and ".join(changed),
+        )
         return None
     spec = importlib.util.spec_from_file_location(so.name.split(".")[0], so)
     module = importlib.util.module_from_spec(spec)
@@ -170,8 +187,14 @@ def jit_load(name: str, sources: list[Path], flags: list[str]):
     _put_ninja_on_path()
     build_dir = Path(_get_build_directory(name, verbose=False))
     with build_lock(build_dir):
-        module = load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=LDFLAGS,
-                      build_directory=str(build_dir), verbose=False)
+        module = load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=flags,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(build_dir),
+            verbose=False,
+        )
     return module, build_dir
 
 

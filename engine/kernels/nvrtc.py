@@ -14,6 +14,7 @@ import importlib.util
 import re
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -36,7 +37,9 @@ def import_cupy(user: str):
 class NvrtcKernels:
     """The functions of one .cu file; `probe` is one of them, compiled up front so a bad build fails at once."""
 
-    _modules: dict[tuple, object] = {}  # (source, options) -> compiled RawModule: NVRTC runs once per process each
+    _modules: ClassVar[
+        dict[tuple, object]
+    ] = {}  # (source, options) -> compiled RawModule: NVRTC runs once per process each
 
     def __init__(self, source: Path, probe: str, user: str, options: tuple[str, ...] = ()):
         if not torch.cuda.is_available():

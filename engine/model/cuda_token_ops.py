@@ -44,8 +44,16 @@ class RopeWriteKV:
     def __init__(self) -> None:
         self.kernels = NvrtcKernels(KERNEL_SOURCE, "rope_write_kv_bf16", "the CUDA RoPE kernel")
 
-    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    def __call__(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        table: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
         rows, d = qkv.shape[0], table.shape[-1]
         q = qkv.new_empty((rows, num_heads, d))
         if rows == 0:
@@ -53,10 +61,21 @@ class RopeWriteKV:
         pairs = (num_heads + 2 * num_kv_heads) * (d // 2)
         with self.kernels.on_torch_stream(qkv):
             self.kernels(f"rope_write_kv_{DTYPE_SUFFIX[qkv.dtype]}", qkv.device)(
-                (rows, -(-pairs // THREADS)), (THREADS,),
-                (ptr(q), ptr(kv_cache), ptr(qkv), ptr(table), ptr(positions), ptr(slot_mapping),
-                 np.int64(qkv.stride(0)), np.int64(kv_cache.shape[2] * kv_cache.shape[3]),
-                 np.int32(num_heads), np.int32(num_kv_heads), np.int32(d)),
+                (rows, -(-pairs // THREADS)),
+                (THREADS,),
+                (
+                    ptr(q),
+                    ptr(kv_cache),
+                    ptr(qkv),
+                    ptr(table),
+                    ptr(positions),
+                    ptr(slot_mapping),
+                    np.int64(qkv.stride(0)),
+                    np.int64(kv_cache.shape[2] * kv_cache.shape[3]),
+                    np.int32(num_heads),
+                    np.int32(num_kv_heads),
+                    np.int32(d),
+                ),
             )
         return q
 
@@ -65,12 +84,12 @@ class RopeWriteKV:
         gen = torch.Generator().manual_seed(0)
         rotary = Rotary(64, 10000.0, 32).to(torch.bfloat16)
         wide = torch.randn(3, 6 * 64 + 8, generator=gen).to(torch.bfloat16)
-        qkv = wide[:, :6 * 64]  # 4 + 2 x 1 heads, rows strided as a wider projection's output would be
+        qkv = wide[:, : 6 * 64]  # 4 + 2 x 1 heads, rows strided as a wider projection's output would be
         positions, slots = torch.tensor([0, 7, 31]), torch.tensor([5, 16, 2])
         dev = torch.device("cuda", torch.cuda.current_device())
         cache = torch.zeros(2, 1, 2, 16, 64, dtype=torch.bfloat16)
         got_cache = cache.to(dev)
-        got_q = self(wide.to(dev)[:, :6 * 64], positions.to(dev), rotary.table.to(dev), got_cache, slots.to(dev), 4, 1)
+        got_q = self(wide.to(dev)[:, : 6 * 64], positions.to(dev), rotary.table.to(dev), got_cache, slots.to(dev), 4, 1)
         q = rotary.rope_write_kv(qkv, positions, cache, slots, 4, 1)
         if not (torch.equal(got_q.cpu(), q) and torch.equal(got_cache.cpu(), cache)):
             raise RuntimeError("the RoPE kernel's self-test output differs from the PyTorch formula")
@@ -83,8 +102,15 @@ def launcher() -> RopeWriteKV:
 
 
 @torch.library.custom_op("orcinus::rope_write_kv", mutates_args=("kv_cache",))
-def _rope_write_kv_op(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+def _rope_write_kv_op(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
     return launcher()(qkv, positions, table, kv_cache, slot_mapping, num_heads, num_kv_heads)
 
 
@@ -96,17 +122,26 @@ def _(qkv, positions, table, kv_cache, slot_mapping, num_heads, num_kv_heads) ->
 def cuda_rope_available() -> bool:
     """Whether the kernel compiles and matches the formula here (a warning says why not, if it does not)."""
     return torch.cuda.is_available() and builds(
-        lambda: launcher().self_test(), "the CUDA RoPE kernel is unusable here, using PyTorch's ops")
+        lambda: launcher().self_test(), "the CUDA RoPE kernel is unusable here, using PyTorch's ops"
+    )
 
 
 class CudaRotary(Rotary):
     """RoPE and the cache write in one kernel (the same table buffer as the module it replaced)."""
 
     def rope_write_kv(self, qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
-        if (not qkv.is_cuda or qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.dtype not in DTYPE_SUFFIX
-                or kv_cache.dtype != qkv.dtype or self.table.dtype != qkv.dtype or not kv_cache.is_contiguous()
-                or not self.table.is_contiguous()
-                or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64):
+        if (
+            not qkv.is_cuda
+            or qkv.dim() != 2
+            or qkv.stride(1) != 1
+            or qkv.dtype not in DTYPE_SUFFIX
+            or kv_cache.dtype != qkv.dtype
+            or self.table.dtype != qkv.dtype
+            or not kv_cache.is_contiguous()
+            or not self.table.is_contiguous()
+            or positions.dtype != torch.int64
+            or slot_mapping.dtype != torch.int64
+        ):
             return super().rope_write_kv(qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads)
         args = (qkv, positions.contiguous(), self.table, kv_cache, slot_mapping.contiguous(), num_heads, num_kv_heads)
         if torch.compiler.is_compiling():
@@ -131,8 +166,9 @@ class RmsNormKernel:
     def __init__(self) -> None:
         self.kernels = NvrtcKernels(NORM_SOURCE, "rms_norm_bf16", "the CUDA RMSNorm kernel")
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Contiguous rows x [T, H] (and residual) -> (residual + x or None, the normed rows)."""
         out = torch.empty_like(x)
         total = None if residual is None else torch.empty_like(x)
@@ -140,10 +176,17 @@ class RmsNormKernel:
             none = np.uint64(0)
             with self.kernels.on_torch_stream(x):
                 self.kernels(f"rms_norm_{DTYPE_SUFFIX[x.dtype]}", x.device)(
-                    (x.shape[0],), (NORM_THREADS,),
-                    (ptr(out), none if total is None else ptr(total), ptr(x),
-                     none if residual is None else ptr(residual), ptr(weight), np.int32(x.shape[1]),
-                     np.float32(eps)),
+                    (x.shape[0],),
+                    (NORM_THREADS,),
+                    (
+                        ptr(out),
+                        none if total is None else ptr(total),
+                        ptr(x),
+                        none if residual is None else ptr(residual),
+                        ptr(weight),
+                        np.int32(x.shape[1]),
+                        np.float32(eps),
+                    ),
                 )
         return total, out
 
@@ -158,8 +201,10 @@ class RmsNormKernel:
         want_sum, want = norm(x, residual)
         got_sum, got = self(x.to(dev), residual.to(dev), norm.weight.to(dev), norm.eps)
         _, got_plain = self(x.to(dev), None, norm.weight.to(dev), norm.eps)
-        close = all(torch.allclose(g.cpu().float(), w.float(), rtol=1e-2, atol=1e-2)
-                    for g, w in ((got, want), (got_plain, norm(x))))
+        close = all(
+            torch.allclose(g.cpu().float(), w.float(), rtol=1e-2, atol=1e-2)
+            for g, w in ((got, want), (got_plain, norm(x)))
+        )
         if not (torch.equal(got_sum.cpu(), want_sum) and close):
             raise RuntimeError("the RMSNorm kernel's self-test output differs from PyTorch's")
 
@@ -180,8 +225,9 @@ def _(x, weight, eps) -> torch.Tensor:
 
 
 @torch.library.custom_op("orcinus::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return norm_launcher()(x, residual, weight, eps)
 
 
@@ -193,7 +239,8 @@ def _(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
 def cuda_norm_available() -> bool:
     """Whether the RMSNorm kernel compiles and matches PyTorch here (a warning says why not, if it does not)."""
     return torch.cuda.is_available() and builds(
-        lambda: norm_launcher().self_test(), "the CUDA RMSNorm kernel is unusable here, using PyTorch's")
+        lambda: norm_launcher().self_test(), "the CUDA RMSNorm kernel is unusable here, using PyTorch's"
+    )
 
 
 class CudaRMSNorm(RMSNorm):
@@ -201,9 +248,18 @@ class CudaRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         w = self.weight
-        if (not x.is_cuda or x.dim() != 2 or not x.is_contiguous() or x.dtype not in DTYPE_SUFFIX or w.dtype != x.dtype
-                or x.shape[1] != w.numel() or (residual is not None and (
-                    residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()))):
+        if (
+            not x.is_cuda
+            or x.dim() != 2
+            or not x.is_contiguous()
+            or x.dtype not in DTYPE_SUFFIX
+            or w.dtype != x.dtype
+            or x.shape[1] != w.numel()
+            or (
+                residual is not None
+                and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous())
+            )
+        ):
             return super().forward(x, residual)
         if torch.compiler.is_compiling():  # op boundaries Inductor keeps
             if residual is None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams
 from engine.core.config import ModelShape
-from engine.model.sharding import TensorShard
+from engine.model.sharding import WHOLE, TensorShard
 from engine.model.token_ops import RMSNorm, Rotary, base_frequencies
 
 
@@ -28,8 +28,9 @@ class DecoderLayer(Protocol):
 
     attn_params: AttentionParams
 
-    def pre_attention(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    def pre_attention(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> torch.Tensor:
         """[T, hidden] -> queries [T, Hq, D]; this iteration's K/V go into the layer's cache at slot_mapping."""
         ...
 
@@ -55,8 +56,9 @@ class Decoder(nn.Module):
     `full_shape` the whole model's.
     """
 
-    def __init__(self, shape: ModelShape, max_position: int, layer_span: range | None = None,
-                 shard: TensorShard = TensorShard()):
+    def __init__(
+        self, shape: ModelShape, max_position: int, layer_span: range | None = None, shard: TensorShard = WHOLE
+    ):
         super().__init__()
         self.full_shape = shape
         self.shard = shard
@@ -136,8 +138,11 @@ class Decoder(nn.Module):
             for i, layer in zip(self.layer_span, self.layers):
                 theta, factors = self.rope(i)
                 if (theta, factors) not in tables:
-                    long = None if self.shape.rope_long_factors is None else (
-                        self.shape.rope_long_factors, self.shape.rope_long_from, self.shape.rope_attention_factor)
+                    long = (
+                        None
+                        if self.shape.rope_long_factors is None
+                        else (self.shape.rope_long_factors, self.shape.rope_long_from, self.shape.rope_attention_factor)
+                    )
                     tables[theta, factors] = Rotary(self.shape.head_dim, theta, self.max_position, factors, long)
                 layer.rotary = tables[theta, factors]  # shared: layers of one kind read one table
         if self.shape.tie_word_embeddings and self.is_whole:
@@ -233,7 +238,8 @@ class RopeScaling:
         high_wavelen = self.original_max_position / self.high_freq_factor
         scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
         smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor)
+            self.high_freq_factor - self.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return tuple((inv_freq / torch.where(medium, smoothed, scaled)).tolist())

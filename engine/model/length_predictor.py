@@ -35,8 +35,10 @@ class RidgeLengthPredictor:
         if self.path is not None and self.path.exists():
             saved = load_file(str(self.path))
             if saved["gram"].shape != self.gram.shape:
-                raise ValueError(f"{self.path} was learnt for hidden size {saved['gram'].shape[0] - 2}, "
-                                 f"not this model's {hidden_size}")
+                raise ValueError(
+                    f"{self.path} was learnt for hidden size {saved['gram'].shape[0] - 2}, "
+                    f"not this model's {hidden_size}"
+                )
             self.gram, self.moment = saved["gram"], saved["moment"]
             self.num_requests = int(saved["num_requests"])
             self._solve()
@@ -72,6 +74,5 @@ class RidgeLengthPredictor:
         if self.path is None:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        save_file({"gram": self.gram, "moment": self.moment,
-                   "num_requests": torch.tensor(self.num_requests)}, str(tmp))
+        save_file({"gram": self.gram, "moment": self.moment, "num_requests": torch.tensor(self.num_requests)}, str(tmp))
         tmp.replace(self.path)  # a reader never sees half a file

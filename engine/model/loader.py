@@ -70,18 +70,30 @@ def load_checkpoint(model: str | None, seed: int = 0, weights: bool = True) -> C
 # ---------------------------------------------------------------- GGUF
 
 _GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Where an architecture's names differ: Phi-3's fused Q/K/V, and its fused gate/up under llama.cpp's `ffn_up`.
-_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
-                "attn_k_norm": "self_attn.k_norm"}
-_GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                    "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GGUF_ARCH_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+}
 # llama.cpp's Gemma: every n-th layer is global, the rest windowed.
 _GGUF_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Tensors that are part of the shape, not weights.
@@ -100,8 +112,13 @@ def load_gguf(path: Path, weights: bool = True) -> Checkpoint:
 
 
 # GGUF architectures and what sets each apart; llama.cpp writes Mistral as "llama".
-GGUF_FAMILIES: dict[str, dict] = {"llama": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"},
-                                  "gemma2": {"family": "gemma2"}, "gemma3": {"family": "gemma3"}}
+GGUF_FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "qwen2": {"qkv_bias": True},
+    "phi3": {"family": "phi3"},
+    "gemma2": {"family": "gemma2"},
+    "gemma3": {"family": "gemma3"},
+}
 
 
 def shape_from_gguf(reader) -> ModelShape:
@@ -121,10 +138,14 @@ def shape_from_gguf(reader) -> ModelShape:
     # Llama 3.1's scaled RoPE: llama.cpp stores the per-frequency divisors as a tensor; Phi-3's LongRoPE two.
     extra = {}
     if "rope_factors_long.weight" in tensors:
-        extra = {"rope_long_factors": factors("rope_factors_long.weight"),
-                 "rope_long_from": int(field(f"{arch}.rope.scaling.original_context_length")),
-                 "rope_attention_factor": float(field(f"{arch}.rope.scaling.attn_factor"))}
-    window = int(field(f"{arch}.attention.sliding_window")) if f"{arch}.attention.sliding_window" in reader.fields else 0
+        extra = {
+            "rope_long_factors": factors("rope_factors_long.weight"),
+            "rope_long_from": int(field(f"{arch}.rope.scaling.original_context_length")),
+            "rope_attention_factor": float(field(f"{arch}.rope.scaling.attn_factor")),
+        }
+    window = (
+        int(field(f"{arch}.attention.sliding_window")) if f"{arch}.attention.sliding_window" in reader.fields else 0
+    )
     context = int(field(f"{arch}.context_length"))
     key_length = f"{arch}.attention.key_length"
     head_dim = int(field(key_length)) if key_length in reader.fields else hidden // num_heads
@@ -155,14 +176,17 @@ def _gguf_gemma(reader, arch: str, hidden: int, num_heads: int, head_dim: int) -
     """Gemma's extras as llama.cpp reads them: the soft caps, its layer pattern, the windowed layers' RoPE base and
     the global ones' linear scaling (Gemma 3), and the softmax scale it derives from the model's size (1/sqrt(head_dim),
     but 1/sqrt(hidden / heads) for the 27B models: 46 layers of Gemma 2, 62 of Gemma 3)."""
+
     def get(key: str):
         return reader.fields[key].contents() if key in reader.fields else None
 
     layers, n = int(get(f"{arch}.block_count")), _GGUF_WINDOW_PATTERN[arch]
-    out = {"sliding_layers": tuple(i % n < n - 1 for i in range(layers)),
-           "attn_scale": (hidden / num_heads) ** -0.5 if layers in (46, 62) else head_dim**-0.5,
-           "attn_logit_softcap": get(f"{arch}.attn_logit_softcapping"),
-           "final_logit_softcap": get(f"{arch}.final_logit_softcapping")}
+    out = {
+        "sliding_layers": tuple(i % n < n - 1 for i in range(layers)),
+        "attn_scale": (hidden / num_heads) ** -0.5 if layers in (46, 62) else head_dim**-0.5,
+        "attn_logit_softcap": get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcap": get(f"{arch}.final_logit_softcapping"),
+    }
     if arch == "gemma3":
         out["rope_local_theta"] = 10000.0  # llama.cpp's, for every Gemma 3
         if get(f"{arch}.rope.scaling.type") == "linear":
@@ -223,8 +247,14 @@ def _gguf_tensor(t, heads: int | None, minus_one: bool) -> torch.Tensor:
 
 
 # What sets each supported family apart from Llama: declarative, in ModelShape's fields.
-HF_FAMILIES: dict[str, dict] = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "phi3": {"family": "phi3"},
-                                "gemma2": {"family": "gemma2"}, "gemma3_text": {"family": "gemma3"}}
+HF_FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "phi3": {"family": "phi3"},
+    "gemma2": {"family": "gemma2"},
+    "gemma3_text": {"family": "gemma3"},
+}
 # Families whose `sliding_window` applies unless `use_sliding_window` says otherwise (as transformers does).
 WINDOWED_BY_DEFAULT = ("mistral", "phi3", "gemma2", "gemma3_text")
 
@@ -235,10 +265,15 @@ def _longrope(cfg: dict, rope: dict) -> dict:
     keys cached before the switch keep theirs in transformers too), cos and sin scaled by sqrt(1 + ln(s) / ln(n))."""
     original = int(cfg.get("original_max_position_embeddings") or rope["original_max_position_embeddings"])
     factor = cfg.get("max_position_embeddings", original) / original
-    attention = rope.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(original))
-                                                 if factor > 1 else 1.0)
-    return {"short": tuple(map(float, rope["short_factor"])), "rope_long_factors": tuple(map(float, rope["long_factor"])),
-            "rope_long_from": original, "rope_attention_factor": float(attention)}
+    attention = rope.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    )
+    return {
+        "short": tuple(map(float, rope["short_factor"])),
+        "rope_long_factors": tuple(map(float, rope["long_factor"])),
+        "rope_long_from": original,
+        "rope_attention_factor": float(attention),
+    }
 
 
 def shape_from_hf_config(cfg: dict) -> ModelShape:
@@ -253,8 +288,12 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     kind = rope.get("rope_type", rope.get("type", "default"))
     scaling, linear, longrope = None, None, {}
     if kind == "llama3":
-        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                              int(rope["original_max_position_embeddings"]))
+        scaling = RopeScaling(
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
     elif kind == "linear":  # every frequency divided by the factor (Gemma 3's global layers)
         linear = float(rope["factor"])
     elif kind == "longrope":
@@ -286,8 +325,9 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position=max_position,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_freq_factors=(scaling.freq_factors(head_dim, theta) if scaling
-                           else (linear,) * (head_dim // 2) if linear else short),
+        rope_freq_factors=(
+            scaling.freq_factors(head_dim, theta) if scaling else (linear,) * (head_dim // 2) if linear else short
+        ),
         **longrope,
         rope_local_theta=float(local["rope_theta"]) if "rope_theta" in local else None,
         sliding_window=window if windowed else None,

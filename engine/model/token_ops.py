@@ -64,8 +64,14 @@ class GeluAndMul(nn.Module):
 class Rotary(nn.Module):
     """RoPE in the rotate-half convention (the GGUF loader undoes llama.cpp's Q/K row permutation)."""
 
-    def __init__(self, head_dim: int, theta: float, max_position: int, freq_factors: tuple[float, ...] | None = None,
-                 long: tuple[tuple[float, ...], int, float] | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_position: int,
+        freq_factors: tuple[float, ...] | None = None,
+        long: tuple[tuple[float, ...], int, float] | None = None,
+    ):
         """`long`: LongRoPE's (divisors from a position on, that position, the cos/sin multiplier)."""
         super().__init__()
         cos, sin = _angles(head_dim, theta, range(max_position), freq_factors)
@@ -92,8 +98,15 @@ class Rotary(nn.Module):
         cos, sin = self.table[positions].to(x.dtype).unsqueeze(2).unbind(1)  # [T, 1, D] each
         return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin  # the halves swapped: no cat
 
-    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
         """A fused QKV [T, (Hq + 2 Hkv) * D] -> rotated queries [T, Hq, D]; rotated keys and the values go into
         the cache at slot_mapping. Views of the QKV throughout: q goes to attention strided."""
         d = self.table.shape[-1]
@@ -125,8 +138,12 @@ class CpuRMSNorm(RMSNorm):
     """RMSNorm through the C++ op (the same weight Parameter as the module it replaced)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if (torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous()
-                or (residual is not None and not residual.is_contiguous())):
+        if (
+            torch.compiler.is_compiling()
+            or x.dim() != 2
+            or not x.is_contiguous()
+            or (residual is not None and not residual.is_contiguous())
+        ):
             return super().forward(x, residual)
         if residual is not None:
             return _ops().add_rms_norm(x, residual, self.weight, self.eps)
@@ -144,18 +161,29 @@ class CpuRotary(Rotary):
     """RoPE and the cache write in one C++ pass (the same table buffer as the module it replaced)."""
 
     def rope_write_kv(self, qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
-        if (torch.compiler.is_compiling() or qkv.dim() != 2 or qkv.stride(1) != 1 or not kv_cache.is_contiguous()
-                or kv_cache.dtype != qkv.dtype or self.table.dtype != qkv.dtype
-                or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64):
+        if (
+            torch.compiler.is_compiling()
+            or qkv.dim() != 2
+            or qkv.stride(1) != 1
+            or not kv_cache.is_contiguous()
+            or kv_cache.dtype != qkv.dtype
+            or self.table.dtype != qkv.dtype
+            or positions.dtype != torch.int64
+            or slot_mapping.dtype != torch.int64
+        ):
             return super().rope_write_kv(qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads)
-        return _ops().rope_write_kv(qkv, positions.contiguous(), self.table, kv_cache, slot_mapping.contiguous(),
-                                    num_heads, num_kv_heads)
+        return _ops().rope_write_kv(
+            qkv, positions.contiguous(), self.table, kv_cache, slot_mapping.contiguous(), num_heads, num_kv_heads
+        )
 
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     """Fused token ops here: bfloat16 on the CPU, where the op builds (a warning says why not, if it cannot)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and builds(
-        _ops, "the fused CPU token ops are unusable here, using PyTorch's")
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and builds(_ops, "the fused CPU token ops are unusable here, using PyTorch's")
+    )
 
 
 def fuse_token_ops(module: nn.Module, _tables: dict[int, CpuRotary] | None = None) -> None:

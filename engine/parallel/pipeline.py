@@ -102,9 +102,16 @@ class PipelineExecutor:
         return max(1, (os.cpu_count() or 1) // ranks) if config.device == "cpu" else 1
 
     def _launch(self, rank: int, world: int, port: int) -> subprocess.Popen:
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        return subprocess.Popen([sys.executable, "-m", "engine.parallel.stage", "--parent-pid", str(os.getpid())], env=env)
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        return subprocess.Popen(
+            [sys.executable, "-m", "engine.parallel.stage", "--parent-pid", str(os.getpid())], env=env
+        )
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         proc.wait()
@@ -143,7 +150,8 @@ class PipelineExecutor:
     def submit(self, batch: Batch, sampling: list[Request]) -> None:
         new = [
             SamplingStart(r.request_id, r.prompt_token_ids, r.params, sorted(r.stop_token_ids))
-            for r in sampling if r.request_id not in self.known
+            for r in sampling
+            if r.request_id not in self.known
         ]
         self.known.update(s.request_id for s in new)
         # Only the sampling rank keeps per-request state; the others get the batch alone.

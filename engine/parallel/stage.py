@@ -59,7 +59,6 @@ def stage_span(num_layers: int, stage: int, num_stages: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
-
 def rank_of(stage: int, tp_rank: int, tp_size: int) -> int:
     """The process rank of a grid position; the driver is rank 0."""
     return 1 + stage * tp_size + tp_rank
@@ -74,8 +73,9 @@ def make_groups(device: torch.device, num_stages: int, tp_size: int) -> tuple[ob
     tp_groups = []
     if tp_size > 1:
         backend = "nccl" if own_gpus else "gloo"
-        tp_groups = [dist.new_group([rank_of(s, r, tp_size) for r in range(tp_size)], backend=backend)
-                     for s in range(num_stages)]
+        tp_groups = [
+            dist.new_group([rank_of(s, r, tp_size) for r in range(tp_size)], backend=backend) for s in range(num_stages)
+        ]
     return activations, tp_groups
 
 
@@ -121,13 +121,18 @@ class Stage:
         if self.samples:
             self.sampler.release(frame.released)
             for new in frame.new_requests:
-                self.sampler.add(SamplingState(new.request_id, new.prompt_token_ids, new.params,
-                                               frozenset(new.stop_token_ids)))
+                self.sampler.add(
+                    SamplingState(new.request_id, new.prompt_token_ids, new.params, frozenset(new.stop_token_ids))
+                )
         batch = frame.batch
         hidden = None
         if not self.model.is_first:
-            hidden = torch.empty(batch.num_tokens, self.model.shape.hidden_size, dtype=self.runner.dtype,
-                                 device="cpu" if self.via_host else self.runner.device)
+            hidden = torch.empty(
+                batch.num_tokens,
+                self.model.shape.hidden_size,
+                dtype=self.runner.dtype,
+                device="cpu" if self.via_host else self.runner.device,
+            )
             try:
                 dist.recv(hidden, self.prev_rank, group=self.tensors, tag=ACTIVATION_TAG)
             except RuntimeError as e:
@@ -141,8 +146,11 @@ class Stage:
             except RuntimeError as e:
                 # The next stage is gone (its host lost) while this batch was under way: its link to the driver broke
                 # too, so the driver fails the job and leaves, and this rank then exits as it does when that happens.
-                print(f"orcinus stage rank {self.rank}: {LinkLost(self.next_rank, e)}; waiting for the driver",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"orcinus stage rank {self.rank}: {LinkLost(self.next_rank, e)}; waiting for the driver",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         if not self.samples:
             return  # its logits went into the gather; tensor-parallel rank 0 samples
@@ -150,8 +158,15 @@ class Stage:
         sampled = self.sampler(out, sampling, [r.draft_token_ids for r in batch.requests if r.sample])
         attach_hidden(sampled, self.runner.probed_hidden)
         prompt = self.runner.prompt_logprobs
-        send_frame(StageResult(frame.batch_id, [sampled[request_id] for request_id in sampling],
-                               {} if prompt is None else prompt.finish()), DRIVER, self.pending)
+        send_frame(
+            StageResult(
+                frame.batch_id,
+                [sampled[request_id] for request_id in sampling],
+                {} if prompt is None else prompt.finish(),
+            ),
+            DRIVER,
+            self.pending,
+        )
 
 
 def receive_from_driver():
@@ -176,8 +191,12 @@ def _leave(line: str, code: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="an Orcinus pipeline stage (rank and peers from the environment)")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the driver) is gone")
-    ap.add_argument("--driver", default=None, metavar="HOST:PORT",
-                    help="where the driver listens (its MASTER_ADDR:MASTER_PORT); needed under torchrun")
+    ap.add_argument(
+        "--driver",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the driver listens (its MASTER_ADDR:MASTER_PORT); needed under torchrun",
+    )
     args = ap.parse_args(argv)
     try:
         place = stage_place(args.driver)

@@ -51,8 +51,10 @@ def stage_place(driver: str | None = None, environ: dict[str, str] | None = None
     env = os.environ if environ is None else environ
     torchrun = "TORCHELASTIC_RUN_ID" in env
     if torchrun and driver is None:
-        raise ValueError("under torchrun, pass --driver HOST:PORT (the server's MASTER_ADDR:MASTER_PORT): torchrun's "
-                         "own MASTER_PORT is its agent's rendezvous, not the driver's")
+        raise ValueError(
+            "under torchrun, pass --driver HOST:PORT (the server's MASTER_ADDR:MASTER_PORT): torchrun's "
+            "own MASTER_PORT is its agent's rendezvous, not the driver's"
+        )
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         if driver is not None:
@@ -80,8 +82,9 @@ def join(place: Place) -> None:
     """Rendezvous with the rest of the world (blocks until every rank has come)."""
     if "GLOO_SOCKET_IFNAME" not in os.environ and (name := interface_toward(place.host)) is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = name  # read by gloo when the group is made, in this process only
-    dist.init_process_group("gloo", init_method=place.init_method, rank=place.rank, world_size=place.world_size,
-                            timeout=RENDEZVOUS_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=place.init_method, rank=place.rank, world_size=place.world_size, timeout=RENDEZVOUS_TIMEOUT
+    )
 
 
 def interface_toward(host: str) -> str | None:

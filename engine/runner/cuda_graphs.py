@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -75,7 +76,7 @@ class CudaCapture:
 class EagerCapture:
     """The CPU stand-in: a replay re-runs the function, which writes into the same static buffers."""
 
-    graphs: list = []
+    graphs: ClassVar[list] = []
 
     def __call__(self, fn: Callable[[], None]) -> Callable[[], None]:
         fn()
@@ -98,8 +99,17 @@ def memory_in_use(device: torch.device) -> int:
 class CudaGraphRunner:
     """Replays the captured segments of the bucket that fits a batch; larger batches return None (run eager)."""
 
-    def __init__(self, model: Decoder, kv_caches: list[torch.Tensor], max_tokens: int, scratch_block: int,
-                 device: torch.device, dtype: torch.dtype, capture=None, segments: Segments = EAGER):
+    def __init__(
+        self,
+        model: Decoder,
+        kv_caches: list[torch.Tensor],
+        max_tokens: int,
+        scratch_block: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        capture=None,
+        segments: Segments = EAGER,
+    ):
         self.model, self.kv_caches, self.segments = model, kv_caches, segments
         self.buckets = graph_buckets(max_tokens)
         n, s = self.buckets[-1], model.shape
@@ -122,9 +132,14 @@ class CudaGraphRunner:
                 self.replays[bucket] = self._capture_bucket(bucket)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = memory_in_use(device) - before
-        log.info("captured %d piecewise CUDA graphs (%d token buckets up to %d) in %.1f s, %.0f MiB",
-                 len(self.buckets) * (len(model.layers) + 1), len(self.buckets), n, self.capture_seconds,
-                 self.capture_bytes / 2**20)
+        log.info(
+            "captured %d piecewise CUDA graphs (%d token buckets up to %d) in %.1f s, %.0f MiB",
+            len(self.buckets) * (len(model.layers) + 1),
+            len(self.buckets),
+            n,
+            self.capture_seconds,
+            self.capture_bytes / 2**20,
+        )
 
     def _capture_bucket(self, n: int) -> list[Callable[[], None]]:
         model, layers, caches, seg = self.model, self.model.layers, self.kv_caches, self.segments

@@ -103,8 +103,13 @@ class DecodeGraphRunner:
                 self.replays[bucket] = self.capture(self._whole_step(bucket))
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = memory_in_use(device) - before
-        log.info("captured %d whole-step CUDA graphs (row buckets up to %d) in %.1f s, %.0f MiB",
-                 len(self.buckets), n, self.capture_seconds, self.capture_bytes / 2**20)
+        log.info(
+            "captured %d whole-step CUDA graphs (row buckets up to %d) in %.1f s, %.0f MiB",
+            len(self.buckets),
+            n,
+            self.capture_seconds,
+            self.capture_bytes / 2**20,
+        )
 
     def _pad(self, start: int, stop: int) -> None:
         """Rows [start, stop) decode one dummy token at position 0 of the scratch block."""
@@ -146,11 +151,20 @@ class DecodeGraphRunner:
     def takes(self, num_rows: int, num_logit_rows: int, meta: AttentionMetadata) -> bool:
         """Whether a step replays here: a bucket holds its rows, its sampled rows fit the logits buffer, and its
         prompt rows read few enough keys."""
-        return (num_rows <= self.buckets[-1] and num_logit_rows <= min(num_rows, self.max_seqs)
-                and (meta.is_pure_decode or prefill_key_reads(meta) <= PREFILL_KEY_BUDGET))
+        return (
+            num_rows <= self.buckets[-1]
+            and num_logit_rows <= min(num_rows, self.max_seqs)
+            and (meta.is_pure_decode or prefill_key_reads(meta) <= PREFILL_KEY_BUDGET)
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                row_requests: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        row_requests: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor | None:
         """Logits of the `logits_indices` rows of a step (`row_requests`: each row's request in `meta`), or None
         if no bucket holds it."""
         t = input_ids.shape[0]

@@ -47,8 +47,9 @@ def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
     if torch.device(config.device).type != "cpu":
         raise DeviceError("--batch-invariant runs on the CPU only")
     if config.attention_backend not in ("auto", "cpu-invariant"):
-        raise DeviceError(f"--batch-invariant brings its own attention; not --attention-backend "
-                          f"{config.attention_backend}")
+        raise DeviceError(
+            f"--batch-invariant brings its own attention; not --attention-backend {config.attention_backend}"
+        )
     return config.with_(attention_backend="cpu-invariant")
 
 
@@ -61,8 +62,9 @@ def int16_activations(config: EngineConfig) -> bool:
         return False
     usable = can_use_int16(torch.device(config.device))
     if config.block_activations == "int16" and not usable:
-        raise DeviceError("--block-activations int16 needs a CPU with AVX-512 VNNI or AVX2 "
-                          "(engine/kernels/csrc/cpu/int16_matmul.cpp)")
+        raise DeviceError(
+            "--block-activations int16 needs a CPU with AVX-512 VNNI or AVX2 (engine/kernels/csrc/cpu/int16_matmul.cpp)"
+        )
     return usable
 
 
@@ -98,8 +100,9 @@ def activation_reserve(config: EngineConfig, shape: ModelShape, dtype: torch.dty
     whole_rows = whole_step_rows(config)
     graph_tokens = max(tokens, config.cuda_graph_max_tokens or 0) + whole_rows
     tables = whole_rows * -(-shape.max_position // config.block_size) * 4
-    graphs = (0 if config.enforce_eager else
-              per_token * graph_tokens + config.max_num_seqs * shape.vocab_size * 4 + tables)
+    graphs = (
+        0 if config.enforce_eager else per_token * graph_tokens + config.max_num_seqs * shape.vocab_size * 4 + tables
+    )
     return per_token * tokens + logits + graphs
 
 
@@ -126,7 +129,9 @@ def kv_cache_bytes(config: EngineConfig, shape: ModelShape) -> int:
     # Cached blocks the weights' float32 staging copies left behind would otherwise count as in use.
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return gpu_kv_budget(free, total, config.gpu_memory_utilization, activation_reserve(config, shape, getattr(torch, config.dtype)))
+    return gpu_kv_budget(
+        free, total, config.gpu_memory_utilization, activation_reserve(config, shape, getattr(torch, config.dtype))
+    )
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:

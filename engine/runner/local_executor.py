@@ -10,23 +10,24 @@ from engine.core.config import EngineConfig, FaultPlan
 from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Failure, Request, SampledTokens
 from engine.core.scheduler import Batch
+from engine.model.cuda_token_ops import cuda_norm_available, cuda_rope_available, use_cuda_rms_norm, use_cuda_rotary
 from engine.model.decoder import Decoder, SkippedInit
 from engine.model.families import model_class
 from engine.model.loader import Checkpoint
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.quantized import can_use_blocks, use_block_weights
-from engine.model.cuda_token_ops import cuda_norm_available, cuda_rope_available, use_cuda_rms_norm, use_cuda_rotary
 from engine.model.sampling.sampler import DeviceSample, Sampler
 from engine.model.sampling.state import SamplingState
-from engine.model.sharding import TensorShard
+from engine.model.sharding import WHOLE, TensorShard
 from engine.model.token_ops import Rotary, can_fuse, fuse_token_ops
 from engine.runner.device import DeviceError, block_weights, int16_activations
 from engine.runner.model_runner import ModelRunner
 from engine.runner.prompt_logprobs import DevicePromptLogprobs
 
 
-def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None,
-                shard: TensorShard = TensorShard()) -> Decoder:
+def build_model(
+    ckpt: Checkpoint, max_position: int, config: EngineConfig, span: range | None = None, shard: TensorShard = WHOLE
+) -> Decoder:
     """The model (or one stage's span of it, or one rank's shard) on the configured device and dtype, with the
     checkpoint's weights."""
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
@@ -49,8 +50,9 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
         table.to(dtype)  # computed in float32, read in the compute dtype
     if config.batch_invariant:
         if not can_use_blocks(device):
-            raise DeviceError("--batch-invariant needs the CPU block matmul (engine/kernels/csrc/cpu/block_matmul.cpp) "
-                              "to build")
+            raise DeviceError(
+                "--batch-invariant needs the CPU block matmul (engine/kernels/csrc/cpu/block_matmul.cpp) to build"
+            )
         use_block_weights(model, {}, dense_too=True)  # every other linear layer through the same row-wise sums
     elif can_pack(device, dtype):
         pack_linears(model)
@@ -59,8 +61,10 @@ def build_model(ckpt: Checkpoint, max_position: int, config: EngineConfig, span:
     if can_fuse(device, torch.bfloat16 if blocks or config.batch_invariant else dtype) and dtype != torch.float16:
         fuse_token_ops(model)
     elif config.batch_invariant:
-        raise DeviceError("--batch-invariant needs the fused CPU token ops (engine/kernels/csrc/cpu/token_ops.cpp) in "
-                          "float32 or bfloat16")
+        raise DeviceError(
+            "--batch-invariant needs the fused CPU token ops (engine/kernels/csrc/cpu/token_ops.cpp) in "
+            "float32 or bfloat16"
+        )
     if device.type == "cuda" and cuda_rope_available():
         use_cuda_rotary(model)  # one kernel for RoPE and the cache write, eagerly and inside compiled segments
     if device.type == "cuda" and cuda_norm_available():
@@ -99,8 +103,16 @@ class LocalExecutor:
         self.num_submitted += 1
         for req in sampling:
             if req.request_id not in self.sampler.states:
-                self.sampler.add(SamplingState(req.request_id, req.prompt_token_ids, req.params, req.stop_token_ids,
-                                               list(req.output_token_ids), matcher=req.matcher))
+                self.sampler.add(
+                    SamplingState(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.params,
+                        req.stop_token_ids,
+                        list(req.output_token_ids),
+                        matcher=req.matcher,
+                    )
+                )
         ids = [req.request_id for req in sampling]
         previous, self.previous = self.previous, None
         try:
@@ -122,8 +134,7 @@ class LocalExecutor:
             self.previous = torch.tensor(tokens, device=self.runner.device), {i: row for row, i in enumerate(ids)}
         self.done.append((batch, result, self.runner.prompt_logprobs, self.runner.probed_hidden))
 
-    def _sample_isolated(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]
-                         ) -> DeviceSample | Sampled:
+    def _sample_isolated(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]) -> DeviceSample | Sampled:
         restore = self.sampler.save_rng(ids)
         try:
             return self._sample(logits, ids, drafts)
@@ -133,7 +144,7 @@ class LocalExecutor:
             out: Sampled = {}
             start = 0
             for request_id, draft in zip(ids, drafts):
-                rows, start = logits[start:start + len(draft) + 1], start + len(draft) + 1
+                rows, start = logits[start : start + len(draft) + 1], start + len(draft) + 1
                 try:
                     out.update(self.sampler.finish(self._sample(rows, [request_id], [draft])))
                 except Exception as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
@@ -17,7 +16,6 @@ from engine.runner.decode_graphs import DecodeGraphRunner, row_requests, whole_s
 from engine.runner.device import num_kv_blocks
 from engine.runner.prompt_logprobs import DevicePromptLogprobs, PromptRows, reduce_rows
 from engine.runner.token_segments import pick_segments
-
 
 
 class StepInputs:
@@ -92,13 +90,21 @@ class ModelRunner:
         self.num_steps = 0
         # Graphs capture one whole model on one GPU: not a pipeline stage's span, nor a rank's shard, whose
         # collectives would have to be captured too.
-        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and model.is_whole
-                      and model.shard.size == 1)
+        use_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and model.is_whole and model.shard.size == 1
+        )
         self.num_blocks = num_blocks if num_blocks is not None else num_kv_blocks(config, s, len(model.layers))
         self.scratch_block = self.num_blocks
         self.kv_caches = [
-            torch.zeros(2, s.num_kv_heads, self.num_blocks + 1, config.block_size, s.head_dim, dtype=self.dtype,
-                        device=self.device)
+            torch.zeros(
+                2,
+                s.num_kv_heads,
+                self.num_blocks + 1,
+                config.block_size,
+                s.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
             for _ in model.layers  # a pipeline stage caches only its own layers
         ]
         # The last run's prompt logprobs (rows its chunks asked for), their host copy started; None if none asked.
@@ -111,28 +117,49 @@ class ModelRunner:
         self.step_paths: Counter[str] = Counter()
         segments = pick_segments(config.compile, use_graphs, model, self.kv_caches, self.scratch_block)
         if use_graphs:
-            self.graphs = CudaGraphRunner(model, self.kv_caches, graph_max_tokens(config), self.scratch_block,
-                                          self.device, self.dtype, segments=segments)
+            self.graphs = CudaGraphRunner(
+                model,
+                self.kv_caches,
+                graph_max_tokens(config),
+                self.scratch_block,
+                self.device,
+                self.dtype,
+                segments=segments,
+            )
         if use_graphs and getattr(self.attention, "graph_safe_decode", False):
             self.decode_graphs = DecodeGraphRunner(
-                model, self.kv_caches, self.attention, config.max_num_seqs, self.scratch_block, self.device,
-                self.graphs.capture, segments,
-                max_rows=whole_step_rows(config))
+                model,
+                self.kv_caches,
+                self.attention,
+                config.max_num_seqs,
+                self.scratch_block,
+                self.device,
+                self.graphs.capture,
+                segments,
+                max_rows=whole_step_rows(config),
+            )
 
     def describe(self) -> str:
         """What really runs, from the modules built (a fused op that failed to build shows as its fallback)."""
         names = {type(m).__name__ for m in self.model.modules()}
         linears = sorted(n for n in names if n.endswith("Linear"))
         fused = sorted(n for n in names if n.startswith("Cpu"))  # the C++ token ops (engine/model/token_ops.py)
-        parts = [self.attention.label, " + ".join(linears) or "no linear layers",
-                 f"fused {', '.join(fused)}" if fused else "PyTorch token ops"]
+        parts = [
+            self.attention.label,
+            " + ".join(linears) or "no linear layers",
+            f"fused {', '.join(fused)}" if fused else "PyTorch token ops",
+        ]
         if self.graphs is not None:
             parts.append("CUDA graphs" + (" with whole-step graphs" if self.decode_graphs is not None else ""))
         return "; ".join(parts)
 
     @torch.inference_mode()
-    def run(self, batch: Batch, hidden: torch.Tensor | None = None,
-            previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        batch: Batch,
+        hidden: torch.Tensor | None = None,
+        previous: tuple[torch.Tensor, dict[str, int]] | None = None,
+    ) -> torch.Tensor:
         """Logits [rows, vocab] (float32): each request that samples has `num_logits_rows`, in batch order.
 
         A pipeline stage takes the previous stage's `hidden` states and, unless it is the last,
@@ -161,8 +188,9 @@ class ModelRunner:
         self.step_paths[path] += 1
         return logits
 
-    def _run_normed(self, input_ids, positions, meta, logits_indices, hidden, prompt: PromptRows | None,
-                    probes: dict[str, int]):
+    def _run_normed(
+        self, input_ids, positions, meta, logits_indices, hidden, prompt: PromptRows | None, probes: dict[str, int]
+    ):
         """The forward to the final norm for every row; then the sampled rows' logits, the prompt rows' logprobs (in
         bounded chunks) and the probed rows' hidden states."""
         normed = None
@@ -212,7 +240,7 @@ class ModelRunner:
                 positions += pos
                 slots += [table[p // bs] * bs + p % bs for p in pos]
             tables += table
-            tables += padding[len(table):]
+            tables += padding[len(table) :]
             query_lens.append(n)
             context_lens.append(start + n)
             query_start.append(end)

@@ -52,15 +52,15 @@ def reduce_rows(model: Decoder, normed: torch.Tensor, targets: torch.Tensor, num
     step = max(1, ROW_BUDGET // vocab)
     out = torch.empty(normed.shape[0], 3 + 2 * num_top, dtype=torch.float64, device=normed.device)
     for s in range(0, normed.shape[0], step):
-        logprobs = torch.log_softmax(model.logits(normed[s:s + step]), dim=-1)
-        target = targets[s:s + step, None]
+        logprobs = torch.log_softmax(model.logits(normed[s : s + step]), dim=-1)
+        target = targets[s : s + step, None]
         chosen = logprobs.gather(1, target)
         rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
         parts = [target.double(), chosen.double(), rank.double()]
         if num_top:
             top = logprobs.topk(num_top, dim=-1)
             parts += [top.indices.double(), top.values.double()]
-        out[s:s + step] = torch.cat(parts, dim=1)
+        out[s : s + step] = torch.cat(parts, dim=1)
         del logprobs
     return out
 
@@ -89,9 +89,13 @@ class DevicePromptLogprobs:
         i = 0
         for request_id, n, num_top in self.rows.owners:
             out[request_id] = [
-                TokenLogprobs(int(v[0]), v[1], [(int(t), lp) for t, lp in zip(v[3:3 + num_top], v[3 + k:3 + k + num_top])],
-                              int(v[2]))
-                for v in values[i:i + n]
+                TokenLogprobs(
+                    int(v[0]),
+                    v[1],
+                    [(int(t), lp) for t, lp in zip(v[3 : 3 + num_top], v[3 + k : 3 + k + num_top])],
+                    int(v[2]),
+                )
+                for v in values[i : i + n]
             ]
             i += n
         return out

@@ -17,26 +17,41 @@ import inspect
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-from torch import nn
 
 from engine.model.decoder import Decoder, DecoderLayer
 
 log = logging.getLogger(__name__)
 
 
-def enter(model: Decoder, layer: DecoderLayer, ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-          slot_mapping: torch.Tensor, x: torch.Tensor, q: torch.Tensor) -> None:
+def enter(
+    model: Decoder,
+    layer: DecoderLayer,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    x: torch.Tensor,
+    q: torch.Tensor,
+) -> None:
     """The embedding, then the first layer's pre-attention half: x <- embed(ids), q <- its queries."""
     x.copy_(model.embed(ids))
     q.copy_(layer.pre_attention(x, positions, kv_cache, slot_mapping))
 
 
-def between(prev: DecoderLayer, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor,
-            kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q: torch.Tensor) -> None:
+def between(
+    prev: DecoderLayer,
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q: torch.Tensor,
+) -> None:
     """prev's post-attention half, then layer's pre-attention half (its residual add and norm fuse with it)."""
     x.copy_(prev.post_attention(x, attn))
     q.copy_(layer.pre_attention(x, positions, kv_cache, slot_mapping))
@@ -91,8 +106,9 @@ def _same_token_count(fn: Callable[..., None], signature: inspect.Signature) -> 
 
 def _unbacked(t: torch.Tensor) -> torch.Tensor:
     """t's memory as a tensor that is not a view, its dim 0 marked unbacked (symbolic, no 0/1 specialisation)."""
-    own = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
-                                                              t.stride())
+    own = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
     torch._dynamo.decorators.mark_unbacked(own, 0)
     return own
 
@@ -116,14 +132,17 @@ def compile_segments(model: Decoder, kv_cache: torch.Tensor, scratch_slot: int, 
     return segments
 
 
-def pick_segments(mode: str, use_graphs: bool, model: Decoder, kv_caches: list[torch.Tensor], scratch_block: int,
-                  backend="inductor") -> Segments:
+def pick_segments(
+    mode: str, use_graphs: bool, model: Decoder, kv_caches: list[torch.Tensor], scratch_block: int, backend="inductor"
+) -> Segments:
     """EngineConfig.compile: "auto" compiles where graphs run and falls back to eager ops (with a warning) if
     compiling fails, so the server still starts; "on" raises instead, and where no graphs run; "off" never compiles."""
     if not use_graphs:
         if mode == "on":
-            raise ValueError("compile=on: the compiled segments run inside the CUDA graphs, which run only for a "
-                             "whole model on one GPU without --enforce-eager")
+            raise ValueError(
+                "compile=on: the compiled segments run inside the CUDA graphs, which run only for a "
+                "whole model on one GPU without --enforce-eager"
+            )
         return EAGER
     if mode == "off":
         return EAGER

@@ -14,12 +14,23 @@ from engine.core.sampling_params import InvalidRequestError
 from gateway.api.detokenizer import token_text
 from gateway.api.generation import ChoiceEvent, Generation
 from gateway.api.protocol import (
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, ToolCallChunk, TopLogprob, Usage, decode_request,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ToolCallChunk,
+    TopLogprob,
+    Usage,
+    decode_request,
 )
+from gateway.api.serving import ServerState, json_response, read_body, until_done_or_disconnect
 from gateway.api.tool_stream import ToolCallStream
 from gateway.api.tools import ToolPlan
-from gateway.api.serving import ServerState, json_response, read_body, until_done_or_disconnect
 
 
 @dataclass
@@ -44,8 +55,9 @@ async def start_chat(req: ChatCompletionRequest, request: Request, state: Server
         messages, tools = req.template_messages(), plan.template_tools()
     else:
         messages, tools = req.template_messages(plan), None
-    prompt = await state.encode_chat(lambda: tok.apply_chat_template(messages, tools=tools),
-                                     [m["content"] for m in messages])
+    prompt = await state.encode_chat(
+        lambda: tok.apply_chat_template(messages, tools=tools), [m["content"] for m in messages]
+    )
     limits = state.engine_limits()
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
@@ -64,11 +76,15 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     def logprobs(event: ChoiceEvent) -> ChatLogprobs | None:
         if top_n is None:
             return None
-        return ChatLogprobs(content=[
-            ChatTokenLogprob(**_top(state, x.token_id, x.logprob),
-                             top_logprobs=[TopLogprob(**_top(state, i, v)) for i, v in x.top[:top_n]])
-            for x in event.logprobs
-        ])
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **_top(state, x.token_id, x.logprob),
+                    top_logprobs=[TopLogprob(**_top(state, i, v)) for i, v in x.top[:top_n]],
+                )
+                for x in event.logprobs
+            ]
+        )
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -99,11 +115,17 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                     event.logprobs, held[event.index] = held[event.index] + event.logprobs, []
                 delta = ChatDelta(content=text or None, tool_calls=calls or None)
                 if text or calls or event.logprobs or finish:
-                    yield chunk([ChatChunkChoice(index=event.index, delta=delta, logprobs=logprobs(event),
-                                                 finish_reason=finish)])
+                    yield chunk(
+                        [
+                            ChatChunkChoice(
+                                index=event.index, delta=delta, logprobs=logprobs(event), finish_reason=finish
+                            )
+                        ]
+                    )
             if include_usage:
-                yield ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
-                                          usage=Usage.of(*gen.token_counts))
+                yield ChatCompletionChunk(
+                    id=rid, created=created, model=state.model_name, choices=[], usage=Usage.of(*gen.token_counts)
+                )
 
         return state.sse(chunks(), on_close=gen.close)
 
@@ -121,13 +143,26 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         for i in sorted(texts):
             text, reason = "".join(texts[i]), finish.get(i)
             calls = plan.parse_calls(text, parallel) if reason == "stop" else []
-            message = ChatResponseMessage(content=None, tool_calls=calls) if calls else ChatResponseMessage(content=text)
-            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if calls else reason,
-                                      logprobs=ChatLogprobs(content=content.get(i, [])) if top_n is not None else None))
-        return json_response(ChatCompletionResponse(
-            id=rid, created=created, model=state.model_name, choices=choices,
-            usage=Usage.of(*gen.token_counts),
-        ))
+            message = (
+                ChatResponseMessage(content=None, tool_calls=calls) if calls else ChatResponseMessage(content=text)
+            )
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    finish_reason="tool_calls" if calls else reason,
+                    logprobs=ChatLogprobs(content=content.get(i, [])) if top_n is not None else None,
+                )
+            )
+        return json_response(
+            ChatCompletionResponse(
+                id=rid,
+                created=created,
+                model=state.model_name,
+                choices=choices,
+                usage=Usage.of(*gen.token_counts),
+            )
+        )
 
     try:
         return await until_done_or_disconnect(request, collect())

@@ -6,7 +6,6 @@ import time
 import uuid
 
 import msgspec
-
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -14,7 +13,13 @@ from engine.core.request import TokenLogprobs
 from gateway.api.detokenizer import IncrementalDetokenizer, token_text
 from gateway.api.generation import ChoiceEvent
 from gateway.api.protocol import (
-    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob, Usage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptLogprob,
+    Usage,
     decode_request,
 )
 from gateway.api.serving import ServerState, json_response, read_body, until_done_or_disconnect
@@ -26,13 +31,16 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     limits = state.engine_limits()
     grammar = await state.grammar(req)
     prompts = await state.encode_prompts(req.prompts)
-    params = req.to_sampling_params(default_max_tokens=limits.max_model_len - max(len(p) for p in prompts),
-                                    grammar=grammar)
+    params = req.to_sampling_params(
+        default_max_tokens=limits.max_model_len - max(len(p) for p in prompts), grammar=grammar
+    )
     for ids in prompts:
         state.check_prompt(ids, params)
     # A text prompt echoes as sent (not with the BOS the tokenizer put first); token ids as their text.
-    echo = [(text if isinstance(text, str) else state.tokenizer.decode(ids)) if req.echo and state.tokenizer else ""
-            for text, ids in zip(req.prompts, prompts)]
+    echo = [
+        (text if isinstance(text, str) else state.tokenizer.decode(ids)) if req.echo and state.tokenizer else ""
+        for text, ids in zip(req.prompts, prompts)
+    ]
     options = req.to_request_options(state.cache_salt(request, req.cache_salt))
     gen = state.generation(prompts, params, req.n, req.stop_strings, options)  # admitted from here: close() it
     gen.prompt_only = req.prompt_only
@@ -49,8 +57,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             if req.echo and event.prompt_logprobs is not None:
                 echoed = _echoed_logprobs(state, req.prompts[p], prompt_echo, prompts[p], event.prompt_logprobs, top_n)
                 logprobs = _join(echoed, logprobs)
-        c = CompletionChoice(index=event.index, text=prefix + event.text, logprobs=logprobs,
-                             finish_reason=event.finish_reason)
+        c = CompletionChoice(
+            index=event.index, text=prefix + event.text, logprobs=logprobs, finish_reason=event.finish_reason
+        )
         if req.prompt_logprobs is not None and event.prompt_logprobs is not None:
             c.prompt_logprobs = _vllm_prompt_logprobs(state, event.prompt_logprobs, req.prompt_logprobs)
         return c
@@ -64,11 +73,17 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                 before = emitted.get(event.index, 0)
                 c = choice(event, before)
                 emitted[event.index] = before + len(c.text)
-                yield CompletionChunk(id=rid, created=created, model=state.model_name, choices=[c],
-                                      usage=None if include_usage else msgspec.UNSET)
+                yield CompletionChunk(
+                    id=rid,
+                    created=created,
+                    model=state.model_name,
+                    choices=[c],
+                    usage=None if include_usage else msgspec.UNSET,
+                )
             if include_usage:
-                yield CompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
-                                      usage=Usage.of(*gen.token_counts))
+                yield CompletionChunk(
+                    id=rid, created=created, model=state.model_name, choices=[], usage=Usage.of(*gen.token_counts)
+                )
 
         return state.sse(chunks(), on_close=gen.close)
 
@@ -84,10 +99,15 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             prev.finish_reason = c.finish_reason
             if prev.logprobs is not None:
                 _join(prev.logprobs, c.logprobs)
-        return json_response(CompletionResponse(
-            id=rid, created=created, model=state.model_name, choices=[merged[i] for i in sorted(merged)],
-            usage=Usage.of(*gen.token_counts),
-        ))
+        return json_response(
+            CompletionResponse(
+                id=rid,
+                created=created,
+                model=state.model_name,
+                choices=[merged[i] for i in sorted(merged)],
+                usage=Usage.of(*gen.token_counts),
+            )
+        )
 
     try:
         return await until_done_or_disconnect(request, collect())
@@ -113,8 +133,9 @@ def _join(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogp
     return first
 
 
-def _echoed_logprobs(state: ServerState, sent: str | list[int], echo: str, ids: list[int], rows: list[TokenLogprobs],
-                     top_n: int) -> CompletionLogprobs:
+def _echoed_logprobs(
+    state: ServerState, sent: str | list[int], echo: str, ids: list[int], rows: list[TokenLogprobs], top_n: int
+) -> CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: its first token's logprob and alternatives null (nothing
     predicts it), each token's text as the echo shows it and its offset there."""
     tok = state.tokenizer
@@ -133,8 +154,12 @@ def _echoed_tokens(tok, sent: str | list[int], echo: str, ids: list[int]) -> tup
     the slice from it to the next token's offset (a BOS added before a text prompt is listed at 0)."""
     if tok is None:
         return [str(i) for i in ids], [0] * len(ids)
-    added = isinstance(sent, str) and tok.add_bos_token and ids[:1] == [tok.bos_token_id] and not sent.startswith(
-        tok.bos_token)
+    added = (
+        isinstance(sent, str)
+        and tok.add_bos_token
+        and ids[:1] == [tok.bos_token_id]
+        and not sent.startswith(tok.bos_token)
+    )
     body = ids[1:] if added else ids
     detok = IncrementalDetokenizer(tok, (), skip_special_tokens=False)
     detok.push(body)
@@ -149,14 +174,16 @@ def _echoed_tokens(tok, sent: str | list[int], echo: str, ids: list[int]) -> tup
         if not spaced.startswith(piece, pos) and piece.startswith(" ") and spaced.startswith(piece[1:], pos):
             piece = piece[1:]
         if spaced.startswith(piece, pos) and not shown.startswith("bytes:"):
-            shown = echo[pos:pos + len(piece)]
+            shown = echo[pos : pos + len(piece)]
         tokens.append(shown)
         offsets.append(min(pos, len(echo)))
         pos += len(piece)
     return tokens, offsets
 
 
-def _vllm_prompt_logprobs(state: ServerState, rows: list[TokenLogprobs], top_n: int) -> list[dict[int, PromptLogprob] | None]:
+def _vllm_prompt_logprobs(
+    state: ServerState, rows: list[TokenLogprobs], top_n: int
+) -> list[dict[int, PromptLogprob] | None]:
     """vLLM's `prompt_logprobs`: null, then per prompt token its own entry and the top `top_n` alternatives."""
     tok = state.tokenizer
     text = (lambda i: token_text(tok, i)) if tok is not None else str

@@ -93,8 +93,8 @@ class IncrementalDetokenizer:
                 if chunk and self._take(chunk):
                     return self._emit(self._pending)
         held = self._held_len()
-        out = self._pending[:len(self._pending) - held]
-        self._pending = self._pending[len(self._pending) - held:]
+        out = self._pending[: len(self._pending) - held]
+        self._pending = self._pending[len(self._pending) - held :]
         return self._emit(out)
 
     def flush(self) -> str:
@@ -128,7 +128,7 @@ class IncrementalDetokenizer:
         pending, n = self._pending, len(self._pending)
         for i in range(max(0, n - self._max_hold), n):  # earliest start first: the longest suffix
             if pending[i] in self._first_chars and any(
-                len(s) > n - i and pending.startswith(s[:n - i], i) for s in self.stop
+                len(s) > n - i and pending.startswith(s[: n - i], i) for s in self.stop
             ):
                 return n - i
         return 0

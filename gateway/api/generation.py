@@ -13,9 +13,9 @@ import msgspec
 from engine.core.request import NO_OPTIONS, EngineRequest, RequestOptions, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.ipc.messages import PromptLogprobsPart, TokenDelta
-from gateway.web.in_flight import Ticket
 from gateway.api.detokenizer import IncrementalDetokenizer
 from gateway.engines.replicas import Replicas
+from gateway.web.in_flight import Ticket
 from gateway.web.metrics import Metrics
 
 
@@ -58,8 +58,9 @@ class _Deltas(asyncio.Queue):
 
     def put_nowait(self, item) -> None:
         request_id, msg = item
-        if request_id is not None and (isinstance(msg, Exception) or
-                                       (isinstance(msg, TokenDelta) and msg.finish_reason is not None)):
+        if request_id is not None and (
+            isinstance(msg, Exception) or (isinstance(msg, TokenDelta) and msg.finish_reason is not None)
+        ):
             self._sequence_done(request_id)
         super().put_nowait(item)
 
@@ -124,8 +125,9 @@ class Generation:
                     if self.n > 1 and params.seed is not None:  # distinct yet reproducible choices
                         params = msgspec.structs.replace(params, seed=params.seed + i)
                     rid = f"{base}-{index}"
-                    self.choices[rid] = _Choice(index, len(prompt), IncrementalDetokenizer(self.tokenizer, self.stop),
-                                                time.monotonic())
+                    self.choices[rid] = _Choice(
+                        index, len(prompt), IncrementalDetokenizer(self.tokenizer, self.stop), time.monotonic()
+                    )
                     self.metrics.prompt_tokens.inc(len(prompt))
                     await self.client.add(EngineRequest(rid, prompt, params, self.options), queue, grammar_id)
             if grammar_id is not None:
@@ -198,7 +200,7 @@ class Generation:
         offsets = detok.token_offsets[first:]
         # A delta of several tokens (a step that accepted draft tokens) may hold a stop string's end: the detokenizer
         # stopped there, and the tokens after it are not the choice's.
-        token_ids, logprobs = delta.token_ids[:len(offsets)], (delta.logprobs or [])[:len(offsets)]
+        token_ids, logprobs = delta.token_ids[: len(offsets)], (delta.logprobs or [])[: len(offsets)]
         choice.num_tokens += len(token_ids)
         self.metrics.generation_tokens.inc(len(token_ids))
         finish = delta.finish_reason

@@ -11,23 +11,59 @@ from importlib import metadata
 
 import msgspec
 
-from gateway.web.errors import ErrorResponse
-from gateway.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from gateway.api.protocol import (
-    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest,
-    CompletionResponse, ModelCard, ModelList,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
 )
 from gateway.api.responses_protocol import (
-    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, ErrorEvent, OutputItemEvent, ResponseEvent,
-    ResponseObject, ResponsesRequest, TextDeltaEvent, TextDoneEvent,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    ErrorEvent,
+    OutputItemEvent,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+    TextDeltaEvent,
+    TextDoneEvent,
 )
+from gateway.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from gateway.web.errors import ErrorResponse
 
 _REF = "#/components/schemas/{name}"
-_EVENTS = (ResponseEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent, ArgumentsDeltaEvent,
-           ArgumentsDoneEvent, ErrorEvent)
-_STRUCTS = (CompletionRequest, CompletionResponse, CompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-            ChatCompletionChunk, ModelList, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
-            DetokenizeResponse, ResponsesRequest, ResponseObject, *_EVENTS)
+_EVENTS = (
+    ResponseEvent,
+    OutputItemEvent,
+    ContentPartEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ErrorEvent,
+)
+_STRUCTS = (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionChunk,
+    ModelList,
+    ErrorResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ResponsesRequest,
+    ResponseObject,
+    *_EVENTS,
+)
 # A Responses stream's failure: an `error` event.
 # Which error statuses each kind of route can answer, and why.
 _ERRORS = {
@@ -44,15 +80,28 @@ _GENERATE_ERRORS = (400, 404, 408, 413, 415, 429, 503)  # and 401 with an API ke
 # Request examples: documentation, and the first cases a fuzzer sends (each response kind once).
 _COMPLETION_EXAMPLES = {
     "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
-    "stream": {"prompt": "Once upon a time", "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}},
+    "stream": {
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
     "logprobs": {"prompt": "1, 2, 3,", "max_tokens": 4, "logprobs": 2, "n": 2, "seed": 7},
 }
 _CHAT_EXAMPLES = {
     "text": {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, "temperature": 0},
-    "stream": {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6, "stream": True,
-               "stream_options": {"include_usage": True}},
-    "logprobs": {"messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 4, "logprobs": True,
-                 "top_logprobs": 2},
+    "stream": {
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
+    "logprobs": {
+        "messages": [{"role": "user", "content": "Count to three."}],
+        "max_tokens": 4,
+        "logprobs": True,
+        "top_logprobs": 2,
+    },
 }
 _RESPONSES_EXAMPLES = {
     "text": {"input": "Say hi.", "instructions": "Be brief.", "max_output_tokens": 6, "temperature": 0},
@@ -75,28 +124,51 @@ def _error(status: int) -> dict:
 def _generate(summary: str, request: type, response: type, chunk: type | None, examples: dict, secured: bool) -> dict:
     # OpenAPI 3.1 has an event stream's `schema` describe one event; its `data` is JSON or the final `[DONE]`.
     if chunk is not None:
-        json_data = {"type": "string", "contentMediaType": "application/json",
-                     "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
-        stream = {"schema": {
-            "type": "object",
-            "required": ["data"],
-            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}, "event": {"const": "message"}},
-        }}
-        described = (f"The whole {response.__name__} (JSON), or with `stream: true` a stream of "
-                     f"`data: <{chunk.__name__}>` events ending in `data: [DONE]`; a failure after the stream started "
-                     "is one `data: <ErrorResponse>` event before `[DONE]`.")
+        json_data = {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]},
+        }
+        stream = {
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}, "event": {"const": "message"}},
+            }
+        }
+        described = (
+            f"The whole {response.__name__} (JSON), or with `stream: true` a stream of "
+            f"`data: <{chunk.__name__}>` events ending in `data: [DONE]`; a failure after the stream started "
+            "is one `data: <ErrorResponse>` event before `[DONE]`."
+        )
     else:  # the Responses API: typed events, each under an `event:` line of its type, no [DONE]
         events = {"anyOf": list(map(_ref, _EVENTS))}
-        stream = {"schema": {"type": "object", "required": ["event", "data"], "properties": {
-            "event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json",
-                                                  "contentSchema": events}}}}
-        described = (f"The whole {response.__name__} (JSON), or with `stream: true` its typed events (`event: <type>`"
-                     ", `data: <event>`), from response.created to response.completed or response.incomplete; a "
-                     "failure after the stream started is an `error` event, then response.failed.")
+        stream = {
+            "schema": {
+                "type": "object",
+                "required": ["event", "data"],
+                "properties": {
+                    "event": {"type": "string"},
+                    "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": events},
+                },
+            }
+        }
+        described = (
+            f"The whole {response.__name__} (JSON), or with `stream: true` its typed events (`event: <type>`"
+            ", `data: <event>`), from response.created to response.completed or response.incomplete; a "
+            "failure after the stream started is an `error` event, then response.failed."
+        )
     op = {
         "summary": summary,
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": _ref(request), "examples": {name: {"value": value} for name, value in examples.items()}}}},
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": _ref(request),
+                    "examples": {name: {"value": value} for name, value in examples.items()},
+                }
+            },
+        },
         "responses": {
             "200": {
                 "description": described,
@@ -114,41 +186,111 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
     """The OpenAPI 3.1 document (JSON Schema 2020-12, which msgspec emits)."""
     _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
     unauthorized = {"401": _error(401)} if api_key else {}
-    models = {"summary": "The served model", "responses": {
-        "200": {"description": "One model.", "content": {"application/json": {"schema": _ref(ModelList)}}},
-        **unauthorized}}
-    model = {"summary": "One model by its id", "parameters": [
-        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}], "responses": {
-        "200": {"description": "The model.", "content": {"application/json": {"schema": _ref(ModelCard)}}},
-        "404": _error(404), **unauthorized}}
+    models = {
+        "summary": "The served model",
+        "responses": {
+            "200": {"description": "One model.", "content": {"application/json": {"schema": _ref(ModelList)}}},
+            **unauthorized,
+        },
+    }
+    model = {
+        "summary": "One model by its id",
+        "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {
+            "200": {"description": "The model.", "content": {"application/json": {"schema": _ref(ModelCard)}}},
+            "404": _error(404),
+            **unauthorized,
+        },
+    }
     tokenize, detokenize = (
-        {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-            "schema": _ref(request)}}}, "responses": {
-            "200": {"description": summary, "content": {"application/json": {"schema": _ref(response)}}},
-            **{str(s): _error(s) for s in (400, 404, 408, 413, 415, 503)}, **unauthorized}}
+        {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {
+                "200": {"description": summary, "content": {"application/json": {"schema": _ref(response)}}},
+                **{str(s): _error(s) for s in (400, 404, 408, 413, 415, 503)},
+                **unauthorized,
+            },
+        }
         for summary, request, response in (
             ("Token ids of a prompt or chat messages", TokenizeRequest, TokenizeResponse),
-            ("The text of token ids", DetokenizeRequest, DetokenizeResponse)))
-    info = {"summary": "The tokenizer's configuration (vLLM's /tokenizer_info)", "responses": {
-        "200": {"description": "Tokenizer class, special tokens, chat template, context length.",
-                "content": {"application/json": {"schema": {"type": "object"}}}},
-        "503": _error(503), **unauthorized}}
-    metrics = {"summary": "Prometheus metrics", "responses": {
-        "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        **(unauthorized if metrics_need_key else {})}}
+            ("The text of token ids", DetokenizeRequest, DetokenizeResponse),
+        )
+    )
+    info = {
+        "summary": "The tokenizer's configuration (vLLM's /tokenizer_info)",
+        "responses": {
+            "200": {
+                "description": "Tokenizer class, special tokens, chat template, context length.",
+                "content": {"application/json": {"schema": {"type": "object"}}},
+            },
+            "503": _error(503),
+            **unauthorized,
+        },
+    }
+    metrics = {
+        "summary": "Prometheus metrics",
+        "responses": {
+            "200": {
+                "description": "Prometheus text format.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **(unauthorized if metrics_need_key else {}),
+        },
+    }
     response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-    kept = {"get": {"summary": "A kept response (`store`), by its id", "parameters": response_id, "responses": {
-        "200": {"description": "The response.", "content": {"application/json": {"schema": _ref(ResponseObject)}}},
-        "404": _error(404), **unauthorized}},
-        "delete": {"summary": "Forget a kept response", "parameters": response_id, "responses": {
-            "200": {"description": "Deleted.", "content": {"application/json": {"schema": {
-                "type": "object", "required": ["id", "object", "deleted"], "properties": {
-                    "id": {"type": "string"}, "object": {"const": "response.deleted"}, "deleted": {"const": True}}}}}},
-            "404": _error(404), **unauthorized}}}
-    health = {"summary": "Liveness of the engine", "responses": {
-        "200": {"description": "The engine is ready.", "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}},
-        "503": _error(503)}}
+    kept = {
+        "get": {
+            "summary": "A kept response (`store`), by its id",
+            "parameters": response_id,
+            "responses": {
+                "200": {
+                    "description": "The response.",
+                    "content": {"application/json": {"schema": _ref(ResponseObject)}},
+                },
+                "404": _error(404),
+                **unauthorized,
+            },
+        },
+        "delete": {
+            "summary": "Forget a kept response",
+            "parameters": response_id,
+            "responses": {
+                "200": {
+                    "description": "Deleted.",
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["id", "object", "deleted"],
+                                "properties": {
+                                    "id": {"type": "string"},
+                                    "object": {"const": "response.deleted"},
+                                    "deleted": {"const": True},
+                                },
+                            }
+                        }
+                    },
+                },
+                "404": _error(404),
+                **unauthorized,
+            },
+        },
+    }
+    health = {
+        "summary": "Liveness of the engine",
+        "responses": {
+            "200": {
+                "description": "The engine is ready.",
+                "content": {
+                    "application/json": {
+                        "schema": {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}
+                    }
+                },
+            },
+            "503": _error(503),
+        },
+    }
     if api_key:
         for op in (models, model, tokenize, detokenize, info, kept["get"], kept["delete"]):
             op["security"] = [{"bearer": []}]
@@ -156,15 +298,26 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
             metrics["security"] = [{"bearer": []}]
     doc = {
         "openapi": "3.1.0",
-        "info": {"title": "Orcinus", "version": _version(),
-                 "description": "OpenAI-compatible completions served by an Orca-style engine."},
+        "info": {
+            "title": "Orcinus",
+            "version": _version(),
+            "description": "OpenAI-compatible completions served by an Orca-style engine.",
+        },
         "paths": {
-            "/v1/completions": _generate("Text completion", CompletionRequest, CompletionResponse, CompletionChunk,
-                                         _COMPLETION_EXAMPLES, api_key),
-            "/v1/chat/completions": _generate("Chat completion", ChatCompletionRequest, ChatCompletionResponse,
-                                              ChatCompletionChunk, _CHAT_EXAMPLES, api_key),
-            "/v1/responses": _generate("Response (the Responses API)", ResponsesRequest, ResponseObject, None,
-                                       _RESPONSES_EXAMPLES, api_key),
+            "/v1/completions": _generate(
+                "Text completion", CompletionRequest, CompletionResponse, CompletionChunk, _COMPLETION_EXAMPLES, api_key
+            ),
+            "/v1/chat/completions": _generate(
+                "Chat completion",
+                ChatCompletionRequest,
+                ChatCompletionResponse,
+                ChatCompletionChunk,
+                _CHAT_EXAMPLES,
+                api_key,
+            ),
+            "/v1/responses": _generate(
+                "Response (the Responses API)", ResponsesRequest, ResponseObject, None, _RESPONSES_EXAMPLES, api_key
+            ),
             "/v1/responses/{response_id}": kept,
             "/v1/models": {"get": models},
             "/v1/models/{model}": {"get": model},

@@ -10,9 +10,9 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from engine.core.request import RequestOptions
 from engine.core.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-from gateway.web.errors import request_too_large
 from gateway.api.structured import ANY_OBJECT, strict_schema
 from gateway.api.tools import Tool, ToolCall, ToolChoice, ToolPlan, call_arguments, history_message
+from gateway.web.errors import request_too_large
 
 MAX_N = 16  # choices per prompt (`n`)
 # Stop strings per request (OpenAI allows 4; vLLM and llama.cpp any number). Each token costs the detokenizer a
@@ -41,8 +41,16 @@ Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Meta(ge=1)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 FinishReason = Literal["stop", "length", "tool_calls"]
-_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty")
+_OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -119,8 +127,9 @@ class _SamplingFields(Struct, kw_only=True):
         """Further schemas that must compile, though they do not shape the output."""
         return []
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
-                  grammar: str | None) -> SamplingParams:
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None, grammar: str | None
+    ) -> SamplingParams:
         given = {k: getattr(self, k) for k in _OPTIONAL_SAMPLING}
         if given["temperature"] is not None and given["temperature"] < GREEDY_BELOW:
             given["temperature"] = 0.0
@@ -152,8 +161,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     # Past 19 digits no id can be valid (nor fit int64); past 4,300 int() itself would raise.
     bad = [k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 19)]
     if bad:
-        raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {bad[0][:40]!r}",
-                                  "logit_bias")
+        raise InvalidRequestError(
+            f"logit_bias keys must be token ids (non-negative integers), got {bad[0][:40]!r}", "logit_bias"
+        )
     return {int(k): v for k, v in bias.items()}
 
 
@@ -193,7 +203,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             return max(self.prompt_logprobs, self.logprobs if self.echo and self.logprobs is not None else 0)
         return self.logprobs if self.echo else None
 
-    def to_sampling_params(self, *, default_max_tokens: int | None = None, grammar: str | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, *, default_max_tokens: int | None = None, grammar: str | None = None
+    ) -> SamplingParams:
         """`default_max_tokens` stands in for `max_tokens: null` (the gateway passes the room left in the
         context window); without it SamplingParams' default applies. `grammar`: output_schema()'s, compiled."""
         params = self._sampling(1 if self.prompt_only else self.max_tokens, self.logprobs, default_max_tokens, grammar)
@@ -209,7 +221,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             if len(kinds) > 1:
                 raise InvalidRequestError(
                     "prompt must be a string, a list of strings, a list of token ids or a list of token id lists",
-                    "prompt")
+                    "prompt",
+                )
             if kinds != {int} and len(p) > MAX_PROMPTS:
                 raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts are allowed per request", "prompt")
             if kinds == {list} and not all(p):
@@ -246,8 +259,6 @@ class ChatMessage(Struct):
         return self.content or ""
 
 
-
-
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
@@ -279,15 +290,18 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         call = self.tool_plan().call_schema() if self.tools else None
         own = super().output_schema()
         if call is not None and own is not None:
-            raise InvalidRequestError("a required tool call and a response_format cannot both shape the output",
-                                      "tool_choice")
+            raise InvalidRequestError(
+                "a required tool call and a response_format cannot both shape the output", "tool_choice"
+            )
         return (call, "tools") if call is not None else own
 
     def checked_schemas(self) -> list[tuple[dict, str]]:
         """Every offered function's parameters must compile, called or not."""
         return [(schema, "tools") for schema in self.tool_plan().schemas()] if self.tools else []
 
-    def to_sampling_params(self, *, default_max_tokens: int | None = None, grammar: str | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, *, default_max_tokens: int | None = None, grammar: str | None = None
+    ) -> SamplingParams:
         """As CompletionRequest.to_sampling_params; logprobs -> top_logprobs (0 when absent)."""
         explicit = self.max_completion_tokens is not None
         max_tokens = self.max_completion_tokens if explicit else self.max_tokens
@@ -296,8 +310,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             return self._sampling(max_tokens, logprobs, default_max_tokens, grammar)
         except InvalidRequestError as e:
             if e.param == "max_tokens" and explicit:
-                raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
-                                          "max_completion_tokens") from None
+                raise InvalidRequestError(
+                    str(e).replace("max_tokens", "max_completion_tokens", 1), "max_completion_tokens"
+                ) from None
             raise
 
     def validate(self) -> None:
@@ -308,8 +323,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                 call_arguments(call, f"messages[{i}].tool_calls[{j}].function.arguments")
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
                 if part.type != "text":
-                    raise InvalidRequestError(f"content part type {part.type!r} is not supported; only 'text'",
-                                              f"messages[{i}].content[{j}].type")
+                    raise InvalidRequestError(
+                        f"content part type {part.type!r} is not supported; only 'text'",
+                        f"messages[{i}].content[{j}].type",
+                    )
                 if part.text is None:
                     raise InvalidRequestError("a text content part needs `text`", f"messages[{i}].content[{j}].text")
         if self.top_logprobs and not self.logprobs:
@@ -336,8 +353,12 @@ class Usage(Struct, kw_only=True):
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
         details = UNSET if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
+        )
 
 
 class CompletionLogprobs(Struct, kw_only=True):
@@ -480,7 +501,7 @@ class ModelList(Struct, kw_only=True):
 T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
 _decoders: dict[type, msgspec.json.Decoder] = {}
 # msgspec names a bad dict key "`key` in `$.path`": the param is the dict's
-_AT = re.compile(r"^(?P<detail>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)
+_AT = re.compile(r"^(?P<detail>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
 
 

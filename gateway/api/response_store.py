@@ -46,8 +46,13 @@ class _Tenant:
 
 
 class ResponseStore:
-    def __init__(self, key_responses: int = KEY_RESPONSES, key_bytes: int = KEY_BYTES,
-                 max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES):
+    def __init__(
+        self,
+        key_responses: int = KEY_RESPONSES,
+        key_bytes: int = KEY_BYTES,
+        max_responses: int = MAX_RESPONSES,
+        max_bytes: int = MAX_BYTES,
+    ):
         self.key_responses, self.key_bytes = key_responses, key_bytes
         self.max_responses, self.max_bytes = max_responses, max_bytes
         self._tenants: dict[bytes, _Tenant] = {}  # by owner: the API key's salt (b"" without keys)

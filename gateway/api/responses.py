@@ -15,19 +15,34 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.core.sampling_params import InvalidRequestError
-from gateway.web import errors
-from gateway.web.auth import TENANT
 from gateway.api.chat import ChatRun, start_chat
-from gateway.engines.client import EngineUnavailableError
 from gateway.api.protocol import ChatMessage, decode_request
 from gateway.api.responses_protocol import (
-    ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, ErrorEvent, FunctionCallItem, IncompleteDetails,
-    InputTokensDetails, OutputItemEvent, OutputMessage, OutputText, ResponseError, ResponseEvent, ResponseObject,
-    ResponsesRequest, ResponseUsage, TextConfig, TextDeltaEvent, TextDoneEvent,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    ErrorEvent,
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItemEvent,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    TextConfig,
+    TextDeltaEvent,
+    TextDoneEvent,
 )
 from gateway.api.serving import ServerState, as_api_error, json_response, read_body, until_done_or_disconnect
 from gateway.api.tool_stream import ToolCallStream
 from gateway.api.tools import FunctionCall, ToolCall
+from gateway.engines.client import EngineUnavailableError
+from gateway.web import errors
+from gateway.web.auth import TENANT
 
 
 def _owner(request: Request) -> bytes:
@@ -41,12 +56,15 @@ async def create_response(request: Request, state: ServerState) -> Response:
     if req.previous_response_id is not None:
         previous = state.responses.get(req.previous_response_id, _owner(request))
         if previous is None:
-            raise errors.invalid_request(f"Previous response with id '{req.previous_response_id}' not found.",
-                                         "previous_response_id", "previous_response_not_found")
+            raise errors.invalid_request(
+                f"Previous response with id '{req.previous_response_id}' not found.",
+                "previous_response_id",
+                "previous_response_not_found",
+            )
         history = previous.messages
     chat = req.to_chat(history)
     run = await start_chat(chat, request, state)  # admitted from here: close() its generation
-    turn = Turn(req, run, state, chat.messages[1 if req.instructions else 0:], _owner(request))
+    turn = Turn(req, run, state, chat.messages[1 if req.instructions else 0 :], _owner(request))
     if req.stream:
         return state.sse(turn.events(), on_close=run.gen.close, named=True)
     try:
@@ -73,15 +91,17 @@ _FAILURE_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}  # by HTTP 
 
 
 def _not_found(response_id: str) -> errors.APIError:
-    return errors.APIError(404, f"Response with id '{response_id}' not found.", "not_found_error", "response_id",
-                           "response_not_found")
+    return errors.APIError(
+        404, f"Response with id '{response_id}' not found.", "not_found_error", "response_id", "response_not_found"
+    )
 
 
 class Turn:
     """One response being made: its id, its output items as they form, and the stored conversation after it."""
 
-    def __init__(self, req: ResponsesRequest, run: ChatRun, state: ServerState, messages: list[ChatMessage],
-                 owner: bytes):
+    def __init__(
+        self, req: ResponsesRequest, run: ChatRun, state: ServerState, messages: list[ChatMessage], owner: bytes
+    ):
         self.req, self.run, self.state, self.messages, self.owner = req, run, state, messages, owner
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.output: list[OutputMessage | FunctionCallItem] = []
@@ -93,26 +113,45 @@ class Turn:
         usage = None
         if status != "in_progress":
             prompt, completion, cached = self.run.gen.token_counts
-            usage = ResponseUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion,
-                                  input_tokens_details=InputTokensDetails(cached_tokens=cached))
+            usage = ResponseUsage(
+                input_tokens=prompt,
+                output_tokens=completion,
+                total_tokens=prompt + completion,
+                input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            )
         return ResponseObject(
-            id=self.id, created_at=self.created, status=status, model=self.state.model_name, output=list(self.output),
-            usage=usage, incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish == "length" else None,
-            error=error, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            id=self.id,
+            created_at=self.created,
+            status=status,
+            model=self.state.model_name,
+            output=list(self.output),
+            usage=usage,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish == "length" else None,
+            error=error,
+            instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens,
             previous_response_id=req.previous_response_id,
             # unset: the values sampled with, as OpenAI echoes its defaults
             temperature=params.temperature if req.temperature is None else req.temperature,
             top_p=params.top_p if req.top_p is None else req.top_p,
-            tools=req.tools or [], tool_choice=req.tool_choice or "auto", parallel_tool_calls=self.run.parallel,
-            text=req.text or TextConfig(), store=req.store, metadata=req.metadata or {})
+            tools=req.tools or [],
+            tool_choice=req.tool_choice or "auto",
+            parallel_tool_calls=self.run.parallel,
+            text=req.text or TextConfig(),
+            store=req.store,
+            metadata=req.metadata or {},
+        )
 
     def finish(self, finish: str | None) -> ResponseObject:
         """The final response; kept (with the conversation through it) when the request said `store`."""
         response = self.response("incomplete" if finish == "length" else "completed", finish)
         if self.req.store:
             said = [m for m in self.output if isinstance(m, OutputMessage)]
-            calls = [ToolCall(id=c.call_id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                     for c in self.output if isinstance(c, FunctionCallItem)]
+            calls = [
+                ToolCall(id=c.call_id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in self.output
+                if isinstance(c, FunctionCallItem)
+            ]
             text = "".join(part.text for m in said for part in m.content)
             reply = ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)
             self.state.responses.put(self.id, self.owner, self.messages + [reply], response)
@@ -127,11 +166,18 @@ class Turn:
         calls = self.run.plan.parse_calls(text, self.run.parallel) if finish == "stop" else []
         status = "incomplete" if finish == "length" else "completed"
         if calls:
-            self.output = [FunctionCallItem(id=f"fc_{uuid.uuid4().hex}", call_id=c.id, name=c.function.name,
-                                            arguments=c.function.arguments, status="completed") for c in calls]
+            self.output = [
+                FunctionCallItem(
+                    id=f"fc_{uuid.uuid4().hex}",
+                    call_id=c.id,
+                    name=c.function.name,
+                    arguments=c.function.arguments,
+                    status="completed",
+                )
+                for c in calls
+            ]
         else:
-            self.output = [OutputMessage(id=f"msg_{uuid.uuid4().hex}", status=status,
-                                         content=[OutputText(text=text)])]
+            self.output = [OutputMessage(id=f"msg_{uuid.uuid4().hex}", status=status, content=[OutputText(text=text)])]
         return json_response(self.finish(finish))
 
     def _next(self) -> int:
@@ -141,9 +187,12 @@ class Turn:
     async def events(self):
         """The stream: created, in_progress, each item added, filled and done before the next is added, then
         completed or incomplete; a failure part-way is an `error` event, then response.failed."""
-        yield ResponseEvent(type="response.created", sequence_number=self._next(), response=self.response("in_progress"))
-        yield ResponseEvent(type="response.in_progress", sequence_number=self._next(),
-                            response=self.response("in_progress"))
+        yield ResponseEvent(
+            type="response.created", sequence_number=self._next(), response=self.response("in_progress")
+        )
+        yield ResponseEvent(
+            type="response.in_progress", sequence_number=self._next(), response=self.response("in_progress")
+        )
         try:
             async for e in self._items():
                 yield e
@@ -168,20 +217,32 @@ class Turn:
                         yield e
                 message = self.current
                 message.content[0].text += text
-                yield TextDeltaEvent(sequence_number=self._next(), item_id=message.id,
-                                     output_index=self.output.index(message), delta=text)
+                yield TextDeltaEvent(
+                    sequence_number=self._next(),
+                    item_id=message.id,
+                    output_index=self.output.index(message),
+                    delta=text,
+                )
             for chunk in chunks:
                 item = open_calls.get(chunk.index)
                 if item is None:
                     item = open_calls[chunk.index] = FunctionCallItem(
-                        id=f"fc_{uuid.uuid4().hex}", call_id=chunk.id or f"call_{uuid.uuid4().hex[:24]}",
-                        name=chunk.function.name or "", arguments="", status="in_progress")
+                        id=f"fc_{uuid.uuid4().hex}",
+                        call_id=chunk.id or f"call_{uuid.uuid4().hex[:24]}",
+                        name=chunk.function.name or "",
+                        arguments="",
+                        status="in_progress",
+                    )
                     for e in self._open(item):
                         yield e
                 if chunk.function.arguments:
                     item.arguments += chunk.function.arguments
-                    yield ArgumentsDeltaEvent(sequence_number=self._next(), item_id=item.id,
-                                              output_index=self.output.index(item), delta=chunk.function.arguments)
+                    yield ArgumentsDeltaEvent(
+                        sequence_number=self._next(),
+                        item_id=item.id,
+                        output_index=self.output.index(item),
+                        delta=chunk.function.arguments,
+                    )
         if not self.output:  # no text: one empty message, as the whole response has
             for e in self._open_message():
                 yield e
@@ -193,8 +254,13 @@ class Turn:
     def _open_message(self):
         message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
         yield from self._open(message)
-        yield ContentPartEvent(type="response.content_part.added", sequence_number=self._next(), item_id=message.id,
-                               output_index=self.output.index(message), part=OutputText(text=""))
+        yield ContentPartEvent(
+            type="response.content_part.added",
+            sequence_number=self._next(),
+            item_id=message.id,
+            output_index=self.output.index(message),
+            part=OutputText(text=""),
+        )
         message.content.append(OutputText(text=""))
 
     def _open(self, item: OutputMessage | FunctionCallItem):
@@ -202,8 +268,12 @@ class Turn:
         yield from self._close("completed")
         self.output.append(item)
         self.current = item
-        yield OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
-                              output_index=len(self.output) - 1, item=item)
+        yield OutputItemEvent(
+            type="response.output_item.added",
+            sequence_number=self._next(),
+            output_index=len(self.output) - 1,
+            item=item,
+        )
 
     def _close(self, status: str):
         """The done events of the item being filled, if any: a new item comes only after them."""
@@ -213,22 +283,38 @@ class Turn:
         index = self.output.index(item)
         item.status = status
         if isinstance(item, OutputMessage):
-            yield TextDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
-                                text=item.content[0].text)
-            yield ContentPartEvent(type="response.content_part.done", sequence_number=self._next(),
-                                   item_id=item.id, output_index=index, part=item.content[0])
+            yield TextDoneEvent(
+                sequence_number=self._next(), item_id=item.id, output_index=index, text=item.content[0].text
+            )
+            yield ContentPartEvent(
+                type="response.content_part.done",
+                sequence_number=self._next(),
+                item_id=item.id,
+                output_index=index,
+                part=item.content[0],
+            )
         else:
-            yield ArgumentsDoneEvent(sequence_number=self._next(), item_id=item.id, output_index=index,
-                                     name=item.name, arguments=item.arguments)
-        yield OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
-                              item=item)
+            yield ArgumentsDoneEvent(
+                sequence_number=self._next(),
+                item_id=item.id,
+                output_index=index,
+                name=item.name,
+                arguments=item.arguments,
+            )
+        yield OutputItemEvent(
+            type="response.output_item.done", sequence_number=self._next(), output_index=index, item=item
+        )
 
     def _fail(self, error: errors.APIError):
         """An `error` event, then response.failed with what was made so far (not kept: it cannot be continued)."""
         if self.current is not None:
             self.current.status = "incomplete"
-        yield ErrorEvent(sequence_number=self._next(), code=error.code or error.type, message=error.message,
-                         param=error.param)
+        yield ErrorEvent(
+            sequence_number=self._next(), code=error.code or error.type, message=error.message, param=error.param
+        )
         code = _FAILURE_CODES.get(error.status, "server_error")
-        yield ResponseEvent(type="response.failed", sequence_number=self._next(),
-                            response=self.response("failed", error=ResponseError(code=code, message=error.message)))
+        yield ResponseEvent(
+            type="response.failed",
+            sequence_number=self._next(),
+            response=self.response("failed", error=ResponseError(code=code, message=error.message)),
+        )

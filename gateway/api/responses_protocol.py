@@ -10,14 +10,20 @@ from msgspec import Meta, Struct, field
 
 from engine.core.sampling_params import InvalidRequestError
 from gateway.api.protocol import (
-    MIN_FACTOR, ChatCompletionRequest, ChatMessage, ContentPart, JsonSchemaFormat, MaxTokens, ResponseFormat,
+    MIN_FACTOR,
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaFormat,
+    MaxTokens,
+    ResponseFormat,
 )
 from gateway.api.tools import FunctionCall, FunctionDef, FunctionName, NamedToolChoice, Tool, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # OpenAI's limits on `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512.
-Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
-                     Meta(max_length=16)]
+Metadata = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]], Meta(max_length=16)
+]
 
 
 class InputContent(Struct, kw_only=True):
@@ -43,8 +49,9 @@ class InputItem(Struct, kw_only=True):
             return self.content
         for j, part in enumerate(self.content or ()):
             if part.type not in TEXT_PARTS:
-                raise InvalidRequestError(f"content type {part.type!r} is not supported; only text",
-                                          f"{param}.content[{j}].type")
+                raise InvalidRequestError(
+                    f"content type {part.type!r} is not supported; only text", f"{param}.content[{j}].type"
+                )
             if part.text is None:
                 raise InvalidRequestError("a text content part needs `text`", f"{param}.content[{j}].text")
         return "\n".join(part.text for part in self.content or ())
@@ -128,21 +135,32 @@ class ResponsesRequest(Struct, kw_only=True):
     def to_chat(self, history: list[ChatMessage]) -> ChatCompletionRequest:
         """The chat request this runs as, after the earlier turns `history` (instructions are not carried over)."""
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
-        tools = [Tool(function=FunctionDef(name=t.name, description=t.description, parameters=t.parameters,
-                                           strict=t.strict)) for t in self.tools or ()]
+        tools = [
+            Tool(function=FunctionDef(name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
+            for t in self.tools or ()
+        ]
         choice = self.tool_choice
         if isinstance(choice, NamedFunction):
             choice = NamedToolChoice(function=FunctionName(name=choice.name))
         chat = ChatCompletionRequest(
-            model=self.model, messages=system + history + self.input_messages(), stream=self.stream,
-            max_completion_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
-            tools=tools or None, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
-            response_format=self._response_format(), user=self.user)
+            model=self.model,
+            messages=system + history + self.input_messages(),
+            stream=self.stream,
+            max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            tools=tools or None,
+            tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self._response_format(),
+            user=self.user,
+        )
         try:
             chat.validate()
         except InvalidRequestError as e:  # name this API's fields, not the chat request's
-            raise InvalidRequestError(str(e).replace("max_completion_tokens", "max_output_tokens"),
-                                      _RENAMED.get(e.param, e.param)) from None
+            raise InvalidRequestError(
+                str(e).replace("max_completion_tokens", "max_output_tokens"), _RENAMED.get(e.param, e.param)
+            ) from None
         return chat
 
     def _response_format(self) -> ResponseFormat | None:
@@ -151,8 +169,10 @@ class ResponsesRequest(Struct, kw_only=True):
             return ResponseFormat(type=f.type)
         if f.name is None or f.schema is None:
             raise InvalidRequestError("a json_schema text format needs `name` and `schema`", "text.format")
-        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
-            name=f.name, schema=f.schema, description=f.description, strict=f.strict))
+        return ResponseFormat(
+            type="json_schema",
+            json_schema=JsonSchemaFormat(name=f.name, schema=f.schema, description=f.description, strict=f.strict),
+        )
 
     def validate(self) -> None:
         self.input_messages()
@@ -240,8 +260,9 @@ class ResponseObject(Struct, kw_only=True):
 
 # Stream events: each a `data:` line under an `event:` line of its `type`, numbered in order.
 class ResponseEvent(Struct, kw_only=True):
-    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
-                  "response.failed"]
+    type: Literal[
+        "response.created", "response.in_progress", "response.completed", "response.incomplete", "response.failed"
+    ]
     sequence_number: int
     response: ResponseObject
 
@@ -302,5 +323,13 @@ class ArgumentsDoneEvent(_ItemEvent, kw_only=True):
     arguments: str
 
 
-StreamEvent = (ResponseEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
-               | ArgumentsDeltaEvent | ArgumentsDoneEvent | ErrorEvent)
+StreamEvent = (
+    ResponseEvent
+    | OutputItemEvent
+    | ContentPartEvent
+    | TextDeltaEvent
+    | TextDoneEvent
+    | ArgumentsDeltaEvent
+    | ArgumentsDoneEvent
+    | ErrorEvent
+)

@@ -17,22 +17,24 @@ from engine.core.request import NO_OPTIONS, RequestOptions
 from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from engine.model.tokenizer.chat_template import SHIPPED, NoChatTemplateError
-from gateway.web import errors
-from gateway.web.in_flight import InFlightLimit
-from gateway.web.auth import TENANT, CacheSalts
-from gateway.api.response_store import ResponseStore
-from gateway.engines.client import EngineUnavailableError
 from gateway.api.generation import Generation
-from gateway.web.guards import is_json
-from gateway.web.metrics import Metrics
-from gateway.engines.replicas import Replicas
+from gateway.api.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
+from gateway.api.response_store import ResponseStore
 from gateway.api.special_tokens import ContentTokens
 from gateway.api.structured import SchemaCompiler
-from gateway.api.protocol import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_DRAIN_BYTES
+from gateway.engines.client import EngineUnavailableError
+from gateway.engines.replicas import Replicas
+from gateway.web import errors
+from gateway.web.auth import TENANT, CacheSalts
+from gateway.web.guards import is_json
+from gateway.web.in_flight import InFlightLimit
+from gateway.web.metrics import Metrics
 
 _json = msgspec.json.Encoder()
-NO_CHAT_TEMPLATE = ("the model has no chat template, and none shipped fits its architecture: pass --chat-template "
-                    f"FILE_OR_NAME (names: {', '.join(SHIPPED)}) to orcinus serve")
+NO_CHAT_TEMPLATE = (
+    "the model has no chat template, and none shipped fits its architecture: pass --chat-template "
+    f"FILE_OR_NAME (names: {', '.join(SHIPPED)}) to orcinus serve"
+)
 THREADED_ENCODE_CHARS = 1 << 14  # a request with more text is tokenized off the event loop (tokenizers free the GIL)
 
 
@@ -79,8 +81,10 @@ class ServerState:
         texts = [p for p in prompts if isinstance(p, str)]
         if texts and self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send prompts as token ids", "prompt")
-        return await _off_loop(lambda: [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=True)
-                                        for p in prompts], sum(map(len, texts)))
+        return await _off_loop(
+            lambda: [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=True) for p in prompts],
+            sum(map(len, texts)),
+        )
 
     async def encode_chat(self, render: Callable[[], str], contents: list[str]) -> list[int]:
         """The chat prompt `render()` makes, as token ids (only what the template writes); `contents` are its
@@ -115,8 +119,14 @@ class ServerState:
         """The prefix-cache salt of a request: from its API key (by the scope) and its `cache_salt` field."""
         return self.salts.salt(request.scope.get("state", {}).get(TENANT), cache_salt)
 
-    def generation(self, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
-                   options: RequestOptions = NO_OPTIONS) -> Generation:
+    def generation(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        stop: list[str],
+        options: RequestOptions = NO_OPTIONS,
+    ) -> Generation:
         """Admit the request's sequences (429 past the queue's bound); the caller must `close()` the Generation."""
         ticket = self.in_flight.reserve(len(prompts) * n, n * sum(map(len, prompts)))
         gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, options)
@@ -187,8 +197,9 @@ class _ClosingEventSource(EventSourceResponse):
             self.on_close()
 
 
-def sse(events: AsyncIterator[object], on_close: Callable[[], None], drain_timeout: float,
-        named: bool = False) -> Response:
+def sse(
+    events: AsyncIterator[object], on_close: Callable[[], None], drain_timeout: float, named: bool = False
+) -> Response:
     """Stream msgspec structs as `data:` events, then `data: [DONE]`; an error mid-stream is an error event.
     `named` (the Responses API): each under an `event:` line of its `type`, an error as an `error` event, no [DONE].
     On server shutdown a stream may go on for `drain_timeout` seconds (sse-starlette would cut it at once)."""
@@ -201,8 +212,12 @@ def sse(events: AsyncIterator[object], on_close: Callable[[], None], drain_timeo
         except (EngineUnavailableError, InvalidRequestError, errors.APIError) as e:
             api = as_api_error(e)
             if named:
-                yield {"event": "error", "data": _json.encode({"type": "error", "code": api.code,
-                                                                "message": api.message, "param": api.param}).decode()}
+                yield {
+                    "event": "error",
+                    "data": _json.encode(
+                        {"type": "error", "code": api.code, "message": api.message, "param": api.param}
+                    ).decode(),
+                }
                 return
             yield {"data": errors.error_body(api).decode()}
         if not named:

@@ -37,8 +37,11 @@ class ContentTokens:
                 text = content.strip()
                 at = prompt.find(text, cursor)
             if at < 0:
-                raise InvalidRequestError("a message holds special-token text that the chat template changes, so "
-                                          "it cannot be escaped (--special-tokens-in-content escape)", "messages")
+                raise InvalidRequestError(
+                    "a message holds special-token text that the chat template changes, so "
+                    "it cannot be escaped (--special-tokens-in-content escape)",
+                    "messages",
+                )
             cuts += [at + m.start() + 1 for m in self.pattern.finditer(text)]
             cursor = at + len(text)
         if not cuts:

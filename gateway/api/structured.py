@@ -46,8 +46,22 @@ def check_depth(value: object, param: str, what: str) -> None:
 
 
 # Keywords whose value is a schema or a list of schemas, and those whose value maps names to schemas.
-_SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "not", "if", "then", "else", "contains", "anyOf",
-               "oneOf", "allOf", "additionalItems", "propertyNames", "unevaluatedItems")
+_SUBSCHEMAS = (
+    "items",
+    "prefixItems",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "additionalItems",
+    "propertyNames",
+    "unevaluatedItems",
+)
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
@@ -62,8 +76,9 @@ def strict_schema(schema: dict) -> dict:
         if not isinstance(node, dict):
             continue
         kind = node.get("type")
-        if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node) and \
-                "additionalProperties" not in node:
+        if (
+            kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
+        ) and "additionalProperties" not in node:
             node["additionalProperties"] = False
         for k in _SUBSCHEMAS:
             value = node.get(k)
@@ -79,7 +94,9 @@ def schema_text(schema: dict, param: str) -> str:
     check_depth(schema, param, "the JSON schema")
     text = msgspec.json.encode(schema).decode()
     if len(text) > MAX_SCHEMA_BYTES:
-        raise InvalidRequestError(f"the JSON schema is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are accepted", param)
+        raise InvalidRequestError(
+            f"the JSON schema is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are accepted", param
+        )
     return text
 
 
@@ -87,7 +104,7 @@ def compile_schema(text: str) -> tuple[str, str | None]:
     """(grammar, None), or ("", why the schema cannot be one). Blocking: call it in a thread."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-    except Exception as e:  # noqa: BLE001 - whatever a client's schema makes the compiler raise is a 400
+    except Exception as e:
         return "", f"invalid JSON schema: {e}"
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:

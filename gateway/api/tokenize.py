@@ -64,15 +64,17 @@ async def tokenize(request: Request, state: ServerState) -> Response:
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         ids = await state.encode_chat(
             lambda: tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt),
-            [m["content"] for m in messages])
+            [m["content"] for m in messages],
+        )
     else:
         if req.add_special_tokens is False:
             ids = tok.encode(req.prompt)
         else:
             [ids] = await state.encode_prompts([req.prompt])
     strs = [token_text(tok, i) for i in ids] if req.return_token_strs else None
-    return json_response(TokenizeResponse(count=len(ids), max_model_len=state.engine_limits().max_model_len,
-                                          tokens=ids, token_strs=strs))
+    return json_response(
+        TokenizeResponse(count=len(ids), max_model_len=state.engine_limits().max_model_len, tokens=ids, token_strs=strs)
+    )
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
@@ -91,8 +93,10 @@ async def tokenizer_info(request: Request, state: ServerState) -> Response:
         "tokenizer_class": type(tok).__name__,
         "vocab_size": tok.vocab_size,
         "model_max_length": state.engine_limits().max_model_len,
-        "bos_token": tok.bos_token, "bos_token_id": tok.bos_token_id,
-        "eos_token": tok.eos_token, "eos_token_id": tok.eos_token_id,
+        "bos_token": tok.bos_token,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token": tok.eos_token,
+        "eos_token_id": tok.eos_token_id,
         "add_bos_token": tok.add_bos_token,
         "chat_template": tok.chat_template,
     }

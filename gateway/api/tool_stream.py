@@ -43,7 +43,7 @@ class ToolCallStream:
             return text, []
         if not self.calls:
             start = self.text.lstrip()
-            if not self.plan.forced and start and not any(o.startswith(start[:len(o)]) for o in _OPENINGS):
+            if not self.plan.forced and start and not any(o.startswith(start[: len(o)]) for o in _OPENINGS):
                 self.content = True
                 return self.text, []
             return "", self._open(_FIRST)
@@ -66,8 +66,12 @@ class ToolCallStream:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
         self.calls.append(call_id)
         self.pos, self.depth = m.end(), 0
-        head = ToolCallChunk(index=len(self.calls) - 1, id=call_id, type="function",
-                             function=FunctionCallDelta(name=m.group(1), arguments=""))
+        head = ToolCallChunk(
+            index=len(self.calls) - 1,
+            id=call_id,
+            type="function",
+            function=FunctionCallDelta(name=m.group(1), arguments=""),
+        )
         return [head, *self._read()]
 
     def _read(self) -> list[ToolCallChunk]:
@@ -92,7 +96,7 @@ class ToolCallStream:
                 self.depth -= 1
                 if self.depth == 0:
                     self.pos, self.depth = i + 1, -1
-                    piece = [self._args(self.text[start:self.pos])]
+                    piece = [self._args(self.text[start : self.pos])]
                     return piece + (self._open(_NEXT) if self.parallel else [])
         self.pos = len(self.text)
         return [self._args(self.text[start:])] if self.pos > start else []
@@ -103,5 +107,9 @@ class ToolCallStream:
 
 def whole_call(call: ToolCall, index: int) -> ToolCallChunk:
     """A call in one delta: its id, name and all its arguments."""
-    return ToolCallChunk(index=index, id=call.id, type="function",
-                         function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
+    return ToolCallChunk(
+        index=index,
+        id=call.id,
+        type="function",
+        function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments),
+    )

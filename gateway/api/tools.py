@@ -71,8 +71,12 @@ def _parameters(f: FunctionDef) -> dict:
 
 
 def _call_schema(f: FunctionDef) -> dict:
-    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": f.name}, "arguments": _parameters(f)}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "arguments"],
+        "properties": {"name": {"const": f.name}, "arguments": _parameters(f)},
+    }
 
 
 class ToolPlan:
@@ -89,8 +93,9 @@ class ToolPlan:
         offered = list(self.functions.values())
         if self.mode == "named":
             if choice.function.name not in self.functions:
-                raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                                          "tool_choice")
+                raise InvalidRequestError(
+                    f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice"
+                )
             offered = [self.functions[choice.function.name]]
         self.checked = offered  # every one's schema must compile (gateway/api/serving.py), or the request is a 400
         self.offered = offered if self.mode != "none" else []
@@ -104,15 +109,21 @@ class ToolPlan:
         return self.mode in ("required", "named")
 
     def system_message(self) -> dict[str, str]:
-        listing = json.dumps([{"name": f.name, "description": f.description or "", "parameters": _parameters(f)}
-                              for f in self.offered])
+        listing = json.dumps(
+            [{"name": f.name, "description": f.description or "", "parameters": _parameters(f)} for f in self.offered]
+        )
         choice = CHOICE_TEXT.get(self.mode, f"You must call {self.offered[0].name}.")
         return {"role": "system", "content": SYSTEM_PROMPT.format(tools=listing, choice=choice)}
 
     def template_tools(self) -> list[dict]:
         """The offered tools as chat templates take them (OpenAI's shape, as transformers passes them)."""
-        return [{"type": "function", "function": {"name": f.name, "description": f.description or "",
-                                                  "parameters": _parameters(f)}} for f in self.offered]
+        return [
+            {
+                "type": "function",
+                "function": {"name": f.name, "description": f.description or "", "parameters": _parameters(f)},
+            }
+            for f in self.offered
+        ]
 
     def schemas(self) -> list[dict]:
         """The parameter schemas that must compile."""
@@ -148,8 +159,12 @@ class ToolPlan:
             args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
             if not (isinstance(args, dict) and obj.get("name") in self.functions):
                 return []
-            calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                                  function=FunctionCall(name=obj["name"], arguments=json.dumps(args))))
+            calls.append(
+                ToolCall(
+                    id=f"call_{uuid.uuid4().hex[:24]}",
+                    function=FunctionCall(name=obj["name"], arguments=json.dumps(args)),
+                )
+            )
         return calls if parallel else calls[:1]
 
 

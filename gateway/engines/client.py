@@ -32,8 +32,8 @@ from engine.ipc.messages import (
     RequestError,
     TokenDelta,
 )
-from gateway.web import errors
 from gateway.engines.process import EngineProcess
+from gateway.web import errors
 from gateway.web.metrics import Metrics
 
 log = logging.getLogger("orcinus.engine_client")
@@ -74,9 +74,17 @@ class EngineClient:
     `on_cache` (cache-aware routing) gets the engine's CacheEvents, and None whenever a new engine starts empty;
     `on_lost` is offered the requests the replica can no longer serve before their first token."""
 
-    def __init__(self, config: EngineConfig, metrics: Metrics, hang_timeout: float = 60.0, index: int = 0,
-                 on_cache: Callable[[int, CacheEvents | None], None] | None = None,
-                 devices: str | None = None, unresponsive_timeout: float = 3.0, on_lost: OnLost | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics: Metrics,
+        hang_timeout: float = 60.0,
+        index: int = 0,
+        on_cache: Callable[[int, CacheEvents | None], None] | None = None,
+        devices: str | None = None,
+        unresponsive_timeout: float = 3.0,
+        on_lost: OnLost | None = None,
+    ):
         self.config = config
         self.metrics = metrics
         self.hang_timeout = hang_timeout
@@ -152,8 +160,9 @@ class EngineClient:
     def answering(self) -> bool:
         """The engine process sent something, a heartbeat at least, within `unresponsive_timeout` (frames waiting
         unread count: then the gateway is the one behind)."""
-        return (time.monotonic() - self.last_beat < self.unresponsive_timeout
-                or (self.engine is not None and self.engine.unread))
+        return time.monotonic() - self.last_beat < self.unresponsive_timeout or (
+            self.engine is not None and self.engine.unread
+        )
 
     async def _spawn(self) -> None:
         """Start an engine on fresh channels and wait until it is ready; clean up if it never is."""
@@ -190,8 +199,9 @@ class EngineClient:
             self.ready = None
             self._lose_in_flight(EngineUnavailableError(f"the engine process exited (code {code})"))
             await engine.close()
-            log.error("engine process %s (replica %d) exited with code %s; starting a new one", engine.pid,
-                      self.index, code)
+            log.error(
+                "engine process %s (replica %d) exited with code %s; starting a new one", engine.pid, self.index, code
+            )
             self.metrics.engine_restarts.labels(str(self.index)).inc()
             backoff = RESTART_BACKOFF[0]
             while True:
@@ -230,8 +240,12 @@ class EngineClient:
             return
         if not self.unresponsive:
             self.unresponsive = True
-            log.error("engine process %s (replica %d) sent nothing in %.1fs; out of routing until it answers",
-                      engine.pid, self.index, time.monotonic() - self.last_beat)
+            log.error(
+                "engine process %s (replica %d) sent nothing in %.1fs; out of routing until it answers",
+                engine.pid,
+                self.index,
+                time.monotonic() - self.last_beat,
+            )
         if self.on_lost is None:
             return
         for request_id, route in list(self.routes.items()):
@@ -355,8 +369,11 @@ class EngineClient:
             if msg.internal:
                 self.metrics.failed.inc()
             if route is not None:
-                error = (errors.internal_error(f"The engine failed this request: {msg.message}") if msg.internal
-                         else InvalidRequestError(msg.message, msg.param))
+                error = (
+                    errors.internal_error(f"The engine failed this request: {msg.message}")
+                    if msg.internal
+                    else InvalidRequestError(msg.message, msg.param)
+                )
                 route.queue.put_nowait((msg.request_id, error))
         elif isinstance(msg, EngineReady):
             self.ready = msg

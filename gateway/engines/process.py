@@ -18,8 +18,8 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.ipc.channel import Channel
-from engine.ipc.messages import FromEngine, Shutdown, ToEngine
 from engine.ipc.engine_loop import EngineLoopArgs
+from engine.ipc.messages import FromEngine, Shutdown, ToEngine
 
 log = logging.getLogger("orcinus.engine_process")
 
@@ -42,8 +42,13 @@ class EngineProcess:
     """Spawn with `launch()` (no event loop needed, so a server can start its engines before it imports the app) and
     `start()` (which launches too, if not yet); frames from the engine go to `on_frame`; `close()` frees everything."""
 
-    def __init__(self, config: EngineConfig, on_frame: Callable[[object], None], cache_events: bool = False,
-                 devices: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_frame: Callable[[object], None],
+        cache_events: bool = False,
+        devices: str | None = None,
+    ):
         self.config = config
         self.on_frame = on_frame
         self.cache_events = cache_events  # the engine reports the blocks it caches and evicts
@@ -60,14 +65,16 @@ class EngineProcess:
         """Create the channels and spawn the engine process."""
         self.to_engine = Channel.create(ToEngine)
         self.from_engine = Channel.create(FromEngine)
-        args = EngineLoopArgs(self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events,
-                              os.getpid())
+        args = EngineLoopArgs(
+            self.config, self.to_engine.handle(), self.from_engine.handle(), self.cache_events, os.getpid()
+        )
         env = engine_env()
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.ipc.engine_loop", msgspec.json.encode(args).decode()], env=env)
+                [sys.executable, "-m", "engine.ipc.engine_loop", msgspec.json.encode(args).decode()], env=env
+            )
         except BaseException:
             self.discard()
             raise
@@ -137,7 +144,7 @@ class EngineProcess:
             self.to_engine.try_send(Shutdown())
             try:
                 await asyncio.wait_for(self.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("the engine did not exit within %.0fs of Shutdown; killing it", timeout)
                 self.kill()
                 await self.wait()

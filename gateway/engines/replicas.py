@@ -20,8 +20,8 @@ from engine.core.request import EngineRequest
 from engine.ipc.messages import AddRequest, EngineReady
 from gateway.engines.client import EngineClient, EngineUnavailableError
 from gateway.engines.process import EngineProcess
-from gateway.web.metrics import Metrics
 from gateway.engines.routing import RoutingPolicy, make_router
+from gateway.web.metrics import Metrics
 
 
 def replica_config(config: EngineConfig, size: int) -> EngineConfig:
@@ -39,27 +39,47 @@ def replica_devices(config: EngineConfig, index: int, size: int) -> str | None:
     per = config.tensor_parallel_size * config.pipeline_stages
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(size * per)]
-    return ",".join(ids[index * per:(index + 1) * per])
+    return ",".join(ids[index * per : (index + 1) * per])
 
 
 class Replicas:
     """The engine clients and their router; the interface the endpoints use, whatever the number of replicas."""
 
-    def __init__(self, config: EngineConfig, metrics: Metrics, hang_timeout: float = 60.0, size: int = 1,
-                 routing: RoutingPolicy = "cache-aware", unresponsive_timeout: float = 3.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics: Metrics,
+        hang_timeout: float = 60.0,
+        size: int = 1,
+        routing: RoutingPolicy = "cache-aware",
+        unresponsive_timeout: float = 3.0,
+    ):
         if size < 1:
             raise ValueError(f"--data-parallel-size must be 1 or more, got {size}")
         if size > 1 and config.external_stages:
-            raise ValueError("--external-stages has one rendezvous (MASTER_ADDR:MASTER_PORT) for one engine's ranks: "
-                             "run one server per replica's grid instead of --data-parallel-size")
+            raise ValueError(
+                "--external-stages has one rendezvous (MASTER_ADDR:MASTER_PORT) for one engine's ranks: "
+                "run one server per replica's grid instead of --data-parallel-size"
+            )
         if routing == "cache-aware" and not config.prefix_caching:
             routing = "least-loaded"  # no cache to be aware of
         self.routing = routing  # what routes, in effect
         self.router = make_router(routing if size > 1 else "round-robin", size, config.block_size)
         on_cache = self.router.cache_events if size > 1 and routing == "cache-aware" else None
         each = replica_config(config, size)
-        self.clients = [EngineClient(each, metrics, hang_timeout, i, on_cache, replica_devices(config, i, size),
-                                     unresponsive_timeout, self._reroute) for i in range(size)]
+        self.clients = [
+            EngineClient(
+                each,
+                metrics,
+                hang_timeout,
+                i,
+                on_cache,
+                replica_devices(config, i, size),
+                unresponsive_timeout,
+                self._reroute,
+            )
+            for i in range(size)
+        ]
         self.metrics = metrics
         for c in self.clients:
             metrics.add_replica(c.index, lambda c=c: c.healthy)
@@ -141,8 +161,9 @@ class Replicas:
             raise
         self.metrics.routed.labels(str(client.index), reason).inc()
 
-    async def _submit(self, client: EngineClient, request: EngineRequest, queue: asyncio.Queue,
-                      grammar_id: str | None) -> None:
+    async def _submit(
+        self, client: EngineClient, request: EngineRequest, queue: asyncio.Queue, grammar_id: str | None
+    ) -> None:
         if grammar_id is not None:
             await self._send_grammar(client, grammar_id)
         await client.add(request, queue, grammar_id)

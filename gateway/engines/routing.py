@@ -43,8 +43,9 @@ class RoundRobin:
         """The replica for this prompt, and why (a `reason` label of orcinus_routed_requests)."""
         return replicas[next(self._turn) % len(replicas)], "turn"
 
-    def route(self, request_id: str, replicas: Sequence[Replica], prompt: list[int],
-              cache_salt: bytes) -> tuple[Replica, str]:
+    def route(
+        self, request_id: str, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes
+    ) -> tuple[Replica, str]:
         """Choose `request_id`'s replica and remember it there until `done(request_id)`."""
         return self.choose(replicas, prompt, cache_salt)
 
@@ -77,8 +78,9 @@ class CacheAware(LeastLoaded):
     def choose(self, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes) -> tuple[Replica, str]:
         return self._choose(replicas, len(prompt), self.keys(prompt, cache_salt))
 
-    def route(self, request_id: str, replicas: Sequence[Replica], prompt: list[int],
-              cache_salt: bytes) -> tuple[Replica, str]:
+    def route(
+        self, request_id: str, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes
+    ) -> tuple[Replica, str]:
         keys = self.keys(prompt, cache_salt)  # hashed once, for the choice and for the blocks it will hold
         replica, reason = self._choose(replicas, len(prompt), keys)
         self.pending[replica.index].update(keys)
@@ -121,7 +123,7 @@ class CacheAware(LeastLoaded):
         bs = self.block_size
         parent, keys = salt_root(cache_salt), []
         for i in range((len(prompt) - 1) // bs):
-            parent = chain_hash(parent, prompt[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, prompt[i * bs : (i + 1) * bs])
             keys.append(cache_key(parent))
         return keys
 

@@ -31,17 +31,30 @@ HEAD_DEADLINE_SPREAD = 0.25  # each connection's head deadline falls at random i
 
 
 def _response(status: str, code: str, message: str, extra: str = "") -> bytes:
-    body = msgspec.json.encode(ErrorResponse(error=ErrorDetail(message=message, type="invalid_request_error"
-                                                               if status.startswith("4") else "service_unavailable_error",
-                                                               param=None, code=code)))
-    head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}"
-            "connection: close\r\n\r\n")
+    body = msgspec.json.encode(
+        ErrorResponse(
+            error=ErrorDetail(
+                message=message,
+                type="invalid_request_error" if status.startswith("4") else "service_unavailable_error",
+                param=None,
+                code=code,
+            )
+        )
+    )
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}"
+        "connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
 HEAD_TIMED_OUT = _response("408 Request Timeout", "request_timeout", "The request's headers took too long to arrive.")
-AT_CAPACITY = _response("503 Service Unavailable", "too_many_connections",
-                        "The server has too many open connections; retry shortly.", "retry-after: 1\r\n")
+AT_CAPACITY = _response(
+    "503 Service Unavailable",
+    "too_many_connections",
+    "The server has too many open connections; retry shortly.",
+    "retry-after: 1\r\n",
+)
 
 
 def raise_fd_limit() -> int:
@@ -70,8 +83,10 @@ class _Cap:
 
     def refuse(self) -> None:
         if self.refused == 0:
-            log.warning("%d connections are open, the most --max-connections allows: new connections get 503 "
-                        "until some close", self.limit)
+            log.warning(
+                "%d connections are open, the most --max-connections allows: new connections get 503 until some close",
+                self.limit,
+            )
         self.refused += 1
 
     def accepted(self) -> None:

@@ -20,5 +20,11 @@ def add_cors(app: Starlette, allowed_origins: tuple[str, ...] | None) -> None:
     else:
         origins = {"allow_origins": list(allowed_origins)}
     # Authorization is allowed so a page can send the API key, which is still checked on every request.
-    app.add_middleware(CORSMiddleware, **origins, allow_methods=["GET", "POST", "OPTIONS"],
-                       allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"], max_age=600)
+    app.add_middleware(
+        CORSMiddleware,
+        **origins,
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["Authorization", "Content-Type"],
+        expose_headers=["Retry-After"],
+        max_age=600,
+    )

@@ -31,8 +31,15 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 class APIError(Exception):
     """An error the client sees: HTTP `status` plus OpenAI's four error fields (and extra headers)."""
 
-    def __init__(self, status: int, message: str, type: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = dict(headers or {})
@@ -51,13 +58,21 @@ def authentication_error(message: str = "Incorrect API key provided.") -> APIErr
 
 
 def host_not_allowed() -> APIError:
-    return APIError(403, "The Host header names a host this server does not answer to (see --allowed-hosts).",
-                    "invalid_request_error", code="host_not_allowed")
+    return APIError(
+        403,
+        "The Host header names a host this server does not answer to (see --allowed-hosts).",
+        "invalid_request_error",
+        code="host_not_allowed",
+    )
 
 
 def unsupported_media_type() -> APIError:
-    return APIError(415, "The request body must be JSON, sent with `Content-Type: application/json`.",
-                    "invalid_request_error", code="unsupported_media_type")
+    return APIError(
+        415,
+        "The request body must be JSON, sent with `Content-Type: application/json`.",
+        "invalid_request_error",
+        code="unsupported_media_type",
+    )
 
 
 def model_not_found(model: str) -> APIError:
@@ -69,13 +84,18 @@ def route_not_found(method: str, path: str) -> APIError:
 
 
 def request_too_large(limit: int) -> APIError:
-    return APIError(413, f"Request body is larger than {limit} bytes.", "invalid_request_error",
-                    code="request_too_large")
+    return APIError(
+        413, f"Request body is larger than {limit} bytes.", "invalid_request_error", code="request_too_large"
+    )
 
 
 def request_timeout(seconds: float) -> APIError:
-    return APIError(408, f"The request body did not arrive within {seconds:g} seconds.", "invalid_request_error",
-                    code="request_timeout")
+    return APIError(
+        408,
+        f"The request body did not arrive within {seconds:g} seconds.",
+        "invalid_request_error",
+        code="request_timeout",
+    )
 
 
 def rate_limited(message: str = "Too many requests; retry later.", retry_after: float = 1.0) -> APIError:
@@ -83,8 +103,9 @@ def rate_limited(message: str = "Too many requests; retry later.", retry_after: 
 
 
 def service_unavailable(message: str = "The engine is unavailable.", retry_after: float | None = None) -> APIError:
-    return APIError(503, message, "service_unavailable_error", code="service_unavailable",
-                    headers=_retry_headers(retry_after))
+    return APIError(
+        503, message, "service_unavailable_error", code="service_unavailable", headers=_retry_headers(retry_after)
+    )
 
 
 def internal_error(message: str = "The server had an internal error.") -> APIError:
@@ -99,8 +120,9 @@ def error_body(exc: APIError | InvalidRequestError) -> bytes:
     """The JSON body; all four keys are always present (null when absent)."""
     if isinstance(exc, InvalidRequestError):
         exc = from_invalid_request(exc)
-    return msgspec.json.encode(ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.type, param=exc.param,
-                                                               code=exc.code)))
+    return msgspec.json.encode(
+        ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.type, param=exc.param, code=exc.code))
+    )
 
 
 def error_response(exc: APIError | InvalidRequestError) -> Response:
@@ -117,8 +139,13 @@ async def handle_http_exception(request: Request, exc: HTTPException) -> Respons
     if exc.status_code == 404:
         err = route_not_found(request.method, request.url.path)
     elif exc.status_code == 405:
-        err = APIError(405, f"Method {request.method} is not allowed for {request.url.path}",
-                       "invalid_request_error", code="method_not_allowed", headers=exc.headers)
+        err = APIError(
+            405,
+            f"Method {request.method} is not allowed for {request.url.path}",
+            "invalid_request_error",
+            code="method_not_allowed",
+            headers=exc.headers,
+        )
     else:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         err = APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)

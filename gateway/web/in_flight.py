@@ -28,8 +28,13 @@ class InFlightLimit:
     """Counts in-flight sequences and their prompt tokens; `reserve` hands out a Ticket or raises 429 (or 400 if
     the request could never fit)."""
 
-    def __init__(self, max_running: int, max_waiting: int | None, metrics: Metrics,
-                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS):
+    def __init__(
+        self,
+        max_running: int,
+        max_waiting: int | None,
+        metrics: Metrics,
+        max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+    ):
         self.max_running = max_running
         self.max_waiting = DEFAULT_MAX_WAITING if max_waiting is None else max_waiting
         self.max_queued_tokens = max_queued_tokens
@@ -47,17 +52,25 @@ class InFlightLimit:
         if num_sequences > self.capacity:
             raise errors.invalid_request(
                 f"The request needs {num_sequences} sequences (prompts x n); this server admits at most "
-                f"{self.capacity} at once.", "n")
+                f"{self.capacity} at once.",
+                "n",
+            )
         if num_tokens > self.max_queued_tokens:
             raise errors.invalid_request(
                 f"The request's prompts hold {num_tokens} tokens (counted once per choice); this server admits at "
-                f"most {self.max_queued_tokens} at once.", "prompt")
-        if (self.in_flight + num_sequences > self.capacity or
-                self.in_flight_tokens + num_tokens > self.max_queued_tokens):
+                f"most {self.max_queued_tokens} at once.",
+                "prompt",
+            )
+        if (
+            self.in_flight + num_sequences > self.capacity
+            or self.in_flight_tokens + num_tokens > self.max_queued_tokens
+        ):
             self.metrics.rejected.inc()
             raise errors.rate_limited(
                 f"The server is at capacity ({self.in_flight} sequences and {self.in_flight_tokens} prompt tokens "
-                f"in flight or queued, of {self.capacity} and {self.max_queued_tokens}); retry later.", RETRY_AFTER)
+                f"in flight or queued, of {self.capacity} and {self.max_queued_tokens}); retry later.",
+                RETRY_AFTER,
+            )
         self._change(num_sequences, num_tokens)
         return Ticket(self, num_sequences, num_tokens)
 

@@ -14,8 +14,12 @@ from engine.model.families.llama import LlamaModel
 from engine.model.families.phi3 import Phi3Model
 
 # ModelShape.family -> the class that builds it.
-FAMILIES: dict[str, type[Decoder]] = {"llama": LlamaModel, "phi3": Phi3Model, "gemma2": Gemma2Model,
-                                       "gemma3": Gemma3Model}
+FAMILIES: dict[str, type[Decoder]] = {
+    "llama": LlamaModel,
+    "phi3": Phi3Model,
+    "gemma2": Gemma2Model,
+    "gemma3": Gemma3Model,
+}
 
 
 def model_class(shape: ModelShape) -> type[Decoder]:

@@ -17,9 +17,11 @@ from engine.model.token_ops import GeluAndMul, RMSNorm
 class Gemma2Layer(LlamaLayer):
     def __init__(self, shape: ModelShape, shard: TensorShard, index: int):
         super().__init__(shape, shard, index)
-        self.attn_params = AttentionParams(shape.attn_scale or shape.head_dim**-0.5,
-                                           shape.sliding_window if shape.is_sliding(index) else None,
-                                           shape.attn_logit_softcap)
+        self.attn_params = AttentionParams(
+            shape.attn_scale or shape.head_dim**-0.5,
+            shape.sliding_window if shape.is_sliding(index) else None,
+            shape.attn_logit_softcap,
+        )
         self.pre_feedforward_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.act = GeluAndMul()
@@ -28,7 +30,9 @@ class Gemma2Layer(LlamaLayer):
         """Attention's output normed before its residual add, the MLP's likewise."""
         a = self.post_attention_layernorm(self.shard.all_reduce(self.o_proj(attn.view(-1, self.q_size))))
         x, h = self.pre_feedforward_layernorm(a, x)
-        return x + self.post_feedforward_layernorm(self.shard.all_reduce(self.down_proj(self.act(self.gate_up_proj(h)))))
+        return x + self.post_feedforward_layernorm(
+            self.shard.all_reduce(self.down_proj(self.act(self.gate_up_proj(h))))
+        )
 
 
 class Gemma2Model(LlamaModel):
@@ -40,7 +44,8 @@ class Gemma2Model(LlamaModel):
     def layer_sources(self, i: int) -> dict[str, Source]:
         return super().layer_sources(i) | {
             f"{n}.weight": self.norm_source(f"layers.{i}.{n}.weight")
-            for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+            for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        }
 
     def norm_source(self, name: str) -> Source:
         return Source((name,), _one_plus)

@@ -22,10 +22,12 @@ class Gemma3Layer(Gemma2Layer):
         """Norm, fused QKV, each query and key head normed, then RoPE and the K/V write."""
         q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         d = self.shape.head_dim
-        qkv = torch.cat([self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(k.shape), v],
-                        dim=-1)
-        return self.rotary.rope_write_kv(qkv, positions, kv_cache, slot_mapping, self.shape.num_heads,
-                                         self.shape.num_kv_heads)
+        qkv = torch.cat(
+            [self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(k.shape), v], dim=-1
+        )
+        return self.rotary.rope_write_kv(
+            qkv, positions, kv_cache, slot_mapping, self.shape.num_heads, self.shape.num_kv_heads
+        )
 
 
 class Gemma3Model(Gemma2Model):
@@ -36,7 +38,8 @@ class Gemma3Model(Gemma2Model):
 
     def layer_sources(self, i: int) -> dict[str, Source]:
         return super().layer_sources(i) | {
-            f"{n}.weight": self.norm_source(f"layers.{i}.self_attn.{n}.weight") for n in ("q_norm", "k_norm")}
+            f"{n}.weight": self.norm_source(f"layers.{i}.self_attn.{n}.weight") for n in ("q_norm", "k_norm")
+        }
 
     def rope(self, index: int) -> tuple[float, tuple[float, ...] | None]:
         if self.shape.is_sliding(index) and self.shape.rope_local_theta is not None:

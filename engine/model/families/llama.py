@@ -37,8 +37,9 @@ class LlamaLayer(nn.Module):
     def pre_attention(self, x, positions, kv_cache, slot_mapping):
         """Norm, fused QKV, RoPE, and this iteration's K/V into the cache: [T, hidden] -> q [T, Hq, D]."""
         qkv = self.qkv_proj(self.input_layernorm(x))
-        return self.rotary.rope_write_kv(qkv, positions, kv_cache, slot_mapping, self.shape.num_heads,
-                                         self.shape.num_kv_heads)
+        return self.rotary.rope_write_kv(
+            qkv, positions, kv_cache, slot_mapping, self.shape.num_heads, self.shape.num_kv_heads
+        )
 
     def post_attention(self, x, attn):
         """Output projection and MLP, each with its residual: ([T, hidden], [T, Hq, D]) -> [T, hidden]."""

@@ -47,9 +47,9 @@ def exponential_race_reference(probs: torch.Tensor, row_keys: torch.Tensor) -> t
     rows = max(1, REFERENCE_ELEMENTS // max(1, probs.shape[1]))
     tokens = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     for start in range(0, probs.shape[0], rows):
-        p, k = probs[start:start + rows], row_keys[start:start + rows]
+        p, k = probs[start : start + rows], row_keys[start : start + rows]
         u = odd_uniforms(k, probs.shape[1]).float().mul_(2.0**-24)
-        tokens[start:start + rows] = (p.float() / u.log_().neg_()).max(dim=-1).indices
+        tokens[start : start + rows] = (p.float() / u.log_().neg_()).max(dim=-1).indices
     return tokens
 
 

@@ -97,7 +97,9 @@ class GrammarMasks:
                 req = row.request
                 matcher = self._matcher(req)
                 if matcher.is_error():  # the executor samples the others alone, and this one fails with the reason
-                    raise GrammarError(f"request {req.request_id}'s grammar failed: {matcher.get_error().strip()[:500]}")
+                    raise GrammarError(
+                        f"request {req.request_id}'s grammar failed: {matcher.get_error().strip()[:500]}"
+                    )
                 if consumed.get(id(req), 0) < len(row.drafted):
                     continue  # a draft token before this row is not allowed: it is rejected there, this row never counts
                 matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)

@@ -103,13 +103,15 @@ class Sampler:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str],
-                 drafts: list[list[int]] | None = None) -> dict[str, SampledTokens]:
+    def __call__(
+        self, logits: torch.Tensor, request_ids: list[str], drafts: list[list[int]] | None = None
+    ) -> dict[str, SampledTokens]:
         """Sample and wait for the result."""
         return self.finish(self.sample(logits, request_ids, drafts))
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], drafts: list[list[int]] | None = None
-               ) -> DeviceSample:
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], drafts: list[list[int]] | None = None
+    ) -> DeviceSample:
         """Each request's tokens, left on the device; their host copy is started, not awaited. `logits` has a row
         per request, or with `drafts` (each request's draft tokens) one per draft token and one more."""
         requests = [self.states[request_id] for request_id in request_ids]
@@ -134,8 +136,11 @@ class Sampler:
             index = self._tensor(random_rows, torch.int64)
             sampled_rows = [rows[i] for i in random_rows]
             every = len(random_rows) == len(rows)  # then no copy of the logits, a pass over every vocabulary
-            probs = self._probs(logits if every else logits.index_select(0, index),
-                                [row.request for row in sampled_rows], tokens.index_select(0, index))
+            probs = self._probs(
+                logits if every else logits.index_select(0, index),
+                [row.request for row in sampled_rows],
+                tokens.index_select(0, index),
+            )
             verifying = [j for j, row in enumerate(sampled_rows) if row.draft_id != NO_DRAFT]
             if verifying:  # only the rows with a draft token: the others need no pass over their vocabulary
                 at = self._tensor(verifying, torch.int64)
@@ -150,8 +155,10 @@ class Sampler:
         parts = [tokens[:, None].double(), accepted[:, None].double()]
         if raw_logprobs is not None:
             k = max(n or 0 for n in num_top)
-            parts += [raw_logprobs.gather(1, tokens[:, None]).double(),
-                      raw_logprobs.gather(1, draft_ids.clamp(min=0)[:, None]).double()]
+            parts += [
+                raw_logprobs.gather(1, tokens[:, None]).double(),
+                raw_logprobs.gather(1, draft_ids.clamp(min=0)[:, None]).double(),
+            ]
             if k:
                 top = raw_logprobs.topk(k, dim=-1)
                 parts += [top.indices.double(), top.values.double()]
@@ -174,7 +181,7 @@ class Sampler:
         out = {}
         start = 0
         for req, draft, n in zip(sample.requests, sample.drafts, sample.num_top):
-            rows = host[start:start + len(draft) + 1]
+            rows = host[start : start + len(draft) + 1]
             start += len(draft) + 1
             tokens = accepted_tokens(draft, [int(row[0]) for row in rows], [row[1] > 0 for row in rows])
             lps = None
@@ -182,7 +189,7 @@ class Sampler:
                 lps = []
                 for j, token in enumerate(tokens):
                     row = rows[j]
-                    pairs = [(int(i), v) for i, v in zip(row[4:4 + n], row[4 + k:4 + k + n])]
+                    pairs = [(int(i), v) for i, v in zip(row[4 : 4 + n], row[4 + k : 4 + k + n])]
                     lps.append(TokenLogprobs(token, row[2] if j == len(tokens) - 1 else row[3], pairs))
             out[req.request_id] = SampledTokens(tokens, lps)
         if self.grammar is not None:
@@ -237,8 +244,9 @@ class Sampler:
             counts = torch.bincount(self._tensor(outputs, torch.int64), minlength=vocab)[:vocab].float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
-    def _probs(self, logits: torch.Tensor, requests: list[SamplingState], best: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def _probs(
+        self, logits: torch.Tensor, requests: list[SamplingState], best: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Each row's sampling distribution, as weights (unnormalized after min_p), which the draw and the verdicts
         on drafts both read; `best`, each row's most likely token (computed when not given), is the whole of a row
         that has no usable distribution."""

@@ -21,8 +21,9 @@ from engine.model.sampling.draw import exponential_race, keys
 NO_DRAFT = -1  # the draft id of a row that verifies nothing (a request's last row: its token follows the drafts)
 
 
-def draft_acceptance(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_acceptance(
+    probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [R, V] (the sampling distribution at each row: temperature, top-k/p and the rest applied), each row's
     draft id (NO_DRAFT for none) and a uniform draw per row -> whether each row accepts its draft token x (u < p(x)),
     and the distribution each row's own token is drawn from: p without x (unnormalised), or p where there is no x."""
@@ -40,7 +41,7 @@ def draft_acceptance(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: tor
 def accepted_tokens(draft: list[int], tokens: list[int], accepted: list[bool]) -> list[int]:
     """A request's rows -> its draft tokens up to the first rejected one, then that row's own token (the row after
     the last draft token when all are accepted)."""
-    n = next((j for j, ok in enumerate(accepted[:len(draft)]) if not ok), len(draft))
+    n = next((j for j, ok in enumerate(accepted[: len(draft)]) if not ok), len(draft))
     return draft[:n] + [tokens[n]]
 
 

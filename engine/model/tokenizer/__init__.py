@@ -20,6 +20,15 @@ from engine.model.tokenizer.sentencepiece_bpe import SentencePieceBPE
 _bytes_to_unicode = bytes_to_unicode  # the name tests/test_families.py imports
 
 __all__ = [
-    "GPT2_PATTERN", "LLAMA3_PATTERN", "QWEN2_PATTERN", "TEKKEN_PATTERN", "ByteLevelBPE", "SentencePieceBPE",
-    "Tokenizer", "bytes_to_unicode", "hf_pretokenizer_pattern", "load_tokenizer", "tokenizer_from_gguf",
+    "GPT2_PATTERN",
+    "LLAMA3_PATTERN",
+    "QWEN2_PATTERN",
+    "TEKKEN_PATTERN",
+    "ByteLevelBPE",
+    "SentencePieceBPE",
+    "Tokenizer",
+    "bytes_to_unicode",
+    "hf_pretokenizer_pattern",
+    "load_tokenizer",
+    "tokenizer_from_gguf",
 ]

@@ -30,16 +30,28 @@ def pretokenize_pattern(letters: str = r"\p{L}", numerics: str = r"\p{N}" + UNIC
 
 # Byte-level BPE pre-tokenizer regexes of the other families, as their tokenizer.json (or tekken.json) files give them.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
-                  r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
-                  r"""|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+TEKKEN_PATTERN = (
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+    r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+    r"""|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 # GGUF `tokenizer.ggml.pre` -> the regex (None: SmolLM2's, also for files that name none).
-GGUF_PRE_PATTERNS = {"llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "gpt-2": GPT2_PATTERN,
-                     "tekken": TEKKEN_PATTERN, "smollm": None, None: None}
+GGUF_PRE_PATTERNS = {
+    "llama-bpe": LLAMA3_PATTERN,
+    "qwen2": QWEN2_PATTERN,
+    "gpt-2": GPT2_PATTERN,
+    "tekken": TEKKEN_PATTERN,
+    "smollm": None,
+    None: None,
+}
 
 
 def gguf_pretokenizer_pattern(pre: str | None) -> str | None:
@@ -60,11 +72,18 @@ def hf_pretokenizer_pattern(pre: dict | None) -> str | None:
         return None
     if kinds == ["ByteLevel"] and byte_level.get("use_regex", True):
         return GPT2_PATTERN
-    if (len(splits) == 1 and byte_level and not byte_level.get("use_regex", True)
-            and splits[0].get("behavior") == "Isolated" and "Regex" in splits[0].get("pattern", {})):
+    if (
+        len(splits) == 1
+        and byte_level
+        and not byte_level.get("use_regex", True)
+        and splits[0].get("behavior") == "Isolated"
+        and "Regex" in splits[0].get("pattern", {})
+    ):
         return splits[0]["pattern"]["Regex"]
-    raise ValueError(f"unsupported pre-tokenizer {kinds}: byte-level BPE with one Split regex, GPT-2's ByteLevel "
-                     "regex, or digits + ByteLevel are")
+    raise ValueError(
+        f"unsupported pre-tokenizer {kinds}: byte-level BPE with one Split regex, GPT-2's ByteLevel "
+        "regex, or digits + ByteLevel are"
+    )
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -103,8 +122,14 @@ class ByteLevelBPE(Tokenizer):
             token_bytes[i] = t.encode()
         for t, i in ranks.items():
             token_bytes[i] = t
-        super().__init__(token_bytes, frozenset(special.values()), bos_token_id=bos_token_id,
-                         eos_token_id=eos_token_id, add_bos_token=add_bos_token, chat_template=chat_template)
+        super().__init__(
+            token_bytes,
+            frozenset(special.values()),
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            add_bos_token=add_bos_token,
+            chat_template=chat_template,
+        )
         self._special_tokens = special
         ranks = dict(ranks)
         # tiktoken panics on a byte it has no rank for. encode() keeps such bytes away from it, dropping them as
@@ -113,13 +138,17 @@ class ByteLevelBPE(Tokenizer):
         for n, b in enumerate(self.unknown_bytes):
             ranks[bytes([b])] = vocab_size + n
         self.pattern = pattern
-        self._encoding = tiktoken.Encoding(name, pat_str=pattern or pretokenize_pattern(), mergeable_ranks=ranks,
-                                           special_tokens=special)
+        self._encoding = tiktoken.Encoding(
+            name, pat_str=pattern or pretokenize_pattern(), mergeable_ranks=ranks, special_tokens=special
+        )
         unknown_chars = "".join(re.escape(chr(b)) for b in self.unknown_bytes if b < 0x80)
         # A missing lead byte (0xf1, 0xf2) can only come from code points U+40000..U+BFFFF; 0xc0, 0xc1 and 0xf5..0xff
         # never occur in UTF-8.
-        lead_ranges = "".join(f"{chr((b & 0x07) << 18)}-{chr(((b & 0x07) << 18) | 0x3FFFF)}"
-                              for b in self.unknown_bytes if 0xF0 <= b <= 0xF4)
+        lead_ranges = "".join(
+            f"{chr((b & 0x07) << 18)}-{chr(((b & 0x07) << 18) | 0x3FFFF)}"
+            for b in self.unknown_bytes
+            if 0xF0 <= b <= 0xF4
+        )
         self._unknown_char_re = re.compile(f"[{unknown_chars}{lead_ranges}]") if unknown_chars or lead_ranges else None
         alternatives = "|".join(map(re.escape, sorted(special, key=len, reverse=True)))
         self._special_split_re = re.compile(f"({alternatives})" if special else "(?!)")
@@ -165,8 +194,10 @@ class ByteLevelBPE(Tokenizer):
         if self._pretokenize_re is None:
             # The `regex` module's Unicode tables are newer than tiktoken's; spelling out tiktoken's own \p{L} and
             # \p{N} keeps both splitters in agreement.
-            self._pretokenize_re = regex.compile(self.pattern or pretokenize_pattern(
-                _class_ranges(r"\p{L}"), _class_ranges(r"\p{N}" + UNICODE_17_NUMERICS)))
+            self._pretokenize_re = regex.compile(
+                self.pattern
+                or pretokenize_pattern(_class_ranges(r"\p{L}"), _class_ranges(r"\p{N}" + UNICODE_17_NUMERICS))
+            )
         ids: list[int] = []
         for n, segment in enumerate(self._special_split_re.split(text)):
             if n % 2:

@@ -87,8 +87,9 @@ def load_chat_template(file_or_name: str) -> str:
         return shipped_template(file_or_name)
     path = Path(file_or_name).expanduser()
     if not path.is_file():
-        raise ValueError(f"--chat-template {file_or_name!r} is neither a file nor a shipped template "
-                         f"({', '.join(SHIPPED)})")
+        raise ValueError(
+            f"--chat-template {file_or_name!r} is neither a file nor a shipped template ({', '.join(SHIPPED)})"
+        )
     source = path.read_text()
     try:
         compile_template(source)

@@ -42,17 +42,24 @@ def _from_directory(path: Path) -> Tokenizer | None:
     if (path / "tokenizer.json").is_file():
         return _from_tokenizer_json(path / "tokenizer.json", config)
     if (path / "tekken.json").is_file():
-        return read_tekken(path / "tekken.json", add_bos_token=config.add_bos_token is not False,
-                           chat_template=config.chat_template)
-    model_file = next((f for f in [path / "tokenizer.model", *sorted(path.glob("tokenizer.model.v*"))]
-                       if f.is_file()), None)
+        return read_tekken(
+            path / "tekken.json", add_bos_token=config.add_bos_token is not False, chat_template=config.chat_template
+        )
+    model_file = next(
+        (f for f in [path / "tokenizer.model", *sorted(path.glob("tokenizer.model.v*"))] if f.is_file()), None
+    )
     if model_file is not None:
         spm = read_sentencepiece_model(model_file)
         ids = {p: i for i, p in enumerate(spm.pieces)}
         return SentencePieceBPE.from_pieces(
-            spm.pieces, spm.scores, spm.types, add_dummy_prefix=spm.add_dummy_prefix,
-            bos_token_id=ids.get(config.bos_token, spm.bos_id), eos_token_id=ids.get(config.eos_token, spm.eos_id),
-            add_bos_token=config.add_bos_token is not False, chat_template=config.chat_template,
+            spm.pieces,
+            spm.scores,
+            spm.types,
+            add_dummy_prefix=spm.add_dummy_prefix,
+            bos_token_id=ids.get(config.bos_token, spm.bos_id),
+            eos_token_id=ids.get(config.eos_token, spm.eos_id),
+            add_bos_token=config.add_bos_token is not False,
+            chat_template=config.chat_template,
         )
     return None
 
@@ -76,22 +83,33 @@ def _gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     tokens = field("tokenizer.ggml.tokens")
     types = [int(t) for t in field("tokenizer.ggml.token_type", [1] * len(tokens))]
     sentencepiece = model == "llama"
-    common = {"bos_token_id": int(field("tokenizer.ggml.bos_token_id", 1 if sentencepiece else 0)),
-              "eos_token_id": int(field("tokenizer.ggml.eos_token_id", 2 if sentencepiece else 0)),
-              "chat_template": field("tokenizer.chat_template")}
+    common = {
+        "bos_token_id": int(field("tokenizer.ggml.bos_token_id", 1 if sentencepiece else 0)),
+        "eos_token_id": int(field("tokenizer.ggml.eos_token_id", 2 if sentencepiece else 0)),
+        "chat_template": field("tokenizer.chat_template"),
+    }
     if model == "gpt2":
         return ByteLevelBPE.from_gpt2_tokens(
-            tokens, types, add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
-            name=str(field("general.name", "gguf")), pattern=gguf_pretokenizer_pattern(field("tokenizer.ggml.pre")),
-            **common)
+            tokens,
+            types,
+            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
+            name=str(field("general.name", "gguf")),
+            pattern=gguf_pretokenizer_pattern(field("tokenizer.ggml.pre")),
+            **common,
+        )
     if sentencepiece:
         # llama.cpp (and transformers) put BOS first in a SentencePiece vocabulary's prompts unless the file says not.
         return SentencePieceBPE.from_pieces(
-            tokens, [float(s) for s in field("tokenizer.ggml.scores", [0.0] * len(tokens))], types,
+            tokens,
+            [float(s) for s in field("tokenizer.ggml.scores", [0.0] * len(tokens))],
+            types,
             add_dummy_prefix=bool(field("tokenizer.ggml.add_space_prefix", True)),
-            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", True)), **common)
-    raise ValueError(f"unsupported GGUF tokenizer model {model!r}: byte-level BPE ('gpt2') and SentencePiece "
-                     "('llama') are")
+            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", True)),
+            **common,
+        )
+    raise ValueError(
+        f"unsupported GGUF tokenizer model {model!r}: byte-level BPE ('gpt2') and SentencePiece ('llama') are"
+    )
 
 
 @dataclass(frozen=True)
@@ -115,8 +133,12 @@ class TokenizerConfig:
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else pick_template(cfg.get("chat_template"))
         add_bos = cfg.get("add_bos_token")
-        return cls(content(cfg.get("bos_token")), content(cfg.get("eos_token")),
-                   bool(add_bos) if add_bos is not None else None, template)
+        return cls(
+            content(cfg.get("bos_token")),
+            content(cfg.get("eos_token")),
+            bool(add_bos) if add_bos is not None else None,
+            template,
+        )
 
 
 def _from_tokenizer_json(file: Path, config: TokenizerConfig) -> Tokenizer:

@@ -77,8 +77,9 @@ class Tokenizer(ABC):
         self._chat_template = source
         self._template: jinja2.Template | None = None  # compiled on first use
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """Render `messages` (and `tools`, for templates that take them) with the model's chat template, as
         transformers' apply_chat_template(tokenize=False)."""
         if self.chat_template is None:

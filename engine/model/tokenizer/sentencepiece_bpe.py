@@ -27,8 +27,16 @@ def is_sentencepiece_json(spec: dict) -> bool:
 class SentencePieceBPE(Tokenizer):
     """SentencePiece-style BPE with byte fallback, on a `tokenizers` pipeline."""
 
-    def __init__(self, backend: Backend, *, bos_token_id: int, eos_token_id: int, add_bos_token: bool = True,
-                 chat_template: str | None = None, dummy_prefix: bool | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token_id: int,
+        eos_token_id: int,
+        add_bos_token: bool = True,
+        chat_template: str | None = None,
+        dummy_prefix: bool | None = None,
+    ) -> None:
         """`backend` must decode a token as its text with "▁" as a space and "<0xNN>" as byte NN (checked).
         `dummy_prefix`: None decodes with the backend's decoder (a tokenizer.json is its own reference); True or
         False decodes as `sentencepiece` does, for a model that does or does not prefix texts with a space."""
@@ -46,14 +54,21 @@ class SentencePieceBPE(Tokenizer):
             if byte:
                 self._byte_values[i] = int(byte[1], 16)
             token_bytes[i] = bytes([self._byte_values[i]]) if byte else piece.replace(_SPACE, " ").encode()
-        super().__init__(token_bytes, frozenset(i for i, t in added.items() if t.special), bos_token_id=bos_token_id,
-                         eos_token_id=eos_token_id, add_bos_token=add_bos_token, chat_template=chat_template)
+        super().__init__(
+            token_bytes,
+            frozenset(i for i, t in added.items() if t.special),
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            add_bos_token=add_bos_token,
+            chat_template=chat_template,
+        )
         self._backend = backend
         self._dummy_prefix = dummy_prefix
 
     @classmethod
-    def from_pieces(cls, pieces: list[str], scores: list[float], types: list[int], *, add_dummy_prefix: bool = True,
-                    **kwargs) -> SentencePieceBPE:
+    def from_pieces(
+        cls, pieces: list[str], scores: list[float], types: list[int], *, add_dummy_prefix: bool = True, **kwargs
+    ) -> SentencePieceBPE:
         """From a SentencePiece vocabulary (piece, score and type per id), encoding as `sentencepiece` encodes each
         stretch of text between control, unknown and user-defined tokens' texts (which become their ids) -- as
         llama.cpp does."""
@@ -62,22 +77,34 @@ class SentencePieceBPE(Tokenizer):
         # SentencePiece merges the adjacent pair whose union has the best score, the leftmost among equals; BPE
         # ranks in score order do the same (ties are the whitespace runs, where the longer left part comes first).
         merges = sorted(
-            ((score, -k, -(len(piece) - k), piece[:k], piece[k:])
-             for piece, score in normal.items() for k in range(1, len(piece))
-             if piece[:k] in normal and piece[k:] in normal),
+            (
+                (score, -k, -(len(piece) - k), piece[:k], piece[k:])
+                for piece, score in normal.items()
+                for k in range(1, len(piece))
+                if piece[:k] in normal and piece[k:] in normal
+            ),
             key=lambda m: (-m[0], m[1], m[2]),
         )
         unk = next((p for p, kind in zip(pieces, types) if kind == UNKNOWN), None)
-        backend = Backend(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unk,
-                                     fuse_unk=True, byte_fallback=True))
+        backend = Backend(
+            models.BPE(
+                vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unk, fuse_unk=True, byte_fallback=True
+            )
+        )
         prefix = [normalizers.Prepend(_SPACE)] if add_dummy_prefix else []
         backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", _SPACE)])
         strip = [decoders.Strip(" ", 1, 0)] if add_dummy_prefix else []
-        backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
-                                             *strip])
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+        )
         # Added tokens cut the text before normalization, so every stretch between them gets its own dummy prefix.
-        backend.add_tokens([AddedToken(p, special=kind != USER_DEFINED, normalized=False)
-                            for p, kind in zip(pieces, types) if kind in (CONTROL, UNKNOWN, USER_DEFINED)])
+        backend.add_tokens(
+            [
+                AddedToken(p, special=kind != USER_DEFINED, normalized=False)
+                for p, kind in zip(pieces, types)
+                if kind in (CONTROL, UNKNOWN, USER_DEFINED)
+            ]
+        )
         return cls(backend, dummy_prefix=add_dummy_prefix, **kwargs)
 
     def _encode(self, text: str) -> list[int]:
@@ -129,8 +156,9 @@ def _check_decoder(decoder: dict | None) -> None:
     kinds = set()
     for step in steps:
         kind = (step or {}).get("type")
-        if ((kind == "Replace" and step.get("pattern") == {"String": _SPACE} and step.get("content") == " ")
-                or (kind == "Metaspace" and step.get("replacement") == _SPACE)):
+        if (kind == "Replace" and step.get("pattern") == {"String": _SPACE} and step.get("content") == " ") or (
+            kind == "Metaspace" and step.get("replacement") == _SPACE
+        ):
             kinds.add("space")
         elif kind == "Strip" and step.get("content") == " " and step.get("start", 0) <= 1 and not step.get("stop"):
             pass  # the leading space of a text's first word: decode() drops it, a continuation keeps it
@@ -139,5 +167,6 @@ def _check_decoder(decoder: dict | None) -> None:
         else:
             raise ValueError(f"unsupported decoder step {step} in a SentencePiece-style tokenizer.json")
     if "space" not in kinds or "ByteFallback" not in kinds:
-        raise ValueError(f"a SentencePiece-style tokenizer.json must decode with ByteFallback and '▁' as a space, "
-                         f"not {decoder}")
+        raise ValueError(
+            f"a SentencePiece-style tokenizer.json must decode with ByteFallback and '▁' as a space, not {decoder}"
+        )

@@ -47,10 +47,18 @@ def read_sentencepiece_model(path: str | Path) -> SentencePieceVocab:
     if trainer.get(24, 0):
         raise ValueError(f"{path}: treat_whitespace_as_suffix is not supported")
     if normalizer.get(2) or normalizer.get(4, 1) or not normalizer.get(5, 1):
-        raise ValueError(f"{path}: only the identity normalizer is supported (no precompiled_charsmap, "
-                         "remove_extra_whitespaces off, escape_whitespaces on)")
-    return SentencePieceVocab(pieces, scores, types, add_dummy_prefix=bool(normalizer.get(3, 1)),
-                              bos_id=_signed(trainer.get(41, 1)), eos_id=_signed(trainer.get(42, 2)))
+        raise ValueError(
+            f"{path}: only the identity normalizer is supported (no precompiled_charsmap, "
+            "remove_extra_whitespaces off, escape_whitespaces on)"
+        )
+    return SentencePieceVocab(
+        pieces,
+        scores,
+        types,
+        add_dummy_prefix=bool(normalizer.get(3, 1)),
+        bos_id=_signed(trainer.get(41, 1)),
+        eos_id=_signed(trainer.get(42, 2)),
+    )
 
 
 def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, object]]:
@@ -64,10 +72,10 @@ def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, object]]:
             value, pos = _varint(buf, pos)
         elif wire_type == 2:
             size, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + size], pos + size
+            value, pos = buf[pos : pos + size], pos + size
         elif wire_type in (1, 5):
             size = 8 if wire_type == 1 else 4
-            value, pos = buf[pos:pos + size], pos + size
+            value, pos = buf[pos : pos + size], pos + size
         else:
             raise ValueError(f"not a SentencePiece model: protobuf wire type {wire_type}")
         yield number, value

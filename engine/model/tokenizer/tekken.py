@@ -11,9 +11,26 @@ from engine.model.tokenizer.byte_level import ByteLevelBPE
 # The special tokens of files that list none (mistral-common's DEPRECATED_SPECIAL_TOKENS), ids 0..19; the rest
 # up to default_num_special_tokens are fillers named <SPECIAL_{id}>.
 DEFAULT_SPECIAL_TOKENS = (
-    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
-    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
-    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[TOOL_CONTENT]",
 )
 
 
@@ -30,7 +47,16 @@ def read_tekken(path: str | Path, **kwargs) -> ByteLevelBPE:
     names += [f"<SPECIAL_{i}>" for i in range(len(names), num_special)]
     special = {name: i for i, name in enumerate(names)}
     # Ids keep the ranks' order, so tiktoken merging by id merges by rank.
-    ranks = {base64.b64decode(t["token_bytes"]): num_special + t["rank"]
-             for t in spec["vocab"][:vocab_size - num_special]}
-    return ByteLevelBPE(ranks, special, bos_token_id=special["<s>"], eos_token_id=special["</s>"],
-                        name=Path(path).stem, pattern=config["pattern"], vocab_size=vocab_size, **kwargs)
+    ranks = {
+        base64.b64decode(t["token_bytes"]): num_special + t["rank"] for t in spec["vocab"][: vocab_size - num_special]
+    }
+    return ByteLevelBPE(
+        ranks,
+        special,
+        bos_token_id=special["<s>"],
+        eos_token_id=special["</s>"],
+        name=Path(path).stem,
+        pattern=config["pattern"],
+        vocab_size=vocab_size,
+        **kwargs,
+    )
