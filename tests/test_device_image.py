@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "bench" / "gpu" / "gpu_wheels.txt"  # gpu_wheels.sh fetches exactly these
 
-# The lent H100/H200 image, as read there (benchmarks/gpu/README.md, the GPU desk check), with transformers' needs.
+# The lent GPU machine's image, as read there (the GPU desk check), with transformers' needs.
 DEVICE_IMAGE = frozenset(
     {
         "torch",

@@ -182,8 +182,8 @@ def check_graphs_match_eager(args) -> dict:
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s moved by a device-to-device copy (read + write), median of 10 after a warm-up.
 
-    On a GPU each copy is timed by CUDA events around it: host timing adds the launch and the sync
-    (seen on an H100: 2371 GB/s by perf_counter for a copy the events put near 2967 GB/s)."""
+    On a GPU each copy is timed by CUDA events around it: host timing adds the launch and the sync,
+    which understates a short copy's bandwidth."""
     n = 2**30 if device.type == "cuda" else 2**25
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

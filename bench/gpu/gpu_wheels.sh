@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."  # the checkout's root
 PY=${PYTHON:-python3}
 mkdir -p .whl
-# The machine's glibc is 2.39 (benchmarks/gpu/bench_gpu.json); pip matches each manylinux tag exactly, and
+# The machine's glibc (benchmarks/results/gpu/bench_gpu.json records it); pip matches each manylinux tag exactly, and
 # newer wheels (llguidance >= 1.7) are built for glibc 2.31 or later, so name the tags up to it.
 PLATFORMS=()
 for tag in manylinux2014 manylinux_2_17 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35 manylinux_2_39; do

@@ -9,8 +9,8 @@
     on pre-gathered K/V, and one padded-batch call with a mask), and for decode vs the floor = K/V
     bytes / copy bandwidth;
 (c) for decode batches, the kernel alone: the graph-safe `forward_decode` captured in a CUDA graph and
-    replayed between two events, so the eager rows' fixed Python and launch cost (~0.14 ms seen on an
-    H100) is out of the figure; the floor ratio of a decode batch is read from this row.
+    replayed between two events, so the eager rows' fixed Python and launch cost is out of the
+    figure; the floor ratio of a decode batch is read from this row.
 The JSON at --out is rewritten after every row, so a run stopped by a time limit keeps what it measured.
 """
 

@@ -3,7 +3,7 @@
     python -m bench.offline.bench_host_step --trees . /tmp/wt_base --batch 64 --runs 4 \\
         --out benchmarks/results/offline/host_step.json
 
-On a GPU a batch-64 llama-1b decode step was host-bound (benchmarks/gpu/2026-11-27b-h200/): this times the Python
+On a GPU a batch-64 llama-1b decode step was host-bound (docs/performance.md, GPU): this times the Python
 that decides it, on any machine. Each tree runs in its own process, the trees interleaved run by run; a run's
 figure is the fastest of its rounds (the host code is deterministic: slower rounds are the machine's noise).
 """
