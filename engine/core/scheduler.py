@@ -305,15 +305,19 @@ class Scheduler:
         if not self.run_ahead or in_flight > 1 or req.request_id in self.drafting:
             return 0
         pending = req.num_pending_outputs
-        if pending and (req.reads_own_outputs or self._may_end(req)):
-            return 0
+        # Not ahead of a token its sampling must see (req.reads_own_outputs, written out), nor of one that may reach
+        # max_tokens or the context window (a stop id can end it anyway: that costs one wasted row, which update drops).
+        if pending:
+            p, num_outputs = req.params, len(req.output_token_ids)
+            if (
+                p.has_penalties
+                or p.grammar is not None
+                or num_outputs < p.min_tokens
+                or num_outputs + pending >= p.max_tokens
+                or num_tokens + pending >= self.max_model_len
+            ):
+                return 0
         return num_tokens + pending - req.num_computed_tokens - req.num_in_flight_tokens
-
-    def _may_end(self, req: Request) -> bool:
-        """Whether the tokens in flight can reach max_tokens or the context window (a stop id can end it anyway:
-        that costs one wasted row, which update drops)."""
-        total = req.num_tokens + req.num_pending_outputs
-        return req.num_output_tokens + req.num_pending_outputs >= req.params.max_tokens or total >= self.max_model_len
 
     def _blocks_being_computed(self) -> set[bytes]:
         """Prefix-cache names of the full blocks that running requests have yet to compute."""
