@@ -426,8 +426,7 @@ class Scheduler:
         updated = []
         # Per request per step: the attributes it reads are bound once for the batch.
         in_flight, drafting, requests, kv = self.in_flight, self.drafting, self.requests, self.kv
-        names_blocks = kv.prefix_caching
-        block_size = kv.block_size
+        names_blocks, block_size, window = kv.prefix_caching, kv.block_size, self.kv_window
         for sr in batch.requests:
             rid = sr.request_id
             left = in_flight[rid] - 1
@@ -440,9 +439,10 @@ class Scheduler:
             req = requests.get(rid)
             if req is None:  # aborted, or finished by the batch before (a row scheduled ahead): its token is dropped
                 continue
-            req.num_in_flight_tokens -= len(sr.token_ids)
+            num_new = len(sr.token_ids)
+            req.num_in_flight_tokens -= num_new
             req.num_pending_outputs -= sr.sample
-            result = sampled.get(sr.request_id)
+            result = sampled.get(rid)
             if isinstance(result, Failure):  # only this request (or only this batch) goes; its blocks are freed
                 req.error = result.message
                 self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -450,19 +450,20 @@ class Scheduler:
                 continue
             # A rejected draft token's K/V stays in its slot, uncounted (so never named for the prefix cache), until
             # the token that belongs there is computed over it.
-            num_accepted = len(result.token_ids) - 1 if sr.num_draft else 0
-            req.num_computed_tokens += len(sr.token_ids) - sr.num_draft + num_accepted
+            num_draft = sr.num_draft
+            num_accepted = len(result.token_ids) - 1 if num_draft else 0
+            req.num_computed_tokens += num_new - num_draft + num_accepted
             if sr.prompt_logprobs is not None:
-                req.prompt_logprobs += prompt_logprobs[sr.request_id]
+                req.prompt_logprobs += prompt_logprobs[rid]
             if result is not None and result.hidden is not None:
                 self.policy.probed(req, result.hidden)
             status = self._append(req, result) if sr.sample else None
             if names_blocks and req.num_computed_tokens // block_size > req.num_registered_blocks:
                 kv.cache_full_blocks(req)
-            if self.kv_window:  # the next query (at num_computed_tokens) sees keys from here on
-                self.kv.release_before(req, req.num_computed_tokens - self.kv_window + 1)
-            if sr.num_draft and self.speculation is not None:
-                self.speculation.verified(req, sr.num_draft, num_accepted)
+            if window:  # the next query (at num_computed_tokens) sees keys from here on
+                kv.release_before(req, req.num_computed_tokens - window + 1)
+            if num_draft and self.speculation is not None:
+                self.speculation.verified(req, num_draft, num_accepted)
             if status is not None:
                 self._finish(req, status)
             if sr.sample:
