@@ -29,6 +29,7 @@ from engine.ipc.messages import (
     FromEngine,
     RequestError,
     Shutdown,
+    StepDeltas,
     ToEngine,
     TokenDelta,
 )
@@ -66,6 +67,9 @@ def test_round_trip_each_message_type(channels):
     sent_out = [
         TokenDelta("r1", [5, 6], None),
         TokenDelta("r1", [7], "stop", logprobs=[TokenLogprobs(7, -0.25, [(7, -0.25), (8, -1.5)])]),
+        StepDeltas(
+            [TokenDelta("r3", [1], None, num_cached_tokens=16, queue_seconds=0.5), TokenDelta("r4", [2], "length")]
+        ),
         RequestError("r2", "prompt too long", "prompt"),
         EngineStats(1, 2, 30, 70, num_iterations=9, last_batch_size=3, num_preemptions=1),
     ]
@@ -78,7 +82,7 @@ def test_round_trip_each_message_type(channels):
         finally:
             peer.close()
         assert got == sent and [type(m) for m in got] == [type(m) for m in sent]
-    assert got[3].kv_blocks_free == 70 and sent_in[0].request.params.logit_bias == {7: -1.5}
+    assert got[4].kv_blocks_free == 70 and sent_in[0].request.params.logit_bias == {7: -1.5}
 
 
 def test_wrap_around_random_sizes():

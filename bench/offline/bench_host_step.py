@@ -1,4 +1,4 @@
-"""The host side of a decode step alone: schedule -> prepare -> update, no model, two batches in flight.
+"""The host side of a decode step alone: schedule -> prepare -> update -> output, no model, two batches in flight.
 
     python -m bench.offline.bench_host_step --trees . /tmp/wt_base --batch 64 --runs 4 \\
         --out benchmarks/results/offline/host_step.json
@@ -6,6 +6,8 @@
 On a GPU a batch-64 llama-1b decode step was host-bound (docs/performance.md, GPU): this times the Python
 that decides it, on any machine. Each tree runs in its own process, the trees interleaved run by run; a run's
 figure is the fastest of its rounds (the host code is deterministic: slower rounds are the machine's noise).
+"output" is the engine loop's part: the step's token deltas built and sent on a real channel (StepDeltas where
+the tree has it, else a TokenDelta frame per request), the consumer draining it untimed.
 """
 
 from __future__ import annotations
@@ -24,9 +26,24 @@ from pathlib import Path
 def measure(batch: int, rounds: int, steps: int) -> dict[str, float]:
     """Milliseconds per step of each phase (the fastest round's), in the tree this process imports from."""
     from engine import SamplingParams
-    from engine.core.config import EngineConfig
+    from engine.core.config import EngineConfig, FaultPlan
     from engine.core.request import SampledTokens
+    from engine.ipc.channel import Channel
+    from engine.ipc.engine_loop import EngineLoop
+    from engine.ipc.messages import FromEngine
     from engine.launch import build_engine
+
+    try:
+        from engine.ipc.messages import StepDeltas
+    except ImportError:  # a tree from before it: a frame per request
+        StepDeltas = None
+
+    class Publisher:  # what EngineLoop.delta reads of its loop
+        faults = FaultPlan()
+
+    publisher = Publisher()
+    outbox = Channel.create(FromEngine)
+    consumer = Channel.attach(outbox.handle(), FromEngine)
 
     config = EngineConfig(
         model="dummy:tiny",
@@ -48,7 +65,7 @@ def measure(batch: int, rounds: int, steps: int) -> dict[str, float]:
         sched.update(*engine.executor.collect())
     in_flight, best = deque(), None
     for _ in range(rounds):
-        totals = {"schedule": 0.0, "prepare": 0.0, "update": 0.0}
+        totals = {"schedule": 0.0, "prepare": 0.0, "update": 0.0, "output": 0.0}
         for _ in range(steps):
             t0 = time.perf_counter()
             batch_ = sched.schedule()
@@ -62,12 +79,25 @@ def measure(batch: int, rounds: int, steps: int) -> dict[str, float]:
                 done = in_flight.popleft()
                 sampled = {sr.request_id: SampledTokens([5]) for sr in done.requests if sr.sample}
                 t2 = time.perf_counter()
-                sched.update(done, sampled)
-                totals["update"] += time.perf_counter() - t2
+                updated = sched.update(done, sampled)
+                t3 = time.perf_counter()
+                deltas = [EngineLoop.delta(publisher, r) for r in updated]
+                if StepDeltas is not None:
+                    outbox.send(StepDeltas(deltas))
+                else:
+                    for delta in deltas:
+                        outbox.send(delta)
+                t4 = time.perf_counter()
+                totals["update"] += t3 - t2
+                totals["output"] += t4 - t3
+                consumer.recv_all()
         ms = {k: v / steps * 1e3 for k, v in totals.items()}
         ms["total"] = sum(ms.values())
         if best is None or ms["total"] < best["total"]:
             best = ms
+    consumer.close()
+    outbox.close()
+    outbox.unlink()
     return best
 
 

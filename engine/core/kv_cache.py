@@ -108,8 +108,9 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow `req.block_table` so the `num_new_tokens` after those scheduled have slots; False if blocks run out."""
-        target = self.slots_needed(req, req.num_scheduled_tokens + num_new_tokens)
-        missing = self.blocks_for(target) - len(req.block_table)
+        # Per request per step: the properties' arithmetic written out.
+        target = self.slots_needed(req, req.num_computed_tokens + req.num_in_flight_tokens + num_new_tokens)
+        missing = -(-target // self.block_size) - len(req.block_table)
         if missing <= 0:
             return True
         if missing > len(self.free_queue):

@@ -161,9 +161,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
         scheduled: list[tuple[Request, int, list[int]]] = []
-        num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
         max_seqs = self.config.max_num_seqs
         if not self.run_ahead:  # running ahead, consecutive batches share their requests rather than split them
+            num_ready = len(self.waiting) + sum(r.request_id not in self.in_flight for r in self.running)
             max_seqs = min(max_seqs, -(-num_ready // num_batches))
         if self.reorders:
             self.running.sort(key=self.policy.key)
@@ -177,8 +177,9 @@ class Scheduler:
         self.newcomers_ran_alone = alone and bool(scheduled)
 
         batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
+        in_flight = self.in_flight
         for (req, _, draft), sr in zip(scheduled, batch.requests):
-            self.in_flight[req.request_id] += 1
+            in_flight[req.request_id] += 1
             req.num_in_flight_tokens += len(sr.token_ids)
             req.num_pending_outputs += sr.sample
             if draft:
@@ -296,32 +297,43 @@ class Scheduler:
     def _num_schedulable(self, req: Request) -> int:
         """Tokens a running request could compute next: what it has, or (running ahead) the one token the batch
         in flight samples for it, unless that token may end it or its sampling must see that token first."""
+        # Per running request per step: lengths and counters read directly, not through properties.
         in_flight = self.in_flight.get(req.request_id)
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         if not in_flight:
-            return req.num_tokens - req.num_computed_tokens
+            return num_tokens - req.num_computed_tokens
         if not self.run_ahead or in_flight > 1 or req.request_id in self.drafting:
             return 0
-        if req.num_pending_outputs and (req.reads_own_outputs or self._may_end(req)):
-            return 0
-        return req.num_tokens + req.num_pending_outputs - req.num_scheduled_tokens
-
-    def _may_end(self, req: Request) -> bool:
-        """Whether the tokens in flight can reach max_tokens or the context window (a stop id can end it anyway:
-        that costs one wasted row, which update drops)."""
-        total = req.num_tokens + req.num_pending_outputs
-        return req.num_output_tokens + req.num_pending_outputs >= req.params.max_tokens or total >= self.max_model_len
+        pending = req.num_pending_outputs
+        # Not ahead of a token its sampling must see (req.reads_own_outputs, written out), nor of one that may reach
+        # max_tokens or the context window (a stop id can end it anyway: that costs one wasted row, which update drops).
+        if pending:
+            p, num_outputs = req.params, len(req.output_token_ids)
+            if (
+                p.has_penalties
+                or p.grammar is not None
+                or num_outputs < p.min_tokens
+                or num_outputs + pending >= p.max_tokens
+                or num_tokens + pending >= self.max_model_len
+            ):
+                return 0
+        return num_tokens + pending - req.num_computed_tokens - req.num_in_flight_tokens
 
     def _blocks_being_computed(self) -> set[bytes]:
         """Prefix-cache names of the full blocks that running requests have yet to compute."""
         return {name for r in self.running for name in r.block_names[r.num_registered_blocks :]}
 
     def _to_scheduled(self, req: Request, num_new: int, draft: list[int]) -> ScheduledRequest:
-        start = req.num_scheduled_tokens
+        start = req.num_computed_tokens + req.num_in_flight_tokens
         end = start + num_new
-        known = req.num_tokens
-        token_ids = req.token_ids(start, min(end, known))
-        if end > known:
-            token_ids += [PLACEHOLDER] * (end - max(start, known))
+        num_prompt = len(req.prompt_token_ids)
+        known = num_prompt + len(req.output_token_ids)
+        if num_new == 1 and start >= num_prompt:  # a decode step: one output token, or the one in flight
+            token_ids = [req.output_token_ids[start - num_prompt]] if start < known else [PLACEHOLDER]
+        else:
+            token_ids = req.token_ids(start, min(end, known))
+            if end > known:
+                token_ids += [PLACEHOLDER] * (end - max(start, known))
         sample = end == known + req.num_pending_outputs
         # The optional parts are asked for only where they can be there: this runs per request per step.
         prompt_rows = None if req.params.prompt_logprobs is None else self._prompt_logprob_rows(req, start, end)
@@ -412,18 +424,25 @@ class Scheduler:
         ):
             self.speculation.step_cost.observe(batch.num_tokens, seconds)
         updated = []
+        # Per request per step: the attributes it reads are bound once for the batch.
+        in_flight, drafting, requests, kv = self.in_flight, self.drafting, self.requests, self.kv
+        names_blocks, block_size, window = kv.prefix_caching, kv.block_size, self.kv_window
         for sr in batch.requests:
-            self.in_flight[sr.request_id] -= 1
-            if not self.in_flight[sr.request_id]:
-                del self.in_flight[sr.request_id]
-            if self.drafting:
-                self.drafting.discard(sr.request_id)
-            req = self.requests.get(sr.request_id)
+            rid = sr.request_id
+            left = in_flight[rid] - 1
+            if left:
+                in_flight[rid] = left
+            else:
+                del in_flight[rid]
+            if drafting:
+                drafting.discard(rid)
+            req = requests.get(rid)
             if req is None:  # aborted, or finished by the batch before (a row scheduled ahead): its token is dropped
                 continue
-            req.num_in_flight_tokens -= len(sr.token_ids)
+            num_new = len(sr.token_ids)
+            req.num_in_flight_tokens -= num_new
             req.num_pending_outputs -= sr.sample
-            result = sampled.get(sr.request_id)
+            result = sampled.get(rid)
             if isinstance(result, Failure):  # only this request (or only this batch) goes; its blocks are freed
                 req.error = result.message
                 self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -431,18 +450,20 @@ class Scheduler:
                 continue
             # A rejected draft token's K/V stays in its slot, uncounted (so never named for the prefix cache), until
             # the token that belongs there is computed over it.
-            num_accepted = len(result.token_ids) - 1 if sr.num_draft else 0
-            req.num_computed_tokens += len(sr.token_ids) - sr.num_draft + num_accepted
+            num_draft = sr.num_draft
+            num_accepted = len(result.token_ids) - 1 if num_draft else 0
+            req.num_computed_tokens += num_new - num_draft + num_accepted
             if sr.prompt_logprobs is not None:
-                req.prompt_logprobs += prompt_logprobs[sr.request_id]
+                req.prompt_logprobs += prompt_logprobs[rid]
             if result is not None and result.hidden is not None:
                 self.policy.probed(req, result.hidden)
             status = self._append(req, result) if sr.sample else None
-            self.kv.cache_full_blocks(req)
-            if self.kv_window:  # the next query (at num_computed_tokens) sees keys from here on
-                self.kv.release_before(req, req.num_computed_tokens - self.kv_window + 1)
-            if sr.num_draft and self.speculation is not None:
-                self.speculation.verified(req, sr.num_draft, num_accepted)
+            if names_blocks and req.num_computed_tokens // block_size > req.num_registered_blocks:
+                kv.cache_full_blocks(req)
+            if window:  # the next query (at num_computed_tokens) sees keys from here on
+                kv.release_before(req, req.num_computed_tokens - window + 1)
+            if num_draft and self.speculation is not None:
+                self.speculation.verified(req, num_draft, num_accepted)
             if status is not None:
                 self._finish(req, status)
             if sr.sample:
@@ -452,6 +473,13 @@ class Scheduler:
     def _append(self, req: Request, result: SampledTokens) -> RequestStatus | None:
         """Append a step's tokens up to the first that ends the request (those after it are dropped)."""
         logprobs = result.logprobs
+        if logprobs is None and len(result.token_ids) == 1:  # a decode step's one token, without logprobs
+            token_id = result.token_ids[0]
+            req.output_token_ids.append(token_id)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            return status
         for i, token_id in enumerate(result.token_ids):
             req.output_token_ids.append(token_id)
             if logprobs is not None:
@@ -463,9 +491,10 @@ class Scheduler:
         return None
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
-        if token_id in req.stop_token_ids and req.num_output_tokens >= req.params.min_tokens:
+        num_outputs, params = len(req.output_token_ids), req.params
+        if token_id in req.stop_token_ids and num_outputs >= params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_outputs >= params.max_tokens or len(req.prompt_token_ids) + num_outputs >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

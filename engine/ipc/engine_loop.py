@@ -40,12 +40,14 @@ from engine.ipc.messages import (
     ReleaseGrammar,
     RequestError,
     Shutdown,
+    StepDeltas,
     ToEngine,
     TokenDelta,
     cache_key,
 )
 
 PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
+STEP_DELTAS_PART = 1024  # output positions with logprobs per StepDeltas frame (the same bound as above)
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
 HEARTBEAT_INTERVAL = 0.25  # seconds between Heartbeats: the gateway's sign that this process answers
@@ -170,19 +172,28 @@ class EngineLoop:
         elapsed = time.perf_counter() - t
         if self.cache_events:  # before the step's deltas: a client's next turn must find its prefix already known
             self.send_cache_events()
+        deltas, num_logprobs = [], 0
         for req in updated:
             if req.error is not None:
                 self.outbox.send(RequestError(req.request_id, req.error, internal=True))
                 continue
             try:
                 if req.params.prompt_logprobs is not None and req.num_delivered_tokens == 0:
-                    self.send_prompt_logprobs(req)
+                    self.send_prompt_logprobs(req)  # before the frame with its first delta
                 delta = self.delta(req)
-                self.generation_tokens_total += len(delta.token_ids)
-                self.outbox.send(delta)
             except Exception as e:
                 self.engine.abort_request(req.request_id)
                 self.outbox.send(RequestError(req.request_id, f"publishing its tokens failed: {e!r}", internal=True))
+                continue
+            self.generation_tokens_total += len(delta.token_ids)
+            deltas.append(delta)
+            if delta.logprobs is not None:
+                num_logprobs += len(delta.logprobs)
+                if num_logprobs >= STEP_DELTAS_PART:
+                    self.outbox.send(StepDeltas(deltas))
+                    deltas, num_logprobs = [], 0
+        if deltas:
+            self.outbox.send(StepDeltas(deltas))
         self.publish_stats(elapsed)
 
     def delta(self, req) -> TokenDelta:

@@ -75,6 +75,14 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True):
     queue_seconds: float | None = None  # on a request's first delta: how long it waited for admission
 
 
+class StepDeltas(msgspec.Struct, tag=True, array_like=True):
+    """Every request's TokenDelta from one step, in one frame: one ring write and one doorbell per step, however
+    many requests decode. A step whose deltas carry many logprobs is split over several frames (the ring bounds one).
+    """
+
+    deltas: list[TokenDelta]
+
+
 class PromptLogprobsPart(msgspec.Struct, tag=True, array_like=True):
     """Prompt logprobs of a request that asked for them, sent in parts before its first TokenDelta (a long prompt's
     would not fit in one frame): positions start, start + 1, ... (position 0, the first token, has none)."""
@@ -139,4 +147,6 @@ def cache_key(name: bytes) -> int:
 
 
 ToEngine = AddGrammar | ReleaseGrammar | AddRequest | Abort | Shutdown
-FromEngine = EngineReady | PromptLogprobsPart | TokenDelta | RequestError | EngineStats | CacheEvents | Heartbeat
+FromEngine = (
+    EngineReady | PromptLogprobsPart | TokenDelta | StepDeltas | RequestError | EngineStats | CacheEvents | Heartbeat
+)

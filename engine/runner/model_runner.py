@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
@@ -210,6 +211,8 @@ class ModelRunner:
         return self.model.logits(normed[logits_indices])
 
     def prepare(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None = None):
+        if all(len(r.token_ids) == 1 for r in batch.requests):
+            return self._prepare_decode(batch, previous)
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -262,6 +265,54 @@ class ModelRunner:
         if ahead_rows:
             rows, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
             ids.index_copy_(0, rows, previous[0].index_select(0, sources))
+        return ids, put("positions", positions), meta, put("logits_indices", logits_indices)
+
+    def _prepare_decode(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None):
+        """prepare() for a batch of one token per request (no prompt chunk, no drafts): the per-request Python is a
+        few list comprehensions over the batch; slots, context lengths and offsets are numpy over all of it."""
+        reqs = batch.requests
+        n, bs = len(reqs), self.config.block_size
+        input_ids = [r.token_ids[0] for r in reqs]
+        starts = [r.num_computed_tokens for r in reqs]
+        table_lists = [r.block_table for r in reqs]
+        max_blocks = max(map(len, table_lists))
+        tables: list[int] = []  # [requests x max_blocks], flat, padded with 0
+        padding = [0] * max_blocks
+        for table in table_lists:
+            tables += table
+            tables += padding[len(table) :]
+        ahead_rows, ahead_sources = [], []  # placeholder rows, and where in `previous` their ids are
+        if PLACEHOLDER in input_ids:
+            sources = previous[1] if previous is not None else {}
+            for i, token in enumerate(input_ids):
+                if token == PLACEHOLDER:
+                    input_ids[i] = 0  # any valid id until the device's own arrives (a failed batch before sends none)
+                    source = sources.get(reqs[i].request_id)
+                    if source is not None:
+                        ahead_rows.append(i)
+                        ahead_sources.append(source)
+
+        inputs = self.inputs[self.num_steps % 2]
+        self.num_steps += 1
+        put = inputs.put
+        positions = np.array(starts, dtype=np.int64)
+        table_rows = inputs.arrays["block_tables"][: n * max_blocks]
+        table_rows[:] = tables
+        slots = table_rows.reshape(n, max_blocks)[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        context_lens = positions + 1
+        meta = AttentionMetadata(
+            query_start_loc=put("query_start_loc", np.arange(n + 1)),
+            context_lens=put("context_lens", context_lens),
+            block_tables=put("block_tables", table_rows, (n, max_blocks)),
+            slot_mapping=put("slot_mapping", slots),
+            query_lens_cpu=[1] * n,
+            context_lens_cpu=context_lens.tolist(),
+        )
+        ids = put("input_ids", input_ids)
+        if ahead_rows:
+            rows, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
+            ids.index_copy_(0, rows, previous[0].index_select(0, sources))
+        logits_indices = [i for i, r in enumerate(reqs) if r.sample]
         return ids, put("positions", positions), meta, put("logits_indices", logits_indices)
 
 

@@ -30,6 +30,7 @@ from engine.ipc.messages import (
     PromptLogprobsPart,
     ReleaseGrammar,
     RequestError,
+    StepDeltas,
     TokenDelta,
 )
 from gateway.engines.process import EngineProcess
@@ -344,15 +345,11 @@ class EngineClient:
         if isinstance(msg, Heartbeat):
             return  # from the engine's own thread: it shows the process answers, not that its step loop goes on
         self.last_heard = now
-        if isinstance(msg, TokenDelta):
-            route = self.routes.get(msg.request_id)
-            if route is not None:
-                route.started = True
-                route.queue.put_nowait((msg.request_id, msg))
-                route.num_tokens += len(msg.token_ids)
-                self.load += len(msg.token_ids)
-                if msg.finish_reason is not None:
-                    self._drop(msg.request_id)
+        if isinstance(msg, StepDeltas):
+            for delta in msg.deltas:
+                self._on_delta(delta)
+        elif isinstance(msg, TokenDelta):
+            self._on_delta(msg)
         elif isinstance(msg, PromptLogprobsPart):
             route = self.routes.get(msg.request_id)
             if route is not None:
@@ -378,3 +375,13 @@ class EngineClient:
         elif isinstance(msg, EngineReady):
             self.ready = msg
             self._ready_event.set()
+
+    def _on_delta(self, msg: TokenDelta) -> None:
+        route = self.routes.get(msg.request_id)
+        if route is not None:
+            route.started = True
+            route.queue.put_nowait((msg.request_id, msg))
+            route.num_tokens += len(msg.token_ids)
+            self.load += len(msg.token_ids)
+            if msg.finish_reason is not None:
+                self._drop(msg.request_id)
