@@ -65,8 +65,8 @@ def test_round_trip_each_message_type(channels):
         Shutdown(),
     ]
     sent_out = [
-        TokenDelta("r1", [5, 6], None),
-        TokenDelta("r1", [7], "stop", logprobs=[TokenLogprobs(7, -0.25, [(7, -0.25), (8, -1.5)])]),
+        StepDeltas([TokenDelta("r1", [5, 6], None)]),
+        StepDeltas([TokenDelta("r1", [7], "stop", logprobs=[TokenLogprobs(7, -0.25, [(7, -0.25), (8, -1.5)])])]),
         StepDeltas(
             [TokenDelta("r3", [1], None, num_cached_tokens=16, queue_seconds=0.5), TokenDelta("r4", [2], "length")]
         ),
@@ -122,15 +122,15 @@ def test_full_ring_and_oversize(channels):
         ring.close()
         ring.unlink()
     ch = channels(FromEngine, capacity=64)
-    ch.send(TokenDelta("x", list(range(20)), None))
-    assert not ch.try_send(TokenDelta("x", list(range(20)), None))
+    ch.send(StepDeltas([TokenDelta("x", list(range(20)), None)]))
+    assert not ch.try_send(StepDeltas([TokenDelta("x", list(range(20)), None)]))
     t0 = time.monotonic()
     with pytest.raises(ChannelFullError, match="stayed full"):
-        ch.send(TokenDelta("y", list(range(20)), None), timeout=0.05)
+        ch.send(StepDeltas([TokenDelta("y", list(range(20)), None)]), timeout=0.05)
     assert time.monotonic() - t0 < 1.0
-    assert [m.request_id for m in ch.recv_all()] == ["x"]  # nothing dropped or half-written
+    assert [m.deltas[0].request_id for m in ch.recv_all()] == ["x"]  # nothing dropped or half-written
     with pytest.raises(ValueError):
-        ch.send(TokenDelta("z", list(range(100)), None))
+        ch.send(StepDeltas([TokenDelta("z", list(range(100)), None)]))
 
 
 def test_doorbell_coalesces_and_never_blocks():
@@ -159,7 +159,7 @@ def test_async_recv_wakes_on_send(channels):
         task = asyncio.create_task(inbox.recv_async())
         await asyncio.sleep(0.05)
         assert not task.done()  # parked on the doorbell fd, not spinning
-        threading.Timer(0.05, lambda: sender.send(TokenDelta("r", [42], "length"))).start()
+        threading.Timer(0.05, lambda: sender.send(StepDeltas([TokenDelta("r", [42], "length")]))).start()
         first = await asyncio.wait_for(task, timeout=2.0)
         sender.send(RequestError("s", "bad", None))
         second = await asyncio.wait_for(inbox.recv_async(), timeout=2.0)  # already there: no waiting
@@ -169,7 +169,7 @@ def test_async_recv_wakes_on_send(channels):
         first, second = asyncio.run(main())
     finally:
         sender.close()
-    assert first == [TokenDelta("r", [42], "length")] and second == [RequestError("s", "bad", None)]
+    assert first == [StepDeltas([TokenDelta("r", [42], "length")])] and second == [RequestError("s", "bad", None)]
 
 
 def test_close_unlink_removes_segment_and_fifo():
@@ -222,7 +222,7 @@ def echo_worker(handle_in, handle_out):
                 if isinstance(m, Shutdown):
                     outbox.send(EngineStats(0, 0, 0, 0, num_iterations=waits, last_batch_size=0))
                     return
-                outbox.send(TokenDelta(m.request.request_id, m.request.prompt_token_ids, None))
+                outbox.send(StepDeltas([TokenDelta(m.request.request_id, m.request.prompt_token_ids, None)]))
     finally:
         inbox.close()
         outbox.close()
@@ -270,7 +270,7 @@ if __name__ == "__main__":
     for ch in (to_engine, from_engine):
         ch.close()
         ch.unlink()
-    ok = [(d.request_id, d.token_ids) for d in got[:N]] == [(m.request.request_id, m.request.prompt_token_ids)
+    ok = [(s.deltas[0].request_id, s.deltas[0].token_ids) for s in got[:N]] == [(m.request.request_id, m.request.prompt_token_ids)
                                                             for m in sent]
     print(json.dumps(dict(
         exitcode=exitcode, in_order=ok, last=type(got[-1]).__name__, waits=got[-1].num_iterations,

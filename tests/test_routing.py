@@ -182,7 +182,7 @@ def drain(queue) -> list:
 def test_a_request_with_no_token_yet_moves_once_from_a_dead_replica_one_that_streamed_fails():
     import asyncio
 
-    from engine.ipc.messages import AddRequest, TokenDelta
+    from engine.ipc.messages import AddRequest, StepDeltas, TokenDelta
     from gateway.engines.client import EngineUnavailableError
 
     async def scenario():
@@ -192,7 +192,7 @@ def test_a_request_with_no_token_yet_moves_once_from_a_dead_replica_one_that_str
         params = SamplingParams(max_tokens=4, temperature=0.0)
         for i in range(4):  # in turn: r0 and r3 on a, r1 on b, r2 on c
             await replicas.add(EngineRequest(f"r{i}", [1, 2, 3, i], params), queue)
-        a._on_frame(TokenDelta("r0", [7], None))  # r0 has streamed a token; r3 has nothing yet
+        a._on_frame(StepDeltas([TokenDelta("r0", [7], None)]))  # r0 has streamed a token; r3 has nothing yet
 
         def dies(client) -> list:
             client.ready = None  # as its supervisor does when the process exits
@@ -223,7 +223,7 @@ def test_a_request_with_no_token_yet_moves_once_from_a_dead_replica_one_that_str
 def test_a_replica_that_stops_answering_leaves_routing_and_its_requests_with_no_token_move():
     import asyncio
 
-    from engine.ipc.messages import Abort, AddGrammar, AddRequest, Heartbeat, ReleaseGrammar, TokenDelta
+    from engine.ipc.messages import Abort, AddGrammar, AddRequest, Heartbeat, ReleaseGrammar, StepDeltas, TokenDelta
 
     async def scenario():
         replicas = live_replicas(2)
@@ -234,7 +234,7 @@ def test_a_replica_that_stops_answering_leaves_routing_and_its_requests_with_no_
         for i in range(4):  # in turn: r0 and r2 on a, r1 and r3 on b; r2 constrained
             await replicas.add(EngineRequest(f"r{i}", [5, i], params), queue, grammar_id="g" if i == 2 else None)
         replicas.release_grammar("g")
-        a._on_frame(TokenDelta("r0", [7], None))
+        a._on_frame(StepDeltas([TokenDelta("r0", [7], None)]))
         a.last_beat -= 60  # not even a heartbeat since
         assert not a.healthy and b.healthy
         a.engine.unread = True  # ...but frames wait unread: the gateway is the one behind

@@ -147,6 +147,4 @@ def cache_key(name: bytes) -> int:
 
 
 ToEngine = AddGrammar | ReleaseGrammar | AddRequest | Abort | Shutdown
-FromEngine = (
-    EngineReady | PromptLogprobsPart | TokenDelta | StepDeltas | RequestError | EngineStats | CacheEvents | Heartbeat
-)
+FromEngine = EngineReady | PromptLogprobsPart | StepDeltas | RequestError | EngineStats | CacheEvents | Heartbeat

@@ -348,8 +348,6 @@ class EngineClient:
         if isinstance(msg, StepDeltas):
             for delta in msg.deltas:
                 self._on_delta(delta)
-        elif isinstance(msg, TokenDelta):
-            self._on_delta(msg)
         elif isinstance(msg, PromptLogprobsPart):
             route = self.routes.get(msg.request_id)
             if route is not None:
