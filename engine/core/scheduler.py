@@ -305,18 +305,14 @@ class Scheduler:
         if not self.run_ahead or in_flight > 1 or req.request_id in self.drafting:
             return 0
         pending = req.num_pending_outputs
-        # Not ahead of a token its sampling must see (req.reads_own_outputs, written out), nor of one that may reach
-        # max_tokens or the context window (a stop id can end it anyway: that costs one wasted row, which update drops).
-        if pending:
-            p, num_outputs = req.params, len(req.output_token_ids)
-            if (
-                p.has_penalties
-                or p.grammar is not None
-                or num_outputs < p.min_tokens
-                or num_outputs + pending >= p.max_tokens
-                or num_tokens + pending >= self.max_model_len
-            ):
-                return 0
+        # Not ahead of a token its sampling must see, nor of one that may reach max_tokens or the context window (a
+        # stop id can end it anyway: that costs one wasted row, which update drops).
+        if pending and (
+            req.reads_own_outputs
+            or len(req.output_token_ids) + pending >= req.params.max_tokens
+            or num_tokens + pending >= self.max_model_len
+        ):
+            return 0
         return num_tokens + pending - req.num_computed_tokens - req.num_in_flight_tokens
 
     def _blocks_being_computed(self) -> set[bytes]:
@@ -473,13 +469,6 @@ class Scheduler:
     def _append(self, req: Request, result: SampledTokens) -> RequestStatus | None:
         """Append a step's tokens up to the first that ends the request (those after it are dropped)."""
         logprobs = result.logprobs
-        if logprobs is None and len(result.token_ids) == 1:  # a decode step's one token, without logprobs
-            token_id = result.token_ids[0]
-            req.output_token_ids.append(token_id)
-            status = self._check_stop(req, token_id)
-            if status is not None:
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            return status
         for i, token_id in enumerate(result.token_ids):
             req.output_token_ids.append(token_id)
             if logprobs is not None:
