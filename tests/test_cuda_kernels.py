@@ -28,6 +28,7 @@ needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also n
 # Each .cu file and every function its launcher may call.
 LAUNCHED = {
     cuda_backend.KERNEL_SOURCE: cuda_backend.kernel_names(),
+    cuda_backend.TILE_SOURCE: cuda_backend.tile_kernel_names(),
     cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names(),
     cuda_token_ops.NORM_SOURCE: cuda_token_ops.norm_kernel_names(),
 }

@@ -114,15 +114,17 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output t
 } 2>&1 | tee "$RUN/env.log"
 pack
 
-resource_usage() {  # registers and spills of every decode kernel entry point, built as NVRTC builds it
-    # (engine/kernels/nvrtc.py's NVRTC_OPTIONS, plus the -ftz=true CuPy adds), for this GPU's architecture.
+resource_usage() {  # registers and spills of every attention kernel entry point (decode, prompt tiles), built as
+    # NVRTC builds it (engine/kernels/nvrtc.py's NVRTC_OPTIONS, plus the -ftz=true CuPy adds), for this GPU's
+    # architecture.
     local cap arch options
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
     arch=sm_${cap:-90}
     options=$($PY -c 'from engine.kernels.nvrtc import NVRTC_OPTIONS; print(*NVRTC_OPTIONS)' \
         2>/dev/null || echo -std=c++17)
-    step resource_usage "$1" nvcc -arch="$arch" $options -ftz=true --resource-usage -cubin \
-        -o "$RUN/paged_decode_attention.$arch.cubin" engine/kernels/csrc/cuda/paged_decode_attention.cu
+    step resource_usage "$1" bash -c "for k in paged_decode_attention paged_prompt_tiles; do
+        nvcc -arch=$arch $options -ftz=true --resource-usage -cubin -o $RUN/\$k.$arch.cubin \
+            engine/kernels/csrc/cuda/\$k.cu || exit 1; done"
 }
 
 # Every test file with GPU tests (marked `gpu`, or `needs_gpu` from test_cuda_kernels), kernels first.
@@ -140,7 +142,7 @@ if [ "$MODE" = "--lease" ]; then
     # The decode-step goals first, then the rest, each step capped and all under the call's deadline; the
     # served comparison only when named (the second call, at once).
     [ "$ONLY" = "  " ] && ONLY=" resource_usage kernels bench_gpu gpu_tests bench_attention profile host "
-    resource_usage 30
+    resource_usage 45
     step kernels 60 $PY -m pytest -q --maxfail=5 --gpu $KERNEL_TESTS
     # (b) decode steps against the floor, then (a) float32 greedy tokens, eager vs piecewise vs whole-step graphs
     # with staggered arrivals (mixed steps); each part isolated from the other's failure.
