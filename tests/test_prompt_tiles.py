@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from test_cuda_kernels import ragged_batch, rel_error
+from test_cuda_kernels import TILE_MIXED, as_graph_rows, ragged_batch, rel_error
 
 from engine.attention.backend import AttentionParams
 from engine.attention.prompt_tiles import (
@@ -213,3 +213,15 @@ class TilingTorchAttention(TorchAttention):
             self.tiles_seen += int((meta.prompt_tiles[:, 1] > 0).sum())
             emulate_tiles(q, kv_cache, meta.block_tables, meta.prompt_tiles, params, 16, out)
         return out
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "rows"])
+def test_the_gpu_tests_graph_rows_through_the_emulation_match_the_reference(tiles):
+    """The metadata test_cuda_kernels.py's tile tests hand the kernels (a whole-step graph's rows), checked here
+    through the emulation (or, without tiles, the reference's own graph-safe path)."""
+    q, cache, meta = ragged_batch(TILE_MIXED, 32, 8, 64, dtype=torch.bfloat16, device="cpu", seed=4)
+    want = TorchAttention().forward(q.float(), cache.float(), meta)
+    rows = as_graph_rows(q.float(), cache.float(), meta, tiles=tiles, spare=3)
+    got = TilingTorchAttention().forward_decode(q.float(), cache.float(), rows)
+    assert not got.isnan().any()
+    assert rel_error(got, want) < 1e-5
