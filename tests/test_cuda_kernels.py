@@ -313,9 +313,20 @@ def as_graph_rows(q, cache, meta, tiles: bool = True, spare: int = 0):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (9, 3), (24, 1)], ids=["g4", "g3", "g24"])
+@pytest.mark.parametrize(
+    "dtype,head_dim,num_q_heads,num_kv_heads",
+    [
+        (torch.bfloat16, 64, 32, 8),  # Llama-1B: a group of 4, 16 rows a tile
+        (torch.bfloat16, 128, 32, 8),
+        (torch.bfloat16, 64, 9, 3),  # SmolLM2: 21 rows, 63 of 64 pairs
+        (torch.bfloat16, 64, 24, 1),  # 2 rows a tile
+        (torch.float16, 64, 32, 8),
+        (torch.float16, 128, 32, 8),
+        (torch.float32, 64, 32, 8),
+        (torch.float32, 128, 8, 8),  # 64 rows a tile
+    ],
+    ids=str,
+)
 def test_prompt_tiles_match_reference(dtype, head_dim, num_q_heads, num_kv_heads):
     """A mixed step through the graph-safe path with tiles: decode rows by the decode kernel, prompt rows by the tile
     kernel (spare tiles with no rows after the plan), every row against the reference."""
