@@ -75,6 +75,7 @@ class CudaAttention:
         self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here
         self._plan_meta, self._plans = None, {}  # the step whose PrefillPlans (by sliding window) are cached
         self._tile_kernels: NvrtcKernels | None = None  # paged_prompt_tiles.cu, compiled when first asked for
+        self._tiles_ok: bool | None = None  # whether it compiled and passed its self-test; None: not yet asked
 
     def self_test(self) -> None:
         """Compile, then decode one token against 3 cached ones (GQA, bf16), whole and cut into 3 splits (two of them
@@ -156,7 +157,8 @@ class CudaAttention:
 
     def prompt_tile_rows(self, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, device) -> int:
         """Rows of a prompt tile for this model, or 0 where the tile kernel does not run (a dtype or head dim it is not
-        built for, a GQA group wider than a tile, a GPU before sm_80, a kernel that does not compile)."""
+        built for, a GQA group wider than a tile, a GPU before sm_80, a kernel that fails to compile or its self-test:
+        the prompt rows then stay with the decode kernel, one by one)."""
         device = torch.device(device)
         if (
             device.type != "cuda"
@@ -165,16 +167,37 @@ class CudaAttention:
             or torch.cuda.get_device_capability(device) < (8, 0)
         ):
             return 0
-        if self._tile_kernels is None:
-            probe = tile_kernel_name(torch.bfloat16, 128)
-            try:
-                self._tile_kernels = NvrtcKernels(TILE_SOURCE, probe, "the prompt-tile kernel")
-                self._tile_kernels(probe, device)
-            except RuntimeError as e:
-                warnings.warn(f"the prompt-tile kernel is unusable here, prompt rows go one by one: {e}", stacklevel=2)
-                self._tile_kernels = None
-                return 0
-        return rows_per_tile(num_q_heads, num_kv_heads)
+        if self._tiles_ok is None:
+            self._tiles_ok = builds(
+                lambda: self.tile_self_test(device),
+                "the prompt-tile kernel is unusable here, prompt rows go one by one",
+            )
+        return rows_per_tile(num_q_heads, num_kv_heads) if self._tiles_ok else 0
+
+    def tile_self_test(self, device: torch.device) -> None:
+        """Compile paged_prompt_tiles.cu, then attend the last 20 of 70 keys' rows of one request (GQA 4, D 64) as a
+        full tile and a partial one, plus a spare, in bf16 and float32, and compare with the reference."""
+        self._tile_kernels = NvrtcKernels(TILE_SOURCE, tile_kernel_name(torch.bfloat16, 128), "the prompt-tile kernel")
+        gen = torch.Generator().manual_seed(0)
+        table = torch.tensor([[3, 1, 5, 0, 2]], dtype=torch.int32)  # 70 keys in 5 blocks of 16, out of order
+        meta = AttentionMetadata(
+            torch.tensor([0, 20], dtype=torch.int32),
+            torch.tensor([70], dtype=torch.int32),
+            table,
+            torch.zeros(20, dtype=torch.int64),
+            [20],
+            [70],
+        )
+        tiles = torch.tensor([[0, 16, 0, 50], [16, 4, 0, 66], [0, 0, 0, 0]], dtype=torch.int32, device=device)
+        for dtype, tolerance in ((torch.bfloat16, 3e-2), (torch.float32, 1e-4)):
+            q = torch.randn(20, 8, 64, generator=gen).to(dtype)
+            cache = torch.randn(2, 2, 6, 16, 64, generator=gen).to(dtype)
+            expected = self._fallback.forward(q.float(), cache.float(), meta)
+            out = torch.zeros(q.shape, dtype=dtype, device=device)
+            self.attend_tiles(q.to(device), cache.to(device), table.to(device), tiles, out)
+            torch.cuda.synchronize(device)
+            if not torch.allclose(out.float().cpu(), expected, atol=tolerance, rtol=tolerance):
+                raise RuntimeError(f"the prompt-tile kernel's self-test output ({dtype}) differs from the reference")
 
     def attend_tiles(self, q, kv_cache, block_tables, tiles, out, params: AttentionParams | None = None) -> None:
         """Rows of `tiles` ([k, 4] int32, engine/attention/prompt_tiles.py; tiles with 0 rows are skipped) attended
@@ -186,6 +209,8 @@ class CudaAttention:
             q.dtype, num_q_heads, num_kv_heads, head_dim, q.device
         ):
             raise RuntimeError(f"the prompt-tile kernel does not take {q.dtype} rows of {head_dim} on {q.device}")
+        if not (q.dtype in DTYPE_SUFFIX and head_dim in TILE_HEAD_DIMS and rows_per_tile(num_q_heads, num_kv_heads)):
+            raise ValueError(f"the prompt-tile kernel does not take {num_q_heads} heads of {head_dim} in {q.dtype}")
         q = q.contiguous()  # out was made like this (forward_decode's attend): rows at q's dense strides
         tables = block_tables.to(torch.int32).contiguous()
         tiles = tiles.to(torch.int32).contiguous()  # each read as one 16-byte load
