@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import run_staggered
+from test_prompt_tiles import TilingTorchAttention
 
 from engine import SamplingParams
 from engine.core.config import EngineConfig
@@ -266,6 +267,35 @@ def test_whole_step_graphs_take_chunks_after_a_cached_prefix(decode_engines, tok
         del graphs.forward
     assert outputs[1] == outputs[0]
     assert any(s >= 48 for s in starts), starts  # a chunk after the cached prefix replayed a whole-step graph
+
+
+def test_whole_step_graphs_give_prompt_rows_to_a_tiling_backend(decode_engines, tokenizer):
+    """With a backend that tiles prompt rows (the kernel's algorithm emulated), prompts join decoding requests (two after
+    a cached prefix): each prompt row is attended by its tile (a row the tiles missed stays NaN, a stale tile from a
+    bigger step would overwrite a live row), decode rows by the decode path, and the tokens are the eager ones."""
+    eager, graphed = decode_engines
+    r = graphed.runner
+    tiled = DecodeGraphRunner(
+        r.model, r.kv_caches, TilingTorchAttention(), 8, r.scratch_block, torch.device("cpu"), max_rows=16
+    )
+    assert tiled.tile_rows == 4 and set(tiled.tiled_replays) == set(tiled.buckets) - {1}
+    shared = tokenizer.encode(" ".join(PROMPTS))[:20]
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]] + [shared + tokenizer.encode(p)[:4] for p in PROMPTS[:2]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    before, r.decode_graphs = r.decode_graphs, tiled
+    try:
+        outputs = []
+        for engine in (eager, graphed):
+            pending, requests = list(prompts), []
+            while pending or engine.has_unfinished():
+                if pending:
+                    requests.append(engine.add_request(pending.pop(0), params))
+                engine.step()
+            outputs.append([r.output_token_ids for r in requests])
+    finally:
+        r.decode_graphs = before
+    assert outputs[1] == outputs[0]
+    assert tiled.attention.tiles_seen > 0
 
 
 def test_torch_forward_decode_matches_forward_over_wider_tables():

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.attention import cuda_backend
-from engine.attention.backend import AttentionMetadata, write_kv
+from engine.attention.backend import AttentionMetadata, AttentionParams, write_kv
+from engine.attention.prompt_tiles import plan_prompt_tiles, prompt_row_signs, rows_per_tile
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
 from engine.kernels.nvrtc import CUDA_SOURCES, NVRTC_OPTIONS, kernel_source
@@ -28,6 +29,7 @@ needs_gpu = pytest.mark.gpu  # runs with `pytest --gpu` (conftest), which also n
 # Each .cu file and every function its launcher may call.
 LAUNCHED = {
     cuda_backend.KERNEL_SOURCE: cuda_backend.kernel_names(),
+    cuda_backend.TILE_SOURCE: cuda_backend.tile_kernel_names(),
     cuda_token_ops.KERNEL_SOURCE: cuda_token_ops.kernel_names(),
     cuda_token_ops.NORM_SOURCE: cuda_token_ops.norm_kernel_names(),
 }
@@ -276,3 +278,89 @@ def test_split_counters_are_zero_again_after_every_launch_and_replay(monkeypatch
         assert torch.equal(out[rows.to(out.device)], first[rows.to(out.device)])
     assert rel_error(out[rows.to(out.device)], want[rows]) < 1e-2
     assert not backend._counters[q.device.index].any()
+
+
+# ---------------------------------------------------------------- prompt rows by tiles (paged_prompt_tiles.cu)
+
+
+# Decodes beside prompt chunks: from position 0 (17, 33, 200 rows: several tiles, a partial last one), after a cached
+# prefix (64 rows after 936 keys: more than one 64-key round before the diagonal), and a 2-row verification.
+TILE_MIXED = [(1, 2048), (17, 17), (1, 16), (64, 1000), (1, 1), (33, 33), (1, 513), (200, 200), (2, 40)]
+
+
+def as_graph_rows(q, cache, meta, tiles: bool = True, spare: int = 0):
+    """`meta` as a whole-step graph hands it to forward_decode: a row per query with its request's block table and its
+    own key count, negated for prompt rows, which the tile plan (and `spare` empty tiles after it) covers."""
+    lens_q, ctx = meta.query_lens_cpu, meta.context_lens_cpu
+    num_rows = sum(lens_q)
+    keys = torch.tensor([c - n + j + 1 for n, c in zip(lens_q, ctx) for j in range(n)], dtype=torch.int32)
+    requests = torch.tensor([i for i, n in enumerate(lens_q) for _ in range(n)], device=meta.block_tables.device)
+    plan = None
+    if tiles:
+        keys *= torch.from_numpy(prompt_row_signs(lens_q, num_rows))
+        rows = rows_per_tile(q.shape[1], cache.shape[1])
+        plan = torch.from_numpy(plan_prompt_tiles(lens_q, ctx, rows, tables_by_row=True))
+        plan = torch.cat([plan, torch.zeros(spare, 4, dtype=torch.int32)]).to(q.device)
+    return AttentionMetadata(
+        torch.arange(num_rows + 1, dtype=torch.int32, device=q.device),
+        keys.to(q.device),
+        meta.block_tables[requests],
+        meta.slot_mapping,
+        [1] * num_rows,
+        [abs(k) for k in keys.tolist()],
+        prompt_tiles=plan,
+    )
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "dtype,head_dim,num_q_heads,num_kv_heads",
+    [
+        (torch.bfloat16, 64, 32, 8),  # Llama-1B: a group of 4, 16 rows a tile
+        (torch.bfloat16, 128, 32, 8),
+        (torch.bfloat16, 64, 9, 3),  # SmolLM2: 21 rows, 63 of 64 pairs
+        (torch.bfloat16, 64, 24, 1),  # 2 rows a tile
+        (torch.float16, 64, 32, 8),
+        (torch.float16, 128, 32, 8),
+        (torch.float32, 64, 32, 8),
+        (torch.float32, 128, 8, 8),  # 64 rows a tile
+    ],
+    ids=str,
+)
+def test_prompt_tiles_match_reference(dtype, head_dim, num_q_heads, num_kv_heads):
+    """A mixed step through the graph-safe path with tiles: decode rows by the decode kernel, prompt rows by the tile
+    kernel (spare tiles with no rows after the plan), every row against the reference."""
+    q, cache, meta = ragged_batch(TILE_MIXED, num_q_heads, num_kv_heads, head_dim, dtype=dtype, seed=head_dim)
+    want = reference(q, cache, meta)
+    got = make_backend("cuda").forward_decode(q, cache, as_graph_rows(q, cache, meta, spare=5))
+    assert got.dtype == dtype
+    assert rel_error(got, want) < (1e-2 if dtype != torch.float32 else 1e-4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "params", [AttentionParams(0.1, sliding_window=48), AttentionParams(0.1, logit_softcap=5.0)], ids=["window", "cap"]
+)
+def test_prompt_tiles_honour_the_window_and_the_soft_cap(dtype, params):
+    q, cache, meta = ragged_batch(TILE_MIXED, 16, 4, 64, dtype=dtype, seed=2)
+    want = TorchAttention().forward(q.float().cpu(), cache.float().cpu(), to_device(meta, "cpu"), params)
+    got = make_backend("cuda").forward_decode(q, cache, as_graph_rows(q, cache, meta), params)
+    assert rel_error(got, want) < (1e-2 if dtype != torch.float32 else 1e-4)
+
+
+@needs_gpu
+def test_prompt_tiles_in_a_captured_graph_give_the_same_bits_on_every_replay():
+    q, cache, meta = ragged_batch(TILE_MIXED, 32, 8, 64, seed=4)
+    rows = as_graph_rows(q, cache, meta, spare=3)
+    backend = make_backend("cuda")
+    first = backend.forward_decode(q, cache, rows)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward_decode(q, cache, rows)
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    per_row = backend.forward_decode(q, cache, as_graph_rows(q, cache, meta, tiles=False))  # every row a decode query
+    assert rel_error(out, per_row) < 1e-2

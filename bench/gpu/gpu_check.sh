@@ -3,13 +3,14 @@
 #
 #   bench/gpu/gpu_check.sh OUT_DIR --lease [STEP...]
 #                                          a 15-minute lease (its machine's start included) in two calls:
-#                                          the first (a 420 s deadline) registers, llama-1b decode steps at batch 1
-#                                          and 64 against the floor, greedy tokens graphs vs eager, every GPU test
-#                                          file, the kernel's graph-timed rows, a kernel profile of decode steps,
+#                                          the first (a 420 s deadline) registers, prompt tiles vs per-row
+#                                          prompt rows, llama-1b decode steps at batch 1 and 64 against the floor,
+#                                          greedy tokens graphs vs eager, every GPU test file, the kernel's
+#                                          graph-timed rows, a kernel profile of decode steps,
 #                                          host time; the second (`--lease scheduling`, a 240 s deadline, at once:
 #                                          a warm machine is given back after 30 s idle) iteration- vs
 #                                          request-level served at 8 ms/token
-#   bench/gpu/gpu_check.sh OUT_DIR         registers and spills of the decode kernel (nvcc --resource-usage),
+#   bench/gpu/gpu_check.sh OUT_DIR         registers and spills of the attention kernels (nvcc --resource-usage),
 #                                          every GPU test file, quick benchmarks; fails fast: quick sizes first
 #   bench/gpu/gpu_check.sh OUT_DIR --long [STEP...]
 #                                          the measurements: bench_attention, bench_gpu at full size,
@@ -114,15 +115,17 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output t
 } 2>&1 | tee "$RUN/env.log"
 pack
 
-resource_usage() {  # registers and spills of every decode kernel entry point, built as NVRTC builds it
-    # (engine/kernels/nvrtc.py's NVRTC_OPTIONS, plus the -ftz=true CuPy adds), for this GPU's architecture.
+resource_usage() {  # registers and spills of every attention kernel entry point (decode, prompt tiles), built as
+    # NVRTC builds it (engine/kernels/nvrtc.py's NVRTC_OPTIONS, plus the -ftz=true CuPy adds), for this GPU's
+    # architecture.
     local cap arch options
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
     arch=sm_${cap:-90}
     options=$($PY -c 'from engine.kernels.nvrtc import NVRTC_OPTIONS; print(*NVRTC_OPTIONS)' \
         2>/dev/null || echo -std=c++17)
-    step resource_usage "$1" nvcc -arch="$arch" $options -ftz=true --resource-usage -cubin \
-        -o "$RUN/paged_decode_attention.$arch.cubin" engine/kernels/csrc/cuda/paged_decode_attention.cu
+    step resource_usage "$1" bash -c "for k in paged_decode_attention paged_prompt_tiles; do
+        nvcc -arch=$arch $options -ftz=true --resource-usage -cubin -o $RUN/\$k.$arch.cubin \
+            engine/kernels/csrc/cuda/\$k.cu || exit 1; done"
 }
 
 # Every test file with GPU tests (marked `gpu`, or `needs_gpu` from test_cuda_kernels), kernels first.
@@ -139,9 +142,11 @@ SCHEDULING=(-m bench.serving.compare_scheduling --model dummy:llama-1b --input-l
 if [ "$MODE" = "--lease" ]; then
     # The decode-step goals first, then the rest, each step capped and all under the call's deadline; the
     # served comparison only when named (the second call, at once).
-    [ "$ONLY" = "  " ] && ONLY=" resource_usage kernels bench_gpu gpu_tests bench_attention profile host "
-    resource_usage 30
+    [ "$ONLY" = "  " ] && ONLY=" resource_usage kernels prompt_tiles bench_gpu gpu_tests bench_attention profile host "
+    resource_usage 45
     step kernels 60 $PY -m pytest -q --maxfail=5 --gpu $KERNEL_TESTS
+    # A mixed step's attention (llama-1b heads), prompt rows by tiles vs one decode query a row, graph-timed.
+    step prompt_tiles 40 $PY -m bench.gpu.bench_prompt_tiles --iters 10 --out "$RUN/prompt_tiles.json"
     # (b) decode steps against the floor, then (a) float32 greedy tokens, eager vs piecewise vs whole-step graphs
     # with staggered arrivals (mixed steps); each part isolated from the other's failure.
     step bench_gpu 150 $PY -m bench.gpu.bench_gpu --shapes llama-1b --batches 1 64 --parts b a \
@@ -164,6 +169,7 @@ elif [ "$MODE" = "--long" ]; then
 else
     resource_usage 60
     step kernels 90 $PY -m pytest -q -x --gpu $KERNEL_TESTS
+    step prompt_tiles 40 $PY -m bench.gpu.bench_prompt_tiles --iters 10 --out "$RUN/prompt_tiles.json"
     step gpu_tests 150 $PY -m pytest -q -x --gpu $OTHER_TESTS
     step bench_gpu_quick 120 $PY -m bench.gpu.bench_gpu --quick --device cuda --out "$RUN/bench_gpu_quick.json"
     step bench_attention_quick 120 $PY -m bench.kernels.bench_attention --iters 5 --graph-iters 10 \

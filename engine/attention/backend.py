@@ -42,6 +42,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
     query_lens_cpu: list[int]  # host copies, so backends need no device sync to loop
     context_lens_cpu: list[int]
+    # [tiles, 4] int32 (engine/attention/prompt_tiles.py): a whole-step graph's prompt rows, which a backend that
+    # tiles them attends by tile; their context_lens are negative. None: no tiles, every row a decode query.
+    prompt_tiles: torch.Tensor | None = None
     _decode_rows: dict = field(default_factory=dict, repr=False, compare=False)  # decode_rows' answers by limit
 
     @property

@@ -24,12 +24,15 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionMetadata, AttentionParams
+from engine.attention.prompt_tiles import rows_per_tile
 from engine.attention.torch_backend import TorchAttention, attend_prefill
 from engine.attention.varlen_prefill import PrefillPlan, attend_prefills, flash_varlen
 from engine.kernels.availability import builds
 from engine.kernels.nvrtc import CUDA_SOURCES, DTYPE_SUFFIX, NvrtcKernels, ptr
 
 KERNEL_SOURCE = CUDA_SOURCES / "paged_decode_attention.cu"
+TILE_SOURCE = CUDA_SOURCES / "paged_prompt_tiles.cu"
+TILE_HEAD_DIMS = (64, 128)  # the prompt-tile kernel's instantiations
 WARPS = 4  # kWarps in the kernel: threads per block = 128
 MAX_HEADS_PER_BLOCK = 4  # kMaxHeads: query heads scored per K/V read
 LANES_PER_KEY = (8, 16, 32)  # the decode kernel's instantiations (LPK): lanes that read one key row
@@ -71,6 +74,8 @@ class CudaAttention:
         self._counters: dict[int, torch.Tensor] = {}  # device -> the split launches' counters, zero between launches
         self.prefill_kernel = "flash"  # "sdpa" once flash varlen attention has failed here
         self._plan_meta, self._plans = None, {}  # the step whose PrefillPlans (by sliding window) are cached
+        self._tile_kernels: NvrtcKernels | None = None  # paged_prompt_tiles.cu, compiled when first asked for
+        self._tiles_ok: bool | None = None  # whether it compiled and passed its self-test; None: not yet asked
 
     def self_test(self) -> None:
         """Compile, then decode one token against 3 cached ones (GQA, bf16), whole and cut into 3 splits (two of them
@@ -143,9 +148,93 @@ class CudaAttention:
         if not self._fits(q):
             return self._fallback.forward_decode(q, kv_cache, meta, params)
         # The split plan for the longest context the block tables can hold: fixed, so it can be captured.
-        return self.attend(
+        out = self.attend(
             q, kv_cache, meta, meta.block_tables.shape[1] * kv_cache.shape[3], params, context_known=False
         )
+        if meta.prompt_tiles is not None and meta.prompt_tiles.shape[0]:  # the rows the decode kernel left
+            self.attend_tiles(q, kv_cache, meta.block_tables, meta.prompt_tiles, out, params)
+        return out
+
+    def prompt_tile_rows(self, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, device) -> int:
+        """Rows of a prompt tile for this model, or 0 where the tile kernel does not run (a dtype or head dim it is not
+        built for, a GQA group wider than a tile, a GPU before sm_80, a kernel that fails to compile or its self-test:
+        the prompt rows then stay with the decode kernel, one by one)."""
+        device = torch.device(device)
+        if (
+            device.type != "cuda"
+            or dtype not in DTYPE_SUFFIX
+            or head_dim not in TILE_HEAD_DIMS
+            or torch.cuda.get_device_capability(device) < (8, 0)
+        ):
+            return 0
+        if self._tiles_ok is None:
+            self._tiles_ok = builds(
+                lambda: self.tile_self_test(device),
+                "the prompt-tile kernel is unusable here, prompt rows go one by one",
+            )
+        return rows_per_tile(num_q_heads, num_kv_heads) if self._tiles_ok else 0
+
+    def tile_self_test(self, device: torch.device) -> None:
+        """Compile paged_prompt_tiles.cu, then attend the last 20 of 70 keys' rows of one request (GQA 4, D 64) as a
+        full tile and a partial one, plus a spare, in bf16 and float32, and compare with the reference."""
+        self._tile_kernels = NvrtcKernels(TILE_SOURCE, tile_kernel_name(torch.bfloat16, 128), "the prompt-tile kernel")
+        gen = torch.Generator().manual_seed(0)
+        table = torch.tensor([[3, 1, 5, 0, 2]], dtype=torch.int32)  # 70 keys in 5 blocks of 16, out of order
+        meta = AttentionMetadata(
+            torch.tensor([0, 20], dtype=torch.int32),
+            torch.tensor([70], dtype=torch.int32),
+            table,
+            torch.zeros(20, dtype=torch.int64),
+            [20],
+            [70],
+        )
+        tiles = torch.tensor([[0, 16, 0, 50], [16, 4, 0, 66], [0, 0, 0, 0]], dtype=torch.int32, device=device)
+        for dtype, tolerance in ((torch.bfloat16, 3e-2), (torch.float32, 1e-4)):
+            q = torch.randn(20, 8, 64, generator=gen).to(dtype)
+            cache = torch.randn(2, 2, 6, 16, 64, generator=gen).to(dtype)
+            expected = self._fallback.forward(q.float(), cache.float(), meta)
+            out = torch.zeros(q.shape, dtype=dtype, device=device)
+            self.attend_tiles(q.to(device), cache.to(device), table.to(device), tiles, out)
+            torch.cuda.synchronize(device)
+            if not torch.allclose(out.float().cpu(), expected, atol=tolerance, rtol=tolerance):
+                raise RuntimeError(f"the prompt-tile kernel's self-test output ({dtype}) differs from the reference")
+
+    def attend_tiles(self, q, kv_cache, block_tables, tiles, out, params: AttentionParams | None = None) -> None:
+        """Rows of `tiles` ([k, 4] int32, engine/attention/prompt_tiles.py; tiles with 0 rows are skipped) attended
+        into `out` by paged_prompt_tiles.cu: one block a (tile, KV head). Reads only device tensors: capturable."""
+        params = params or AttentionParams.plain(q.shape[-1])
+        _, num_q_heads, head_dim = q.shape
+        num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
+        if self._tile_kernels is None and not self.prompt_tile_rows(
+            q.dtype, num_q_heads, num_kv_heads, head_dim, q.device
+        ):
+            raise RuntimeError(f"the prompt-tile kernel does not take {q.dtype} rows of {head_dim} on {q.device}")
+        if not (q.dtype in DTYPE_SUFFIX and head_dim in TILE_HEAD_DIMS and rows_per_tile(num_q_heads, num_kv_heads)):
+            raise ValueError(f"the prompt-tile kernel does not take {num_q_heads} heads of {head_dim} in {q.dtype}")
+        q = q.contiguous()  # out was made like this (forward_decode's attend): rows at q's dense strides
+        tables = block_tables.to(torch.int32).contiguous()
+        tiles = tiles.to(torch.int32).contiguous()  # each read as one 16-byte load
+        scale_log2, cap_log2 = math.log2(math.e) * params.scale, math.log2(math.e) * (params.logit_softcap or 0.0)
+        with self._tile_kernels.on_torch_stream(q):
+            self._tile_kernels(tile_kernel_name(q.dtype, head_dim), q.device)(
+                (tiles.shape[0], num_kv_heads),
+                (WARPS * 32,),
+                (
+                    ptr(out),
+                    ptr(q),
+                    ptr(kv_cache),
+                    ptr(tiles),
+                    ptr(tables),
+                    np.int32(tables.shape[1]),
+                    np.int32(num_q_heads),
+                    np.int32(num_kv_heads),
+                    np.int32(block_size),
+                    np.int64(kv_cache.shape[2] * block_size),
+                    np.float32(scale_log2),
+                    np.int32(params.sliding_window or 0),
+                    np.float32(cap_log2),
+                ),
+            )
 
     # ----------------------------------------------------------------------------- launches
 
@@ -269,6 +358,15 @@ def decode_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
 def kernel_names() -> list[str]:
     """Every function of paged_decode_attention.cu the backend may launch."""
     return [f"paged_decode_attention_{s}_lpk{n}" for s in DTYPE_SUFFIX.values() for n in LANES_PER_KEY]
+
+
+def tile_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    return f"paged_prompt_tiles_{DTYPE_SUFFIX[dtype]}_d{head_dim}"
+
+
+def tile_kernel_names() -> list[str]:
+    """Every function of paged_prompt_tiles.cu the backend may launch."""
+    return [tile_kernel_name(t, d) for t in DTYPE_SUFFIX for d in TILE_HEAD_DIMS]
 
 
 def split_partition(context_len: int, num_splits: int) -> int:

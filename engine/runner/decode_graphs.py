@@ -9,9 +9,12 @@ graph-safe `forward_decode` between them, the LM head over the rows that sample)
 bucket. Attention reads its metadata from static device buffers filled before each replay, and the per-row
 context lengths and block tables are derived inside the graph from each row's position and request.
 
-Prompt rows re-read their request's keys one row at a time (from L2: a chunk's keys are shared), so a step whose
-prompt rows would read more than PREFILL_KEY_BUDGET keys in all (long chunks, or chunks after a long cached
-context) runs the piecewise graphs and flash attention instead.
+With a backend that tiles prompt rows (CudaAttention: csrc/cuda/paged_prompt_tiles.cu), a step's prompt rows go by
+tiles of one request's consecutive rows, each K/V load serving rows x heads, and the decode kernel leaves them (their
+context lengths are negated in the graph); the tile plan (engine/attention/prompt_tiles.py) is copied into a static
+buffer before each replay. Without one, prompt rows re-read their request's keys one row at a time (from L2: a
+chunk's keys are shared). Either way a step whose prompt rows would read more than PREFILL_KEY_BUDGET keys in all
+(long chunks, or chunks after a long cached context) runs the piecewise graphs and flash attention instead.
 
 Padding rows (3 rows replay bucket 4) decode a dummy token against the scratch KV block the runner keeps outside
 the scheduler's pool, so they never write into a real request's cache.
@@ -25,6 +28,7 @@ import time
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.prompt_tiles import TILE_FIELDS, plan_prompt_tiles, prompt_row_signs, tile_capacity
 from engine.core.config import EngineConfig
 from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import bucket_for, graph_buckets, make_capture, memory_in_use
@@ -94,18 +98,34 @@ class DecodeGraphRunner:
         s, dtype = model.shape, kv_caches[0].dtype
         self.x = torch.zeros(n, s.hidden_size, dtype=dtype, device=device)
         self.q = torch.zeros(n, s.num_heads, s.head_dim, dtype=dtype, device=device)
+        tiles_for = getattr(attention, "prompt_tile_rows", None)
+        self.tile_rows = tiles_for(dtype, s.num_heads, kv_caches[0].shape[1], s.head_dim, device) if tiles_for else 0
+        # The tiles (rows 0: spare) and each row's sign (-1: a prompt row, which a tile attends) in one device buffer,
+        # filled by one copy a step from two pinned host buffers used in turn (as the runner's inputs are). Tiles
+        # first: the kernel reads each as one 16-byte load.
+        self.tile_capacity = {b: tile_capacity(b, self.tile_rows, max_seqs) for b in self.buckets}
+        spans = self.tile_capacity[n] * TILE_FIELDS
+        self.tile_state = buf(spans + n)
+        self.tiles, self.row_signs = self.tile_state[:spans].view(-1, TILE_FIELDS), self.tile_state[spans:]
+        self.row_signs.fill_(1)
+        pin = device.type == "cuda"
+        self._tile_hosts = [torch.zeros(self.tile_state.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._tile_turn = 0
         self._pad(0, n)
         self.capture = capture or make_capture(device)
         start, before = time.perf_counter(), memory_in_use(device)
-        self.replays = {}
+        # With tiles, a second graph a bucket for steps with prompt rows: pure decode steps then launch no tile grid.
+        self.replays, self.tiled_replays = {}, {}
         with torch.inference_mode():
             for bucket in reversed(self.buckets):
-                self.replays[bucket] = self.capture(self._whole_step(bucket))
+                self.replays[bucket] = self.capture(self._whole_step(bucket, tiled=False))
+                if self.tile_capacity[bucket]:
+                    self.tiled_replays[bucket] = self.capture(self._whole_step(bucket, tiled=True))
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = memory_in_use(device) - before
         log.info(
             "captured %d whole-step CUDA graphs (row buckets up to %d) in %.1f s, %.0f MiB",
-            len(self.buckets),
+            len(self.replays) + len(self.tiled_replays),
             n,
             self.capture_seconds,
             self.capture_bytes / 2**20,
@@ -117,7 +137,7 @@ class DecodeGraphRunner:
         self.slot_mapping[start:stop] = self.scratch_block * self.block_size
         self.row_requests[start:stop] = self.max_seqs
 
-    def _whole_step(self, n: int):
+    def _whole_step(self, n: int, tiled: bool):
         model = self.model
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: n + 1],
@@ -127,14 +147,16 @@ class DecodeGraphRunner:
             query_lens_cpu=[1] * n,
             # An upper bound only: graph-safe attention never reads host lengths.
             context_lens_cpu=[self.block_tables.shape[1] * self.block_size] * n,
+            prompt_tiles=self.tiles[: self.tile_capacity[n]] if tiled else None,
         )
+        signs = self.row_signs[:n]
         ids, pos, slots = self.input_ids[:n], self.positions[:n], self.slot_mapping[:n]
         rows, tables, context_lens = self.row_requests[:n], self.block_tables[:n], self.context_lens[:n]
         logit_rows, logits = self.logit_rows[: min(n, self.max_seqs)], self.logits[: min(n, self.max_seqs)]
         x, q, layers, caches, seg = self.x[:n], self.q[:n], model.layers, self.kv_caches, self.segments
 
         def step() -> None:
-            context_lens.copy_(pos + 1)
+            context_lens.copy_((pos + 1) * signs if tiled else pos + 1)
             torch.index_select(self.request_tables, 0, rows, out=tables)
             seg.enter(model, layers[0], ids, pos, caches[0], slots, x, q)
             for i in range(1, len(layers)):
@@ -173,6 +195,9 @@ class DecodeGraphRunner:
         if bucket is None or k > min(bucket, self.max_seqs):
             return None
         num_requests, width = meta.block_tables.shape
+        tiled = self.tile_rows > 0 and not meta.is_pure_decode
+        if tiled and not self._put_tiles(meta, t, bucket):
+            return None
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         self.slot_mapping[:t].copy_(meta.slot_mapping)
@@ -184,5 +209,22 @@ class DecodeGraphRunner:
             self.logit_rows[k:m] = 0
         if t < bucket:
             self._pad(t, bucket)  # rows a larger step left behind last time
-        self.replays[bucket]()
+        (self.tiled_replays if tiled else self.replays)[bucket]()
         return self.logits[:k]
+
+    def _put_tiles(self, meta: AttentionMetadata, num_rows: int, bucket: int) -> bool:
+        """Stage the step's row signs and tile plan and start their copy; False if the bucket's grid cannot hold the
+        plan (more requests than the graphs were built for)."""
+        plan = plan_prompt_tiles(meta.query_lens_cpu, meta.context_lens_cpu, self.tile_rows, tables_by_row=True)
+        if len(plan) > self.tile_capacity[bucket] or bucket not in self.tiled_replays:
+            return False
+        host = self._tile_hosts[self._tile_turn]
+        self._tile_turn ^= 1
+        spans = self.tiles.numel()
+        flat = host.numpy()
+        flat[:spans] = 0  # spare tiles: no rows
+        flat[: plan.size] = plan.ravel()
+        flat[spans:] = 1  # padding rows decode
+        flat[spans : spans + num_rows] = prompt_row_signs(meta.query_lens_cpu, num_rows)
+        self.tile_state.copy_(host, non_blocking=True)
+        return True

@@ -14,7 +14,8 @@
 //                holds this iteration's keys and values (the model writes them, fused with RoPE)
 //   block_tables [B, max_blocks] int32; token p of request i is at slot
 //                block_tables[i][p / block_size] * block_size + p % block_size
-//   query_start_loc [B + 1] int32, context_lens [B] int32
+//   query_start_loc [B + 1] int32, context_lens [B] int32; a negative length marks a row this kernel leaves alone
+//                (a whole-step graph's prompt row, which paged_prompt_tiles.cu attends in a tile of its request's rows)
 //
 // Decode is bound by reading K/V, so the kernel is built around the loads. Grid: (request, KV head x
 // head block, KV split). A key row of D elements is read by LPK lanes with one 16-byte load each
@@ -381,6 +382,7 @@ __device__ __forceinline__ void decode_impl(T* __restrict__ out, float* __restri
     // This request's keys (its last `window` with a sliding window: the blocks before them may hold another
     // request's tokens by now, so they are never read) cut into num_splits equal ranges of whole kSplitTile tiles.
     const int kv_len = context_lens[req];
+    if (kv_len < 0) return;  // a prompt row of a whole-step graph: paged_prompt_tiles.cu attends it (all splits leave)
     const int kv_first = window > 0 ? max(0, kv_len - window) : 0;
     int partition = (kv_len - kv_first + num_splits - 1) / num_splits;
     partition = max(kSplitTile, (partition + kSplitTile - 1) / kSplitTile * kSplitTile);
