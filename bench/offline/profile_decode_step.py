@@ -1,8 +1,9 @@
 """Where one stream's decode step goes, by kind of work (LM head, sampler, attention, projections, norms, RoPE,
 activation, the rest), beside the step's weight-read floor: the bytes of weights it reads over the machine's
-measured read bandwidth. Speculation off; each category timed around its modules' calls.
+measured read bandwidth. Speculation off; each category timed around its modules' calls. `--clock cpu` (one
+thread) counts the thread's CPU time: on a shared, oversubscribed machine the work, not the waits for a core.
 
-    python -m bench.offline.profile_decode_step --model /tmp/gemma3-270m-q4_k_m.gguf \\
+    python -m bench.offline.profile_decode_step --model /tmp/gemma3-270m-q4_k_m.gguf --threads 1 --clock cpu \\
         --out benchmarks/results/models/profile_gemma3-270m.json
 """
 
@@ -48,18 +49,19 @@ LAYER_PARTS = {
 class Timers:
     """Seconds per category, summed over the calls since the last `reset`."""
 
-    def __init__(self):
+    def __init__(self, clock):
         self.seconds = collections.defaultdict(float)
+        self.clock = clock
 
     def wrap(self, owner, attr: str, category: str) -> None:
         fn = getattr(owner, attr)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[category] += time.perf_counter() - t0
+                self.seconds[category] += self.clock() - t0
 
         setattr(owner, attr, timed)  # on the instance: nn.Module.__call__ reaches it through self.forward
 
@@ -100,24 +102,26 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a .gguf file")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as the engine sets them)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (unset: torch's default)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the thread's CPU time (1 thread)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = build_engine(EngineConfig(model=args.model, max_num_seqs=1, speculative="off"))
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu counts one thread's time: pass --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    engine = build_engine(EngineConfig(model=args.model, max_num_seqs=1, speculative="off", num_threads=args.threads))
     params = SamplingParams(max_tokens=4 * args.steps + 64, temperature=0.0, ignore_eos=True)
     engine.add_request([1000 + j * 7 % 20000 for j in range(args.context)], params)
     engine.step()  # the prefill
-    phases(engine, 3)  # warm-up
-    plain = phases(engine, args.steps)  # the step without the timers' own cost
-    timers = Timers()
+    phases(engine, 3, clock)  # warm-up
+    plain = phases(engine, args.steps, clock)  # the step without the timers' own cost
+    timers = Timers(clock)
     instrument(engine, timers)
     per_step = collections.defaultdict(list)
     model_ms = []
     for _ in range(args.steps):
         timers.reset()
-        ph = phases(engine, 1)
+        ph = phases(engine, 1, clock)
         for k, v in timers.reset().items():
             per_step[k].append(v * 1000)
         model_ms.append(ph["model"])
@@ -127,13 +131,15 @@ def main() -> None:
     inside = sum(v for k, v in split.items() if k not in ("sampler", "schedule + update"))
     split["model: the rest (glue, residual adds, runner host work)"] = max(0.0, statistics.median(model_ms) - inside)
     threads = torch.get_num_threads()
-    bandwidth = measure(512, threads)
+    bandwidth = measure(512, threads, clock=clock)
     read = weight_bytes(args.model)
+    # the best read rate the step's threads reached: a numpy sum (one thread) or a torch sum on them
     best = max(bandwidth["numpy_sum_gb_s"], bandwidth["torch_sum_gb_s"])
     step_ms = sum(plain.values())
     report = {
         "model": args.model,
         "threads": threads,
+        "clock": args.clock,
         "load_average": os.getloadavg(),  # the machine is shared: what else ran, over 1, 5 and 15 minutes
         "context": args.context,
         "step_ms": step_ms,
@@ -141,6 +147,7 @@ def main() -> None:
         "split_ms": dict(sorted(split.items(), key=lambda kv: -kv[1])),
         "weight_bytes": read,
         "bandwidth": bandwidth,
+        "read_gb_s": best,
         "floor_ms": read["total"] / 1e9 / best * 1000,
     }
     report["step_over_floor"] = step_ms / report["floor_ms"]
