@@ -10,6 +10,8 @@ Start the peer first (bench/peers/README.md: build_llama_server.sh, then start_l
     python -m bench.serving.compare_llama_server --out benchmarks/results/serving/vs_llama_server.json \\
         --variant default= --variant passive=OMP_WAIT_POLICY=PASSIVE
 
+Another GGUF: start the peer on it (MODEL=F start_llama_server.sh) and pass `--model F`; every variant serves it.
+
 Each variant is an `orcinus serve` with those flags (the empty one: the defaults a user gets); leading
 KEY=VALUE words set its environment (e.g. "OMP_WAIT_POLICY=ACTIVE --num-threads 2"). Prompts
 are random token ids with a new seed for every round, so neither server's prompt cache hits within a
@@ -69,6 +71,7 @@ def bench(url: str, model: str, concurrency: int, args, seed: int, seconds: floa
         "itl_p50_s": s["itl_s"]["p50"],
         "itl_p99_s": s["itl_s"]["p99"],
         "completed": s["completed"],
+        "load_average_1m": os.getloadavg()[0],  # the machine may be shared: what else ran beside the point
         "duration_s": s["duration_s"],
         "seed": seed,
     }
@@ -98,6 +101,8 @@ def peer_settings(url: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-url", default="http://127.0.0.1:8101")
+    ap.add_argument("--llama-model-name", default="smollm2-135m", help="the peer's --alias")
+    ap.add_argument("--model", default=None, help="the GGUF every variant serves (default: the bundled model)")
     ap.add_argument(
         "--variant",
         action="append",
@@ -116,12 +121,14 @@ def main() -> int:
     variants = dict(v.split("=", 1) for v in args.variant) or {"default": ""}
 
     with contextlib.ExitStack() as servers:  # not served_all: each variant has an environment of its own
-        systems = {"llama-server": (args.llama_url, "smollm2-135m")}
+        systems = {"llama-server": (args.llama_url, args.llama_model_name)}
+        served_name = Path(args.model).stem if args.model else "SmolLM2-135M-Instruct"
+        model_flags = ["--model", args.model, "--served-model-name", served_name] if args.model else []
         for name, flags in variants.items():
-            words = shlex.split(flags)
+            words = model_flags + shlex.split(flags)
             env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
             url = servers.enter_context(served([w for w in words if not ("=" in w and not w.startswith("-"))], env=env))
-            systems[f"orcinus {name}"] = (url, "SmolLM2-135M-Instruct")
+            systems[f"orcinus {name}"] = (url, served_name)
         samples: dict = {c: {s: [] for s in systems} for c in args.concurrency}
         peer = peer_settings(args.llama_url)
         names = list(systems)
@@ -149,6 +156,7 @@ def main() -> int:
         table[c] = med
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     report = {
+        "model": args.model or "the bundled model",
         "variants": variants,
         "machine": {"cpu": cpu.stdout.strip(), "cores": os.cpu_count()},
         "llama_server": peer,
