@@ -139,3 +139,15 @@ def test_logprobs_are_computed_only_for_the_rows_that_ask_and_equal_alone(monkey
     assert out[1].logprobs == alone.logprobs
     assert [o.logprobs for i, o in enumerate(out) if i != 1] == [None, None, None]
     assert out[1].logprobs[0].logprob == pytest.approx(float(real(logits[1], -1)[out[1].token_ids[0]]), abs=1e-6)
+
+
+def test_the_cpu_row_sums_are_torchs():
+    from engine.model.sampling.draw import sampling_op
+
+    if sampling_op() is None:
+        pytest.skip("the C++ op does not build here")
+    rows = torch.randn(5, 70_001, generator=torch.Generator().manual_seed(6)) * 4
+    rows[2, :100] = float("-inf")  # masked tokens add nothing
+    top = rows.max(dim=-1).values
+    want = (rows.double() - top[:, None].double()).exp().sum(-1).float()
+    assert torch.allclose(sampling_op().exp_sums(rows, top), want, rtol=1e-6, atol=0)
