@@ -151,3 +151,12 @@ def test_the_cpu_row_sums_are_torchs():
     top = rows.max(dim=-1).values
     want = (rows.double() - top[:, None].double()).exp().sum(-1).float()
     assert torch.allclose(sampling_op().exp_sums(rows, top), want, rtol=1e-6, atol=0)
+
+
+def test_min_p_keeps_what_the_row_max_kept():
+    logits = torch.randn(len(SETTINGS), VOCAB, generator=torch.Generator().manual_seed(8)) * 3
+    reqs = states([{"temperature": 0.8, "top_k": k, "top_p": p, "min_p": 0.05} for k, p in SETTINGS])
+    got = Sampler()._probs(logits, reqs)
+    probs = full_sort(logits / 0.8, [k for k, _ in SETTINGS], [p for _, p in SETTINGS]).softmax(-1)
+    want = probs.masked_fill(probs < 0.05 * probs.max(dim=-1, keepdim=True).values, 0.0)
+    assert torch.equal(got, want)

@@ -282,8 +282,10 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         min_ps = [r.params.min_p for r in requests]
         if any(m > 0 for m in min_ps):
-            floor = self._tensor(min_ps, torch.float32).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
+            # The most likely token's probability is the one at `best`: temperature, top-k and top-p keep the order
+            # and the most likely token, so no pass for a max (nor a copy for the mask: softmax's own tensor).
+            floor = self._tensor(min_ps, torch.float32).unsqueeze(1) * probs.gather(1, best[:, None])
+            probs.masked_fill_(probs < floor, 0.0)
         # Extreme but valid settings (a repetition penalty near 0 makes logits inf) can leave a row with no
         # usable distribution; it takes its most likely token instead of failing the whole engine.
         probs = probs.nan_to_num_(nan=0.0, posinf=0.0)  # softmax's own tensor (or min_p's): in place
