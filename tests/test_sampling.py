@@ -272,7 +272,7 @@ def test_the_cpu_race_op_draws_the_torch_race_s_tokens():
 
     from engine.model.sampling import draw
 
-    if draw._cpu_op() is None:
+    if draw.sampling_op() is None:
         pytest.skip("the C++ op does not build here")
     g = torch.Generator().manual_seed(7)
     for vocab, scale in ((49152, 3.0), (49152, 12.0), (1001, 1.0), (7, 0.5), (1, 1.0), (129, 30.0)):

@@ -36,8 +36,8 @@ def keys(n: int, generator: torch.Generator | None, device: torch.device | str =
 def exponential_race(probs: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
     """probs [R, V] (non-negative, finite, each row's mass above 0, not necessarily 1) and a key per row -> per row
     a token drawn with probability p_i / sum(p); a token of probability 0 never."""
-    if probs.device.type == "cpu" and probs.dtype == torch.float32 and _cpu_op() is not None:
-        return _cpu_op().exponential_race(probs.contiguous(), row_keys.contiguous())
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and sampling_op() is not None:
+        return sampling_op().exponential_race(probs.contiguous(), row_keys.contiguous())
     return exponential_race_reference(probs, row_keys)
 
 
@@ -68,7 +68,7 @@ def _shift(z: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @functools.cache
-def _cpu_op():
-    """The CPU's race op, or None where it cannot build (the torch ops then draw the same tokens)."""
+def sampling_op():
+    """The CPU's sampling ops (the race, top-p's row sums), or None where they cannot build (torch ops then do)."""
     load = functools.partial(load_cpu_extension, "orcinus_cpu_sampling")
     return load() if builds(load, "the C++ sampling op is unavailable, drawing with torch ops") else None

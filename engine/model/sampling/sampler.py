@@ -12,6 +12,7 @@ and takes each request's accepted drafts and the token after them (engine/model/
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import torch
 from engine.core.request import SampledTokens, TokenLogprobs
 from engine.model.sampling.draw import exponential_race, keys
 from engine.model.sampling.grammar import GrammarMasks
+from engine.model.sampling.nucleus import nucleus
 from engine.model.sampling.state import SamplingState
 from engine.model.sampling.verification import NO_DRAFT, accepted_tokens, draft_acceptance
 
@@ -118,9 +120,8 @@ class Sampler:
         drafts = drafts or [[] for _ in requests]
         rows = rows_of(requests, drafts)
         logits = logits.float()
-        # Logprobs report the model's own distribution, before any sampling transform.
+        raw = logits  # logprobs report the model's own distribution, before any sampling transform
         num_top = [r.params.logprobs for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_top) else None
         if any(_changes_logits(row) for row in rows):  # else no copy: 64 rows of a 128k vocabulary are 33 MB
             logits = self._adjust(logits.clone(), rows)  # the runner returns an inference tensor: no in-place
             if self.grammar is not None:
@@ -153,15 +154,8 @@ class Sampler:
 
         # One transfer for everything: ids are exact in float64.
         parts = [tokens[:, None].double(), accepted[:, None].double()]
-        if raw_logprobs is not None:
-            k = max(n or 0 for n in num_top)
-            parts += [
-                raw_logprobs.gather(1, tokens[:, None]).double(),
-                raw_logprobs.gather(1, draft_ids.clamp(min=0)[:, None]).double(),
-            ]
-            if k:
-                top = raw_logprobs.topk(k, dim=-1)
-                parts += [top.indices.double(), top.values.double()]
+        if any(n is not None for n in num_top):
+            parts.append(self._logprobs(raw, rows, tokens, draft_ids, max(n or 0 for n in num_top)))
         packed = torch.cat(parts, dim=1)
         if self.device.type == "cpu":
             return DeviceSample(requests, drafts, tokens, packed, num_top, None)
@@ -170,6 +164,29 @@ class Sampler:
         ready = torch.cuda.Event()
         ready.record()
         return DeviceSample(requests, drafts, tokens, host, num_top, ready)
+
+    def _logprobs(
+        self, raw: torch.Tensor, rows: list[Row], tokens: torch.Tensor, draft_ids: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        """[R, 2 + 2k] float64: each row's token's and draft token's logprobs and its k most likely tokens and theirs,
+        computed for the rows of requests that asked (the others' are zeros, never read)."""
+        asking = [i for i, row in enumerate(rows) if row.request.params.logprobs is not None]
+        every = len(asking) == len(rows)
+        at = None if every else self._tensor(asking, torch.int64)
+        if not every:
+            raw, tokens, draft_ids = raw.index_select(0, at), tokens.index_select(0, at), draft_ids.index_select(0, at)
+        logprobs = torch.log_softmax(raw, dim=-1)  # a row's values do not depend on the other rows
+        parts = [
+            logprobs.gather(1, tokens[:, None]).double(),
+            logprobs.gather(1, draft_ids.clamp(min=0)[:, None]).double(),
+        ]
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            parts += [top.indices.double(), top.values.double()]
+        part = torch.cat(parts, dim=1)
+        if every:
+            return part
+        return part.new_zeros(len(rows), part.shape[1]).index_copy_(0, at, part)
 
     def finish(self, sample: DeviceSample) -> dict[str, SampledTokens]:
         """Wait for a sample's host copy; take each request's accepted drafts and the token after them, and advance
@@ -241,8 +258,13 @@ class Sampler:
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if outputs and (p.presence_penalty or p.frequency_penalty):
             # OpenAI: only generated tokens count.
-            counts = torch.bincount(self._tensor(outputs, torch.int64), minlength=vocab)[:vocab].float()
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            # Only the tokens it generated change: their counts, not a vocabulary-wide one (the same float32 sums).
+            counted = Counter(t for t in outputs if 0 <= t < vocab)
+            ids = self._tensor(list(counted), torch.int64)
+            counts = self._tensor(list(counted.values()), torch.float32)
+            row.index_put_(
+                (ids,), row[ids] - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
+            )
 
     def _probs(
         self, logits: torch.Tensor, requests: list[SamplingState], best: torch.Tensor | None = None
@@ -255,22 +277,15 @@ class Sampler:
         logits = logits / self._tensor([r.params.temperature for r in requests], torch.float32).unsqueeze(1)
         top_ks = [r.params.top_k for r in requests]
         top_ps = [r.params.top_p for r in requests]
-        vocab = logits.shape[1]
-        if any(0 < k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            k = self._tensor([k if 0 < k < vocab else vocab for k in top_ks], torch.int64).unsqueeze(1)
-            drop = torch.arange(vocab, device=logits.device).unsqueeze(0) >= k
-            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Drop a token if the mass before it already reaches top_p (the most likely one always stays).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= self._tensor(top_ps, torch.float32).unsqueeze(1)
-            drop[:, 0] = False  # a top_p that rounds to 0 in float32 must still leave one token
-            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        if any(0 < k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = nucleus(logits, top_ks, top_ps, self._tensor)
         probs = logits.softmax(dim=-1)
         min_ps = [r.params.min_p for r in requests]
         if any(m > 0 for m in min_ps):
-            floor = self._tensor(min_ps, torch.float32).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
+            # The most likely token's probability is the one at `best`: temperature, top-k and top-p keep the order
+            # and the most likely token, so no pass for a max (nor a copy for the mask: softmax's own tensor).
+            floor = self._tensor(min_ps, torch.float32).unsqueeze(1) * probs.gather(1, best[:, None])
+            probs.masked_fill_(probs < floor, 0.0)
         # Extreme but valid settings (a repetition penalty near 0 makes logits inf) can leave a row with no
         # usable distribution; it takes its most likely token instead of failing the whole engine.
         probs = probs.nan_to_num_(nan=0.0, posinf=0.0)  # softmax's own tensor (or min_p's): in place

@@ -41,6 +41,11 @@ int64_t race_row(const float* p, int64_t vocab, uint64_t key) {
   int64_t token = 0;  // a row without mass (the caller gives none) would take token 0, as torch's max would
   for (int64_t begin = 0; begin < vocab; begin += kChunk) {
     const int64_t end = std::min(vocab, begin + kChunk);
+    // A chunk without mass (top-k, top-p and min-p leave most of a large vocabulary at 0) cannot win: its hashes
+    // are skipped. A zero never passes the test below either, so no draw changes.
+    float most = 0.0f;
+    for (int64_t i = begin; i < end; ++i) most = std::max(most, p[i]);
+    if (!(most > 0.0f)) continue;
     const float threshold = best * kMargin;
     int any = 0;  // does any token of the chunk have a bound above the best? (p_i 2^24 > best (2^24 - m_i))
     for (int64_t i = begin; i < end; ++i) {
@@ -78,8 +83,33 @@ at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys) {
   return tokens;
 }
 
+// rows [R, V] float32, shift [R] float32 -> [R] float32: each row's sum of exp(x - shift), in one read of the row and
+// no temporary (top-p's normalizer over a whole row whose candidates alone were sorted).
+at::Tensor exp_sums(const at::Tensor& rows, const at::Tensor& shift) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.is_contiguous(),
+              "rows: a contiguous float32 [R, V] CPU tensor");
+  TORCH_CHECK(shift.device().is_cpu() && shift.scalar_type() == at::kFloat && shift.dim() == 1 &&
+              shift.size(0) == rows.size(0) && shift.is_contiguous(), "shift: a contiguous float32 [R] CPU tensor");
+  const int64_t n = rows.size(0), vocab = rows.size(1);
+  at::Tensor out = at::empty({n}, shift.options());
+  const float* x = rows.data_ptr<float>();
+  const float* s = shift.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * vocab;
+      const float m = s[r];
+      double sum = 0.0;  // a float32 running sum over a whole vocabulary would lose its last bits
+      for (int64_t i = 0; i < vocab; ++i) sum += std::exp(row[i] - m);
+      o[r] = static_cast<float>(sum);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exponential_race", &exponential_race, "per row, argmax p_i / -log U_i with U_i from the row's key (CPU)");
+  m.def("exp_sums", &exp_sums, "per row, the sum of exp(x - shift) (CPU)");
 }
