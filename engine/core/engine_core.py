@@ -8,7 +8,7 @@ from collections import deque
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
-from engine.core.lora_pool import AdapterError, AdapterGate
+from engine.core.lora_pool import AdapterError, AdapterGate, parse_lora
 from engine.core.queue_policy import QueuePolicy
 from engine.core.request import NO_OPTIONS, EngineRequest, Request, RequestOptions
 from engine.core.request_limits import RequestLimits
@@ -172,11 +172,3 @@ class EngineCore:
         """Stop the executor's processes, if it has any; keep what the scheduling policy learnt."""
         self.scheduler.policy.close()
         self.executor.close()
-
-
-def parse_lora(spec: str) -> tuple[str, str]:
-    """--lora's NAME=PATH -> (name, path)."""
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora takes NAME=PATH, got {spec!r}")
-    return name, path

@@ -158,3 +158,11 @@ class AdapterGate:
         """Each request's slot (-1: the base model)."""
         slot_of, holding = self.pool.slot_of, self.holding
         return [slot_of[holding[r]] if r in holding else -1 for r in request_ids]
+
+
+def parse_lora(spec: str) -> tuple[str, str]:
+    """--lora's NAME=PATH -> (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora takes NAME=PATH, got {spec!r}")
+    return name, path
