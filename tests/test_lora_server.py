@@ -138,3 +138,13 @@ def test_adapters_load_and_unload_at_run_time(lora_server, adapters, tmp_path):
         },
     )
     assert complete(url, "a").json()["choices"][0]["text"] == texts[0]  # the one left still serves
+
+
+def test_the_adapter_routes_exist_only_where_lora_is_on():
+    from engine.core.config import EngineConfig
+    from gateway.app import build_app
+    from gateway.config import GatewayConfig
+
+    routes = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    assert not routes & {r.path for r in build_app(GatewayConfig()).routes}
+    assert routes <= {r.path for r in build_app(GatewayConfig(EngineConfig(enable_lora=True))).routes}

@@ -8,7 +8,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from gateway.api.protocol import decode_request
-from gateway.api.serving import ServerState, read_body
+from gateway.api.serving import ServerState, as_api_error, read_body
+from gateway.engines.client import EngineUnavailableError
 from gateway.web import errors
 
 
@@ -35,7 +36,10 @@ async def load_lora_adapter(request: Request, state: ServerState) -> Response:
     async with state.lora_lock:  # one update at a time: a name is loaded, or not, everywhere
         if name in state.adapters or name == state.model_name:
             raise errors.invalid_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        result = await state.client.load_lora(name, path)
+        try:
+            result = await state.client.load_lora(name, path)
+        except EngineUnavailableError as e:
+            raise as_api_error(e) from None
         if result.error is not None:
             raise errors.invalid_request(result.error, "lora_path")
         state.adapters[name] = path
@@ -49,7 +53,10 @@ async def unload_lora_adapter(request: Request, state: ServerState) -> Response:
         if name not in state.adapters:
             raise errors.lora_not_found(name)
         del state.adapters[name]  # first: no request naming it goes to the engine from now on
-        result = await state.client.unload_lora(name)
+        try:
+            result = await state.client.unload_lora(name)
+        except EngineUnavailableError:
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")  # a new engine lacks it
         if result.error is not None and not result.not_found:
             raise errors.invalid_request(result.error, "lora_name")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
