@@ -4,9 +4,9 @@ Every targeted projection of the model is wrapped once (`LoraLinear`); it holds 
 `max_loras` slots stacked, each padded to `max_lora_rank`. A step's rows of several adapters and of the base model
 go through one shrink (x @ [A_0 ... A_n], all slots at once), a mask that keeps each row's own slot's columns scaled
 by its adapter's scale (zero for a base row), and one expand per output slice (q/k/v of the fused QKV, gate/up of
-the fused MLP input): the same ops whatever the mix, no loop over adapters or requests. The shrink computes every
-resident slot's columns for every row, which costs max_loras * max_lora_rank columns per projection: small beside
-the projection itself at the ranks adapters use.
+the fused MLP input): the same ops whatever the mix, no loop over adapters or requests. The shrink computes the
+columns of every slot up to the highest one the step uses for every row, at most max_loras * max_lora_rank columns
+per projection: small beside the projection itself at the ranks adapters use.
 """
 
 from __future__ import annotations
@@ -93,11 +93,13 @@ def read_adapter(path: str, num_layers: int, max_rank: int) -> LoraAdapter:
 
 
 class RowAdapters:
-    """This step's scale mask [rows, max_loras * max_rank]: each row's slot's columns hold its adapter's scale; None
-    when no row uses an adapter (the projections then run as without LoRA, bit for bit)."""
+    """This step's scale mask [rows, num_slots * max_rank]: each row's slot's columns hold its adapter's scale; None
+    when no row uses an adapter (the projections then run as without LoRA, bit for bit). Only the slots up to the
+    highest one a row uses are computed (the pool fills the lowest free slot first)."""
 
     def __init__(self) -> None:
         self.mask: torch.Tensor | None = None
+        self.num_slots = 0
 
 
 class LoraLinear(nn.Module):
@@ -107,26 +109,28 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Module, slices: list[int], in_features: int, rows: RowAdapters, slots: int, rank: int):
         super().__init__()
         self.base, self.rows = base, rows
-        self.sizes = slices
+        self.sizes, self.rank = slices, rank
         self.offsets = [sum(slices[:i]) for i in range(len(slices))]
         p = next(base.parameters(), None)
         p = p if p is not None else next(base.buffers())
         dtype = p.dtype if p.is_floating_point() else torch.float32
-        width = slots * rank
-        # [in, slices * slots * rank]: one shrink for every slice and slot; B per slice [slots * rank, out_slice].
-        self.register_buffer("a", torch.zeros(in_features, len(slices) * width, dtype=dtype, device=p.device), False)
+        # A [in, slots x slices x rank], slot-major: one shrink for every slice of the slots in use (a leading run of
+        # columns); B per slice [slots x rank, out_slice].
+        self.register_buffer(
+            "a", torch.zeros(in_features, slots * len(slices) * rank, dtype=dtype, device=p.device), False
+        )
         for i, size in enumerate(slices):
-            self.register_buffer(f"b{i}", torch.zeros(width, size, dtype=dtype, device=p.device), False)
-        self.width = width
+            self.register_buffer(f"b{i}", torch.zeros(slots * rank, size, dtype=dtype, device=p.device), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         mask = self.rows.mask
         if mask is None:
             return y
-        xa = (x @ self.a).view(x.shape[0], len(self.sizes), self.width) * mask.unsqueeze(1)
+        n, k, num, r = x.shape[0], len(self.sizes), self.rows.num_slots, self.rank
+        xa = (x @ self.a[:, : num * k * r]).view(n, num, k, r) * mask.view(n, num, 1, r)
         for i, (off, size) in enumerate(zip(self.offsets, self.sizes)):
-            y[:, off : off + size] += xa[:, i] @ getattr(self, f"b{i}")
+            y[:, off : off + size] += xa[:, :, i].reshape(n, num * r) @ getattr(self, f"b{i}")[: num * r]
         return y
 
 
@@ -158,17 +162,21 @@ class LoraSlots:
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into `slot`, over whatever was there (its untargeted projections zeroed)."""
         self.check(adapter)
-        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        used = slice(slot * self.max_rank, slot * self.max_rank + adapter.rank)
+        r, cols = adapter.rank, slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        used = slice(slot * self.max_rank, slot * self.max_rank + r)
+
+        def a_of(proj: LoraLinear) -> torch.Tensor:  # [in, slots, slices, rank]
+            return proj.a.view(proj.a.shape[0], self.max_loras, len(proj.sizes), self.max_rank)
+
         for wrapped in self.layers:
             for proj in wrapped.values():
-                proj.a.view(proj.a.shape[0], len(proj.sizes), -1)[:, :, cols] = 0
+                a_of(proj)[:, slot] = 0
                 for j in range(len(proj.sizes)):
                     getattr(proj, f"b{j}")[cols] = 0
         for (layer, module), (a_host, b_host) in adapter.weights.items():
             name, j = TARGETS[module]
             proj = self.layers[layer][name]
-            proj.a.view(proj.a.shape[0], len(proj.sizes), -1)[:, j, used] = a_host.T.to(proj.a)
+            a_of(proj)[:, slot, j, :r] = a_host.T.to(proj.a)
             getattr(proj, f"b{j}")[used] = b_host.T.to(proj.a)
         self.scales[slot] = 0
         self.scales[slot, cols] = adapter.scale
@@ -191,5 +199,7 @@ class LoraSlots:
         if not slots or max(slots) < 0:
             self.rows.mask = None
             return
+        num = max(slots) + 1
         index = np.repeat(np.where(np.asarray(slots) < 0, self.max_loras, slots), rows_per_request)
-        self.rows.mask = self.scales[torch.from_numpy(index).to(self.scales.device)]
+        self.rows.num_slots = num
+        self.rows.mask = self.scales[:, : num * self.max_rank][torch.from_numpy(index).to(self.scales.device)]
