@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.lora_pool import AdapterError, AdapterNotFoundError, LoraPool
-from engine.core.request import RequestOptions
+from engine.core.lora_pool import AdapterError, AdapterGate, AdapterNotFoundError, LoraPool
+from engine.core.request import Request, RequestOptions
 from tests.test_families import build
 
 peft = pytest.importorskip("peft")
@@ -155,3 +155,31 @@ def test_the_pool_evicts_the_least_recently_used_unheld_adapter_only():
     assert pool.register("c") != c  # a name loaded again is another adapter (the prefix cache keys by id)
     with pytest.raises(AdapterError, match="already been loaded"):
         pool.register("a")
+
+
+def test_a_waiting_adapter_gets_a_slot_though_others_keep_coming():
+    """One slot held by adapter a: b's request waits, and a's newcomers wait behind it rather than keep a's slot held
+    forever; each enters in turn."""
+    loads, entered = [], []
+    gate = AdapterGate(1, lambda slot, name: loads.append((slot, name)))
+    gate.pool.register("a"), gate.pool.register("b")
+
+    def add(request_id: str, name: str) -> None:
+        gate.add(Request(request_id, [1], GREEDY, options=RequestOptions(lora=name)), lambda r: entered.append(r))
+
+    add("a1", "a")
+    add("b1", "b")
+    add("a2", "a")
+    assert [r.request_id for r in entered] == ["a1"] and list(gate.held) == ["b1", "a2"]
+    gate.done(["a1"])
+    gate.admit_held(entered.append)
+    assert [r.request_id for r in entered] == ["a1", "b1"] and gate.slots(["b1", "x"]) == [0, -1]
+    add("b2", "b")  # b is resident and a's request waits for it: b2 waits too
+    gate.admit_held(entered.append)
+    assert list(gate.held) == ["a2", "b2"]
+    gate.done(["b1"])
+    gate.admit_held(entered.append)
+    gate.done(["a2"])
+    gate.admit_held(entered.append)
+    assert [r.request_id for r in entered] == ["a1", "b1", "a2", "b2"]
+    assert loads == [(0, "a"), (0, "b"), (0, "a"), (0, "b")] and not gate.held

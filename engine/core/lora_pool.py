@@ -3,8 +3,10 @@ waiting for theirs.
 
 A request under an adapter holds the adapter's slot from the moment it enters the scheduler until it finishes or is
 aborted, so a slot is never reloaded under a running request. One whose adapter has no slot (every slot held) waits
-here, outside the scheduler, and the step goes on with the others; it enters once a slot frees. A resident adapter
-no request holds stays loaded until its slot is needed (least recently used first).
+here, outside the scheduler, and the step goes on with the others; it enters once a slot frees. So that a stream of
+requests under resident adapters cannot keep every slot held forever, the least held adapter then takes no new
+requests (they wait too) until its slot has gone to the waiting one. A resident adapter no request holds stays
+loaded until its slot is needed (least recently used first).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import InvalidRequestError
 
 
@@ -102,6 +104,7 @@ class AdapterGate:
         self.load = load
         self.held: dict[str, Request] = {}  # waiting for a slot, in arrival order
         self.holding: dict[str, int] = {}  # request id -> adapter id, for requests past the gate
+        self.draining: int | None = None  # the adapter whose slot goes to the oldest waiting request, once unheld
 
     def add(self, req: Request, enter: Callable[[Request], None]) -> None:
         """`enter(req)` now, or once its adapter has a slot; InvalidRequestError for an adapter not loaded."""
@@ -120,14 +123,22 @@ class AdapterGate:
 
     def admit_held(self, enter: Callable[[Request], None]) -> None:
         """Let in the waiting requests whose adapters now get a slot (each tries in arrival order)."""
-        for request_id, req in list(self.held.items()):
-            if self._take(req):
-                del self.held[request_id]
-                enter(req)
+        for _ in range(2):  # again once the drained slot has gone: who waits still picks the next to drain
+            for request_id, req in list(self.held.items()):
+                if self._take(req):
+                    del self.held[request_id]
+                    enter(req)
+            if self.draining is None or (self.held and self.draining in self.pool.users):
+                return
+            self.draining = None
 
     def _take(self, req: Request) -> bool:
+        if req.lora_id == self.draining:
+            return False
         got = self.pool.acquire(req.lora_id)
         if got is None:
+            if self.draining is None:
+                self.draining = min(self.pool.users, key=self.pool.users.__getitem__)
             return False
         slot, fresh = got
         if fresh:
@@ -144,7 +155,10 @@ class AdapterGate:
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request still waiting for a slot (None if it is not waiting here)."""
-        return self.held.pop(request_id, None)
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            req.status = RequestStatus.FINISHED_ABORTED
+        return req
 
     def unload(self, name: str) -> list[Request]:
         """Forget an adapter; returns the requests that were waiting for it (they can no longer run)."""
