@@ -73,6 +73,8 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
         policy = Predicted(RidgeLengthPredictor(ckpt.shape.hidden_size, config.length_predictor))
     else:
         policy = queue_policy(config.scheduling_policy)()
+    if config.lora_enabled and is_distributed(config):
+        raise ValueError("LoRA adapters are not served with --pipeline-stages or --tensor-parallel-size above 1 yet")
     executor = make_executor(config, ckpt, max_model_len)
     draft_source = (
         None if config.speculative == "off" else DRAFT_SOURCES[config.speculative](shared=config.speculative_shared)

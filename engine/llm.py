@@ -40,15 +40,23 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: list[int] | None = None,
+        lora: list[str] | None = None,
     ) -> list[Completion]:
-        """`priority`: one per prompt, lower admitted first under the `priority` scheduling policy (vLLM's)."""
+        """`priority`: one per prompt, lower admitted first under the `priority` scheduling policy (vLLM's); `lora`:
+        one adapter name per prompt ("" for the base model), of those loaded with `lora=("NAME=PATH", ...)`."""
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("give one priority per prompt")
+        if lora is not None and len(lora) != len(prompts):
+            raise ValueError("give one adapter name per prompt")
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         requests = [
-            self.engine.add_request(self._ids(p), sp, RequestOptions(priority=priority[i] if priority else 0))
+            self.engine.add_request(
+                self._ids(p),
+                sp,
+                RequestOptions(priority=priority[i] if priority else 0, lora=lora[i] if lora else ""),
+            )
             for i, (p, sp) in enumerate(zip(prompts, params_list))
         ]
         with tqdm(total=len(requests), disable=not use_tqdm, desc="generating") as bar:

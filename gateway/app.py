@@ -15,11 +15,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from engine.core.lora_pool import parse_lora
 from engine.model.tokenizer.chat_template import load_chat_template
 from gateway.api.chat import create_chat_completion
 from gateway.api.completions import create_completion
+from gateway.api.lora import load_lora_adapter, unload_lora_adapter
 from gateway.api.openapi import openapi_document
-from gateway.api.protocol import ModelCard, ModelList
+from gateway.api.protocol import AdapterCard, ModelCard, ModelList
 from gateway.api.responses import create_response, delete_response, retrieve_response
 from gateway.api.serving import ServerState, json_response
 from gateway.api.special_tokens import ContentTokens
@@ -83,6 +85,7 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
         content_tokens,
         config.shutdown_timeout,
     )
+    state.adapters.update(parse_lora(spec) for spec in config.engine.lora)
     started = int(time.time())
     keyed = bool(config.api_keys)
     metrics_need_key = keyed and config.metrics_need_key
@@ -120,12 +123,18 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
 
         return run
 
+    def card(name: str) -> ModelCard:
+        if name in state.adapters:
+            return AdapterCard(id=name, created=started, parent=state.model_name)
+        return ModelCard(id=state.model_name, created=started)
+
     async def models(request: Request) -> Response:
-        return json_response(ModelList(data=[ModelCard(id=state.model_name, created=started)]))
+        return json_response(ModelList(data=[card(state.model_name), *map(card, state.adapters)]))
 
     async def model(request: Request) -> Response:
-        state.check_model(request.path_params["model"])
-        return json_response(ModelCard(id=state.model_name, created=started))
+        name = request.path_params["model"]
+        state.check_model(name)
+        return json_response(card(name))
 
     async def health(request: Request) -> Response:
         if state.client.healthy:
@@ -141,6 +150,15 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
     async def chat_page(request: Request) -> Response:
         return HTMLResponse(page, headers=page_security)
 
+    # Only where adapters are served: a server without them keeps its routes (and its OpenAPI document) as they were.
+    lora_routes = (
+        [
+            Route("/v1/load_lora_adapter", handler(load_lora_adapter), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", handler(unload_lora_adapter), methods=["POST"]),
+        ]
+        if config.engine.lora_enabled
+        else []
+    )
     app = Starlette(
         routes=[
             Route("/v1/completions", handler(create_completion), methods=["POST"]),
@@ -157,6 +175,7 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
             Route("/metrics", metrics_route, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             Route("/", chat_page, methods=["GET"]),
+            *lora_routes,
         ],
         exception_handlers=errors.EXCEPTION_HANDLERS,
         lifespan=lifespan,

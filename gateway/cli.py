@@ -40,7 +40,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _with_default(text: str, default) -> str:
     """Help text that states its default, when there is one to state (unset and off go without saying)."""
-    if default is None or default is False:
+    if default is None or default is False or default == ():
         return text
     return f"{text} (default: {'on' if default is True else default})"
 
@@ -87,6 +87,10 @@ _ENGINE_FLAGS = {
     "pipeline_stages": {"type": int, "metavar": "N"},
     "tensor_parallel_size": {"type": int, "metavar": "N"},
     "external_stages": {"action": "store_true"},
+    "lora": {"action": "append", "metavar": "NAME=PATH"},
+    "enable_lora": {"action": "store_true"},
+    "max_loras": {"type": int, "metavar": "N"},
+    "max_lora_rank": {"type": int, "metavar": "N"},
     # Tests only, hidden from --help: failures to inject, as a FaultPlan in JSON.
     "faults": {"type": lambda text: msgspec.json.decode(text, type=FaultPlan), "help": argparse.SUPPRESS},
 }
@@ -121,7 +125,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields given on the command line."""
     names = {f.name for f in fields(EngineConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k in names and v is not None}
 
 
 def cmd_export_tokenizer(args: argparse.Namespace) -> int:

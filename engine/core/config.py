@@ -219,8 +219,21 @@ class EngineConfig:
     """Seeds dummy weights and unseeded sampling."""
     num_threads: int | None = None
     """Torch CPU threads (per stage process when pipelined); unset: torch's default."""
+    lora: tuple[str, ...] = ()
+    """Serve a LoRA adapter beside the base model, as NAME=PATH (a PEFT directory: adapter_config.json and
+    adapter_model.safetensors; repeat for several); a request names one as its `model`."""
+    enable_lora: bool = False
+    """Serve LoRA adapters, loaded and unloaded at run time (POST /v1/load_lora_adapter); on whenever --lora names one."""
+    max_loras: int = 4
+    """Most LoRA adapters resident at once (the others wait on the host until a slot frees)."""
+    max_lora_rank: int = 16
+    """Largest rank of a LoRA adapter the engine takes."""
     faults: FaultPlan | None = None
     """Tests only: failures to inject (FaultPlan.at_* where they happen)."""
 
     def with_(self, **changes) -> EngineConfig:
         return replace(self, **changes)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora)

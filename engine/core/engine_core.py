@@ -8,6 +8,7 @@ from collections import deque
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
+from engine.core.lora_pool import AdapterError, AdapterGate, parse_lora
 from engine.core.queue_policy import QueuePolicy
 from engine.core.request import NO_OPTIONS, EngineRequest, Request, RequestOptions
 from engine.core.request_limits import RequestLimits
@@ -59,6 +60,10 @@ class EngineCore:
         self.max_batches_in_flight = 0
         self._submitted_at: deque[float] = deque()  # of the batches in flight, oldest first
         self._last_collected = 0.0
+        # LoRA adapters: which are resident, and the requests waiting for a slot (None: no adapters served).
+        self.adapters = AdapterGate(config.max_loras, executor.load_lora) if config.lora_enabled else None
+        for spec in config.lora:
+            self.load_lora(*parse_lora(spec))
 
     @property
     def runner(self):
@@ -91,25 +96,57 @@ class EngineCore:
             self.eos_token_id,
             request.options,
         )
-        self.scheduler.add(req)
+        if self.adapters is None:
+            if request.options.lora:
+                raise InvalidRequestError(f"The model `{request.options.lora}` does not exist.", "model")
+            self.scheduler.add(req)
+        else:
+            self.adapters.add(req, self.scheduler.add)
         return req
 
     def abort_request(self, request_id: str) -> Request | None:
+        if self.adapters is not None and (held := self.adapters.abort(request_id)) is not None:
+            return held
         req = self.scheduler.abort(request_id)
         if req is not None:
             self.executor.release([request_id])
+            if self.adapters is not None:
+                self.adapters.done([request_id])
         return req
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter under `name` (AdapterError if it is loaded already, or does not fit the model)."""
+        if self.adapters is None:
+            raise AdapterError("LoRA adapters are not enabled: start the server with --enable-lora or --lora")
+        if name in self.adapters.pool.ids:
+            raise AdapterError(f"The lora adapter '{name}' has already been loaded.")
+        self.executor.add_lora(name, path)
+        self.adapters.pool.register(name)
+
+    def unload_lora(self, name: str) -> list[Request]:
+        """Stop serving an adapter (AdapterNotFoundError if not loaded): requests running under it finish; those
+        still waiting for its slot are returned, dropped."""
+        if self.adapters is None:
+            raise AdapterError("LoRA adapters are not enabled: start the server with --enable-lora or --lora")
+        dropped = self.adapters.unload(name)
+        self.executor.remove_lora(name)
+        return dropped
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.executor.num_in_flight > 0
+        held = self.adapters is not None and bool(self.adapters.held)
+        return self.scheduler.has_unfinished() or self.executor.num_in_flight > 0 or held
 
     def step(self) -> list[Request]:
         """One iteration: fill the pipeline with batches (stages, or a batch scheduled ahead of the device), then
         finish the oldest; returns requests that got a token."""
+        if self.adapters is not None:
+            self.adapters.admit_held(self.scheduler.add)
         while (free := self.executor.max_in_flight - self.executor.num_in_flight) > 0:
             batch = self.scheduler.schedule(num_batches=free)
             if not batch.requests:
                 break
+            if self.adapters is not None:
+                batch.lora_slots = self.adapters.slots([r.request_id for r in batch.requests])
             started = time.monotonic()  # a local executor runs the batch in submit, others in the background
             self.executor.submit(batch, [self.scheduler.requests[r.request_id] for r in batch.requests if r.sample])
             self._submitted_at.append(started)
@@ -125,7 +162,10 @@ class EngineCore:
         self._last_collected = now
         self.num_iterations += 1
         updated = self.scheduler.update(batch, sampled, prompt_logprobs, seconds)
-        self.executor.release([r.request_id for r in updated if r.status.finished])
+        finished = [r.request_id for r in updated if r.status.finished]
+        self.executor.release(finished)
+        if self.adapters is not None:
+            self.adapters.done(finished)
         return updated
 
     def close(self) -> None:

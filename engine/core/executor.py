@@ -33,3 +33,13 @@ class Executor(Protocol):
         """These requests are gone: drop any state kept for them."""
 
     def close(self) -> None: ...
+
+    # LoRA (engine/core/lora_pool.py decides residency; only executors that serve adapters have these):
+    def add_lora(self, name: str, path: str) -> None:
+        """Read an adapter to the host, checked against the model (AdapterError if it does not fit)."""
+
+    def load_lora(self, slot: int, name: str) -> None:
+        """Put a host adapter's weights in `slot`, ahead of any batch submitted after this call."""
+
+    def remove_lora(self, name: str) -> None:
+        """Drop the host copy (a slot it is in keeps its weights until reloaded)."""

@@ -35,10 +35,12 @@ def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
-def salt_root(cache_salt: bytes) -> bytes:
+def salt_root(cache_salt: bytes, lora_id: int = 0) -> bytes:
     """The first block's parent: nothing without a salt; with one, 33 bytes, a length no other parent has (names are
-    32), so a salted first block can never take the name of an unsalted block."""
-    return b"\0" + hashlib.sha256(cache_salt).digest() if cache_salt else b""
+    32), so a salted first block can never take the name of an unsalted block. Under a LoRA adapter, 34 bytes of the
+    salt's root and the adapter: its blocks hold K/V no other adapter (nor the base model) computes."""
+    root = b"\0" + hashlib.sha256(cache_salt).digest() if cache_salt else b""
+    return b"\1\1" + hashlib.sha256(root + lora_id.to_bytes(8, "little")).digest() if lora_id else root
 
 
 class KVCacheManager:
@@ -173,5 +175,5 @@ class KVCacheManager:
         """Extend `req.block_names` to its first `num_full` full blocks (names depend only on the salt and the tokens)."""
         bs = self.block_size
         for i in range(len(req.block_names), num_full):
-            parent = req.block_names[i - 1] if i else salt_root(req.options.cache_salt)
+            parent = req.block_names[i - 1] if i else salt_root(req.options.cache_salt, req.lora_id)
             req.block_names.append(chain_hash(parent, req.token_ids(i * bs, (i + 1) * bs)))

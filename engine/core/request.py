@@ -55,6 +55,7 @@ class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
 
     cache_salt: bytes = b""  # opaque; mixed into its first block's name: only requests with the same salt share blocks
     priority: int = 0  # lower is admitted first under the `priority` scheduling policy
+    lora: str = ""  # the LoRA adapter it runs under, by name; "": the base model
 
 
 NO_OPTIONS = RequestOptions()
@@ -81,6 +82,7 @@ class Request:
     arrival_time: float = 0.0
     eos_token_id: int | None = None  # None when the caller asked to ignore eos
     options: RequestOptions = NO_OPTIONS  # as its caller sent them
+    lora_id: int = 0  # its adapter's id in the engine's LoRA pool (0: the base model); names its prefix-cache blocks
     arrival_order: int = 0  # its place among the scheduler's arrivals (numbered as they are added)
     length: object | None = None  # its probes and predictions (core/queue_policy.py's LengthState), where probed
     status: RequestStatus = RequestStatus.WAITING

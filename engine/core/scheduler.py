@@ -54,6 +54,7 @@ class Batch(msgspec.Struct):
     """The scheduler -> runner contract for one iteration."""
 
     requests: list[ScheduledRequest]
+    lora_slots: list[int] | None = None  # each request's LoRA slot (-1: the base model); None: no adapters served
 
     @property
     def num_tokens(self) -> int:

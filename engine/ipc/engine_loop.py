@@ -21,6 +21,7 @@ import time
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
+from engine.core.lora_pool import AdapterError, AdapterNotFoundError
 from engine.core.request import EngineRequest
 from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.channel import Channel, ChannelHandle
@@ -36,6 +37,8 @@ from engine.ipc.messages import (
     EngineSummary,
     FromEngine,
     Heartbeat,
+    LoadLora,
+    LoraResult,
     PromptLogprobsPart,
     ReleaseGrammar,
     RequestError,
@@ -43,6 +46,7 @@ from engine.ipc.messages import (
     StepDeltas,
     ToEngine,
     TokenDelta,
+    UnloadLora,
     cache_key,
 )
 
@@ -131,8 +135,10 @@ class EngineLoop:
         while not self._stop_beating.wait(HEARTBEAT_INTERVAL):
             self.outbox.try_send(Heartbeat())  # a full ring: the gateway is behind and sees the other frames first
 
-    def handle(self, msg: AddGrammar | ReleaseGrammar | AddRequest | Abort) -> None:
-        if isinstance(msg, Abort):
+    def handle(self, msg: AddGrammar | ReleaseGrammar | AddRequest | Abort | LoadLora | UnloadLora) -> None:
+        if isinstance(msg, (LoadLora, UnloadLora)):
+            self.update_lora(msg)
+        elif isinstance(msg, Abort):
             if self.grammars is None or not self.grammars.abort(msg.request_id):
                 self.engine.abort_request(msg.request_id)
         elif isinstance(msg, (AddGrammar, ReleaseGrammar)) and self.grammars is None:
@@ -145,6 +151,23 @@ class EngineLoop:
             self.add(msg.request)
         elif self.grammars is None or not self.grammars.park(msg):
             self.outbox.send(RequestError(msg.request.request_id, f"unknown grammar {msg.grammar_id!r}", internal=True))
+
+    def update_lora(self, msg: LoadLora | UnloadLora) -> None:
+        """Load or unload an adapter between steps; a bad one is the caller's error, never the engine's."""
+        try:
+            if isinstance(msg, LoadLora):
+                self.engine.load_lora(msg.name, msg.path)
+            else:
+                for req in self.engine.unload_lora(msg.name):  # waiting for its slot: they can no longer run
+                    self.outbox.send(RequestError(req.request_id, f"The model `{msg.name}` does not exist.", "model"))
+        except AdapterError as e:
+            result = LoraResult(msg.op_id, str(e), isinstance(e, AdapterNotFoundError))
+        except Exception as e:  # files that broke the reader in a way it did not foresee: still the caller's
+            result = LoraResult(msg.op_id, f"Loading the lora adapter '{msg.name}' failed: {e!r}")
+        else:
+            result = LoraResult(msg.op_id)
+        if msg.op_id:
+            self.outbox.send(result)
 
     def add_compiled(self, done: Compiled) -> None:
         request = done.request.request

@@ -38,6 +38,21 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class LoadLora(msgspec.Struct, tag=True, array_like=True):
+    """Serve the LoRA adapter at `path` as `name`; answered by a LoraResult of the same `op_id` (0: unanswered)."""
+
+    op_id: int
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, tag=True, array_like=True):
+    """Stop serving adapter `name` (requests running under it finish); answered by a LoraResult."""
+
+    op_id: int
+    name: str
+
+
 # ---------------------------------------------------------------- engine -> gateway
 
 
@@ -99,6 +114,14 @@ class RequestError(msgspec.Struct, tag=True, array_like=True):
     internal: bool = False  # the engine failed it (a 500), rather than the request being invalid (a 400)
 
 
+class LoraResult(msgspec.Struct, tag=True, array_like=True):
+    """How a LoadLora or UnloadLora went: `error` None when it did."""
+
+    op_id: int
+    error: str | None = None
+    not_found: bool = False  # the error is that no adapter of that name is loaded
+
+
 class EngineStats(msgspec.Struct, tag=True, array_like=True):
     """Sent after every iteration (and about once a second when idle)."""
 
@@ -146,5 +169,7 @@ def cache_key(name: bytes) -> int:
     return int.from_bytes(name[:8], "little", signed=True)
 
 
-ToEngine = AddGrammar | ReleaseGrammar | AddRequest | Abort | Shutdown
-FromEngine = EngineReady | PromptLogprobsPart | StepDeltas | RequestError | EngineStats | CacheEvents | Heartbeat
+ToEngine = AddGrammar | ReleaseGrammar | AddRequest | Abort | Shutdown | LoadLora | UnloadLora
+FromEngine = (
+    EngineReady | PromptLogprobsPart | StepDeltas | RequestError | EngineStats | CacheEvents | Heartbeat | LoraResult
+)

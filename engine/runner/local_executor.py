@@ -14,6 +14,7 @@ from engine.model.cuda_token_ops import cuda_norm_available, cuda_rope_available
 from engine.model.decoder import Decoder, SkippedInit
 from engine.model.families import model_class
 from engine.model.loader import Checkpoint
+from engine.model.lora import LoraAdapter, LoraSlots, read_adapter
 from engine.model.packed_linear import can_pack, pack_linears
 from engine.model.quantized import can_use_blocks, use_block_weights
 from engine.model.sampling.sampler import DeviceSample, Sampler
@@ -80,9 +81,14 @@ class LocalExecutor:
     """
 
     def __init__(self, config: EngineConfig, ckpt: Checkpoint, max_model_len: int):
+        self.config = config
         self.model = build_model(ckpt, max_model_len, config)
+        # LoRA: the projections wrapped before the runner sizes the KV cache (their slots take memory too).
+        self.lora = LoraSlots(self.model, config.max_loras, config.max_lora_rank) if config.lora_enabled else None
+        self.adapters: dict[str, LoraAdapter] = {}  # on the host, by name
         # The runner sizes the KV cache after the weights and the piecewise graphs: it takes what they leave.
         self.runner = ModelRunner(config, self.model, None, max_model_len)
+        self.runner.lora = self.lora
         self.num_blocks = self.runner.num_blocks
         self.max_in_flight = 2 if config.async_scheduling == "on" else 1
         self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
@@ -167,6 +173,17 @@ class LocalExecutor:
 
     def describe(self) -> str:
         return self.runner.describe()
+
+    def add_lora(self, name: str, path: str) -> None:
+        adapter = read_adapter(path, len(self.model.layers), self.config.max_lora_rank)
+        self.lora.check(adapter)
+        self.adapters[name] = adapter
+
+    def load_lora(self, slot: int, name: str) -> None:
+        self.lora.load(slot, self.adapters[name])
+
+    def remove_lora(self, name: str) -> None:
+        self.adapters.pop(name, None)
 
     def close(self) -> None:
         pass

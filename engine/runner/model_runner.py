@@ -92,7 +92,11 @@ class ModelRunner:
         # Graphs capture one whole model on one GPU: not a pipeline stage's span, nor a rank's shard, whose
         # collectives would have to be captured too.
         use_graphs = (
-            self.device.type == "cuda" and not config.enforce_eager and model.is_whole and model.shard.size == 1
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and model.is_whole
+            and model.shard.size == 1
+            and not config.lora_enabled  # a step's adapter mask is not captured: LoRA runs eagerly
         )
         self.num_blocks = num_blocks if num_blocks is not None else num_kv_blocks(config, s, len(model.layers))
         self.scratch_block = self.num_blocks
@@ -116,6 +120,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         # Steps run by each path since start: a benchmark checks the path it means to time actually ran.
         self.step_paths: Counter[str] = Counter()
+        self.lora = None  # the model's LoRA slots (engine/model/lora.py), set by an executor serving adapters
         segments = pick_segments(config.compile, use_graphs, model, self.kv_caches, self.scratch_block)
         if use_graphs:
             self.graphs = CudaGraphRunner(
@@ -169,6 +174,8 @@ class ModelRunner:
         logprobs get them from the same pass, left in `self.prompt_logprobs`.
         """
         input_ids, positions, meta, logits_indices = self.prepare(batch, previous)
+        if self.lora is not None:
+            self.lora.set_rows(batch.lora_slots, meta.query_lens_cpu)
         self.prompt_logprobs = None
         self.probed_hidden = {}
         prompt = PromptRows.of(batch) if self.model.is_last else None

@@ -41,11 +41,12 @@ class ChatRun:
     plan: ToolPlan
     parallel: bool  # several tool calls may come
     top_n: int | None  # top logprobs per token, None without logprobs
+    model: str  # the name responses carry: the base model's, or the adapter's the request named
 
 
 async def start_chat(req: ChatCompletionRequest, request: Request, state: ServerState) -> ChatRun:
     """Render, encode and admit a decoded chat request (the Responses API runs as one too)."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     if state.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer or chat template", "messages")
     grammar = await state.grammar(req)  # first: the tools' schemas are checked (depth included) before rendering
@@ -61,10 +62,10 @@ async def start_chat(req: ChatCompletionRequest, request: Request, state: Server
     limits = state.engine_limits()
     params = req.to_sampling_params(default_max_tokens=max(limits.max_model_len - len(prompt), 1), grammar=grammar)
     state.check_prompt(prompt, params, "messages")
-    options = req.to_request_options(state.cache_salt(request, req.cache_salt))
+    options = req.to_request_options(state.cache_salt(request, req.cache_salt), lora)
     gen = state.generation([prompt], params, req.n, req.stop_strings, options)
     # OpenAI's default: several calls may come
-    return ChatRun(gen, plan, req.parallel_tool_calls is not False, params.logprobs)
+    return ChatRun(gen, plan, req.parallel_tool_calls is not False, params.logprobs, lora or state.model_name)
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -91,7 +92,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         usage = None if include_usage else msgspec.UNSET
 
         def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+            return ChatCompletionChunk(id=rid, created=created, model=run.model, choices=choices, usage=usage)
 
         async def chunks():
             # OpenAI opens every choice with a role-only delta.
@@ -124,7 +125,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                     )
             if include_usage:
                 yield ChatCompletionChunk(
-                    id=rid, created=created, model=state.model_name, choices=[], usage=Usage.of(*gen.token_counts)
+                    id=rid, created=created, model=run.model, choices=[], usage=Usage.of(*gen.token_counts)
                 )
 
         return state.sse(chunks(), on_close=gen.close)
@@ -158,7 +159,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             ChatCompletionResponse(
                 id=rid,
                 created=created,
-                model=state.model_name,
+                model=run.model,
                 choices=choices,
                 usage=Usage.of(*gen.token_counts),
             )

@@ -27,7 +27,8 @@ from gateway.api.serving import ServerState, json_response, read_body, until_don
 
 async def create_completion(request: Request, state: ServerState) -> Response:
     req = decode_request(await read_body(request), CompletionRequest)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
+    served = lora or state.model_name  # the name responses carry: the adapter's, as the request named it
     limits = state.engine_limits()
     grammar = await state.grammar(req)
     prompts = await state.encode_prompts(req.prompts)
@@ -41,7 +42,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         (text if isinstance(text, str) else state.tokenizer.decode(ids)) if req.echo and state.tokenizer else ""
         for text, ids in zip(req.prompts, prompts)
     ]
-    options = req.to_request_options(state.cache_salt(request, req.cache_salt))
+    options = req.to_request_options(state.cache_salt(request, req.cache_salt), lora)
     gen = state.generation(prompts, params, req.n, req.stop_strings, options)  # admitted from here: close() it
     gen.prompt_only = req.prompt_only
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -76,13 +77,13 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                 yield CompletionChunk(
                     id=rid,
                     created=created,
-                    model=state.model_name,
+                    model=served,
                     choices=[c],
                     usage=None if include_usage else msgspec.UNSET,
                 )
             if include_usage:
                 yield CompletionChunk(
-                    id=rid, created=created, model=state.model_name, choices=[], usage=Usage.of(*gen.token_counts)
+                    id=rid, created=created, model=served, choices=[], usage=Usage.of(*gen.token_counts)
                 )
 
         return state.sse(chunks(), on_close=gen.close)
@@ -103,7 +104,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             CompletionResponse(
                 id=rid,
                 created=created,
-                model=state.model_name,
+                model=served,
                 choices=[merged[i] for i in sorted(merged)],
                 usage=Usage.of(*gen.token_counts),
             )

@@ -109,9 +109,10 @@ class _SamplingFields(Struct, kw_only=True):
     # vLLM's: under `--scheduling-policy priority` lower is admitted first; ignored under fcfs
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
 
-    def to_request_options(self, cache_salt: bytes) -> RequestOptions:
-        """What the engine takes besides the prompt and its sampling; `cache_salt`: the API key's and this field's."""
-        return RequestOptions(cache_salt, self.priority)
+    def to_request_options(self, cache_salt: bytes, lora: str = "") -> RequestOptions:
+        """What the engine takes besides the prompt and its sampling; `cache_salt`: the API key's and this field's;
+        `lora`: the adapter its `model` names ("" for the base model)."""
+        return RequestOptions(cache_salt, self.priority, lora)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -491,9 +492,15 @@ class ModelCard(Struct, kw_only=True):
     owned_by: str = "orcinus"
 
 
+class AdapterCard(ModelCard, kw_only=True):
+    """A LoRA adapter served as a model (vLLM's card): `parent` is the base model's id."""
+
+    parent: str
+
+
 class ModelList(Struct, kw_only=True):
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[ModelCard]  # AdapterCards among them
 
 
 # --- decoding ---

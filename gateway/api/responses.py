@@ -123,7 +123,7 @@ class Turn:
             id=self.id,
             created_at=self.created,
             status=status,
-            model=self.state.model_name,
+            model=self.run.model,
             output=list(self.output),
             usage=usage,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish == "length" else None,

@@ -52,6 +52,8 @@ class ServerState:
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's kept responses
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served as model names -> their paths
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # adapter loads and unloads, one at a time
 
     def begin_shutdown(self) -> None:
         """SIGTERM (any thread): shortly before the drain timeout, end what is still in flight with an error
@@ -65,9 +67,13 @@ class ServerState:
         for gen in list(self.live):
             gen.fail(error)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise errors.model_not_found(model)
+    def check_model(self, model: str | None) -> str:
+        """The LoRA adapter a request's `model` names ("" for the base model); a 404 for a name not served."""
+        if model is None or model == self.model_name:
+            return ""
+        if model in self.adapters:
+            return model
+        raise errors.model_not_found(model)
 
     def engine_limits(self) -> RequestLimits:
         ready = self.client.ready

@@ -27,11 +27,14 @@ from engine.ipc.messages import (
     EngineReady,
     EngineStats,
     Heartbeat,
+    LoadLora,
+    LoraResult,
     PromptLogprobsPart,
     ReleaseGrammar,
     RequestError,
     StepDeltas,
     TokenDelta,
+    UnloadLora,
 )
 from gateway.engines.process import EngineProcess
 from gateway.web import errors
@@ -40,6 +43,7 @@ from gateway.web.metrics import Metrics
 log = logging.getLogger("orcinus.engine_client")
 
 SEND_TIMEOUT = 5.0  # seconds a full inbound ring may hold up a request before it fails with 503
+LORA_TIMEOUT = 120.0  # seconds an adapter's load or unload may take before it fails with 503
 RESTART_BACKOFF = (0.5, 30.0)  # first and longest wait before restarting an engine that died
 
 
@@ -106,6 +110,10 @@ class EngineClient:
         self._ready_event = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
         self._launched: EngineProcess | None = None  # spawned by launch(), before the event loop: start() adopts it
+        # LoRA adapters loaded at run time (name -> path): loaded again into a restarted engine, after --lora's.
+        self.runtime_loras: dict[str, str] = {}
+        self._lora_ops: dict[int, asyncio.Future] = {}
+        self._next_op = 1
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -192,6 +200,8 @@ class EngineClient:
             raise EngineUnavailableError(f"the engine did not become ready in {self.start_timeout:.0f}s")
         self.last_heard = self.last_beat = time.monotonic()
         self.unresponsive = False
+        for name, path in self.runtime_loras.items():  # before any request that names one (the ring keeps order)
+            await self._send(engine, LoadLora(0, name, path))
 
     async def _supervise(self) -> None:
         while True:
@@ -320,6 +330,28 @@ class EngineClient:
         """Forget a finished request's route."""
         self._drop(request_id)
 
+    async def update_lora(self, msg: LoadLora | UnloadLora) -> LoraResult:
+        """Send a LoadLora or UnloadLora (its op_id set here) and wait for the engine's answer."""
+        if not self.serving:
+            raise EngineUnavailableError("the engine is not available")
+        op_id, self._next_op = self._next_op, self._next_op + 1
+        msg.op_id = op_id
+        future = self._lora_ops[op_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(self.engine, msg)
+            async with asyncio.timeout(LORA_TIMEOUT):
+                result = await future
+        except TimeoutError:
+            raise EngineUnavailableError("the engine did not answer the adapter update in time") from None
+        finally:
+            self._lora_ops.pop(op_id, None)
+        if result.error is None:
+            if isinstance(msg, LoadLora):
+                self.runtime_loras[msg.name] = msg.path
+            else:
+                self.runtime_loras.pop(msg.name, None)
+        return result
+
     async def _send(self, engine: EngineProcess, msg) -> None:
         deadline = time.monotonic() + SEND_TIMEOUT
         while True:
@@ -370,6 +402,10 @@ class EngineClient:
                     else InvalidRequestError(msg.message, msg.param)
                 )
                 route.queue.put_nowait((msg.request_id, error))
+        elif isinstance(msg, LoraResult):
+            future = self._lora_ops.get(msg.op_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif isinstance(msg, EngineReady):
             self.ready = msg
             self._ready_event.set()

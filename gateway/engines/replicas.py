@@ -17,7 +17,7 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.core.request import EngineRequest
-from engine.ipc.messages import AddRequest, EngineReady
+from engine.ipc.messages import AddRequest, EngineReady, LoadLora, LoraResult, UnloadLora
 from gateway.engines.client import EngineClient, EngineUnavailableError
 from gateway.engines.process import EngineProcess
 from gateway.engines.routing import RoutingPolicy, make_router
@@ -123,6 +123,22 @@ class Replicas:
     def ready(self) -> EngineReady | None:
         """A healthy replica's description (the replicas run the same model under the same limits)."""
         return next((c.ready for c in self.clients if c.healthy), None)
+
+    async def load_lora(self, name: str, path: str) -> LoraResult:
+        """Load an adapter into every replica (each must serve any request); where one refuses it, none keeps it."""
+        results = await asyncio.gather(*(c.update_lora(LoadLora(0, name, path)) for c in self.clients))
+        failed = next((r for r in results if r.error is not None), None)
+        if failed is not None and len(self.clients) > 1:
+            await asyncio.gather(
+                *(c.update_lora(UnloadLora(0, name)) for c, r in zip(self.clients, results) if r.error is None)
+            )
+        return failed or results[0]
+
+    async def unload_lora(self, name: str) -> LoraResult:
+        for c in self.clients:  # whatever the answer: an engine restarted from now on does not get it again
+            c.runtime_loras.pop(name, None)
+        results = await asyncio.gather(*(c.update_lora(UnloadLora(0, name)) for c in self.clients))
+        return next((r for r in results if r.error is not None), results[0])
 
     async def add(self, request: EngineRequest, queue: asyncio.Queue, grammar_id: str | None = None) -> None:
         """Route the request to a replica and submit it there; its deltas (or an exception) arrive in `queue`."""

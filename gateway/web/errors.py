@@ -79,6 +79,10 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
 
 
+def lora_not_found(name: str) -> APIError:
+    return APIError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error", "lora_name")
+
+
 def route_not_found(method: str, path: str) -> APIError:
     return APIError(404, f"Unknown route: {method} {path}", "not_found_error")
 

@@ -1,0 +1,205 @@
+"""LoRA adapters: PEFT files read to host tensors, and the projections that add each row's adapter delta.
+
+Every targeted projection of the model is wrapped once (`LoraLinear`); it holds the A and B matrices of all
+`max_loras` slots stacked, each padded to `max_lora_rank`. A step's rows of several adapters and of the base model
+go through one shrink (x @ [A_0 ... A_n], all slots at once), a mask that keeps each row's own slot's columns scaled
+by its adapter's scale (zero for a base row), and one expand per output slice (q/k/v of the fused QKV, gate/up of
+the fused MLP input): the same ops whatever the mix, no loop over adapters or requests. The shrink computes the
+columns of every slot up to the highest one the step uses for every row, at most max_loras * max_lora_rank columns
+per projection: small beside the projection itself at the ranks adapters use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.core.lora_pool import AdapterError
+
+# PEFT's module names -> (the fused projection of ours that holds it, its slice index there).
+TARGETS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter on the host: per (layer, PEFT module) its A [r, in] and B [out, r], and its scale."""
+
+    rank: int
+    scale: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(path: str, num_layers: int, max_rank: int) -> LoraAdapter:
+    """A PEFT LoRA directory -> host tensors (float32); AdapterError for what this engine cannot serve."""
+    root = Path(path)
+    if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
+        raise AdapterError(f"no LoRA adapter at {path}: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"unreadable {CONFIG_FILE} in {path}: {e}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{path} is a {config.get('peft_type')} adapter, not LORA")
+    unsupported = [
+        k
+        for k in ("use_dora", "modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern")
+        if config.get(k)
+    ]
+    if config.get("bias", "none") != "none":
+        unsupported.append("bias")
+    if unsupported:
+        raise AdapterError(f"the adapter at {path} uses what is not supported: {', '.join(unsupported)}")
+    rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    if not 0 < rank <= max_rank:
+        raise AdapterError(f"the adapter at {path} has rank {rank}; this server takes ranks up to {max_rank}")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank  # as PEFT scales
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(root / WEIGHTS_FILE), device="cpu")
+    except Exception as e:
+        raise AdapterError(f"unreadable {WEIGHTS_FILE} in {path}: {e}") from None
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m[2] not in TARGETS or int(m[1]) >= num_layers:
+            raise AdapterError(f"the adapter at {path} holds {key}: only q/k/v/o/gate/up/down projections are served")
+        halves.setdefault((int(m[1]), m[2]), {})[m[3]] = t.float()
+    weights = {}
+    for where, ab in halves.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != rank or ab["B"].shape[1] != rank:
+            raise AdapterError(f"the adapter at {path} has no rank-{rank} A and B pair for layer {where[0]} {where[1]}")
+        weights[where] = ab["A"], ab["B"]
+    if not weights:
+        raise AdapterError(f"the adapter at {path} holds no LoRA weights")
+    return LoraAdapter(rank, scale, weights)
+
+
+class RowAdapters:
+    """This step's scale mask [rows, num_slots * max_rank]: each row's slot's columns hold its adapter's scale; None
+    when no row uses an adapter (the projections then run as without LoRA, bit for bit). Only the slots up to the
+    highest one a row uses are computed (the pool fills the lowest free slot first)."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+        self.num_slots = 0
+
+
+class LoraLinear(nn.Module):
+    """A projection (dense, packed or quantized: any module giving float rows) plus each row's adapter delta, per
+    output slice."""
+
+    def __init__(self, base: nn.Module, slices: list[int], in_features: int, rows: RowAdapters, slots: int, rank: int):
+        super().__init__()
+        self.base, self.rows = base, rows
+        self.sizes, self.rank = slices, rank
+        self.offsets = [sum(slices[:i]) for i in range(len(slices))]
+        p = next(base.parameters(), None)
+        p = p if p is not None else next(base.buffers())
+        dtype = p.dtype if p.is_floating_point() else torch.float32
+        # A [in, slots x slices x rank], slot-major: one shrink for every slice of the slots in use (a leading run of
+        # columns); B per slice [slots x rank, out_slice].
+        self.register_buffer(
+            "a", torch.zeros(in_features, slots * len(slices) * rank, dtype=dtype, device=p.device), False
+        )
+        for i, size in enumerate(slices):
+            self.register_buffer(f"b{i}", torch.zeros(slots * rank, size, dtype=dtype, device=p.device), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        mask = self.rows.mask
+        if mask is None:
+            return y
+        n, k, num, r = x.shape[0], len(self.sizes), self.rows.num_slots, self.rank
+        xa = (x @ self.a[:, : num * k * r]).view(n, num, k, r) * mask.view(n, num, 1, r)
+        for i, (off, size) in enumerate(zip(self.offsets, self.sizes)):
+            y[:, off : off + size] += xa[:, :, i].reshape(n, num * r) @ getattr(self, f"b{i}")[: num * r]
+        return y
+
+
+class LoraSlots:
+    """The model's LoRA-wrapped projections and the adapters resident in their slots."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.rows = RowAdapters()
+        self.layers: list[dict[str, LoraLinear]] = []
+        for layer in model.layers:
+            s = layer.shape
+            widths = {
+                "qkv_proj": ([layer.q_size, layer.kv_size, layer.kv_size], s.hidden_size),
+                "o_proj": ([s.hidden_size], layer.q_size),
+                "gate_up_proj": ([s.intermediate_size, s.intermediate_size], s.hidden_size),
+                "down_proj": ([s.hidden_size], s.intermediate_size),
+            }
+            wrapped = {}
+            for name, (slices, fan_in) in widths.items():
+                wrapped[name] = LoraLinear(getattr(layer, name), slices, fan_in, self.rows, max_loras, max_rank)
+                setattr(layer, name, wrapped[name])
+            self.layers.append(wrapped)
+        dev = self.layers[0]["o_proj"].a
+        # Row max_loras is the base model's: all zero.
+        self.scales = torch.zeros(max_loras + 1, max_loras * max_rank, dtype=dev.dtype, device=dev.device)
+
+    @torch.no_grad()
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy an adapter into `slot`, over whatever was there (its untargeted projections zeroed)."""
+        self.check(adapter)
+        r, cols = adapter.rank, slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        used = slice(slot * self.max_rank, slot * self.max_rank + r)
+
+        def a_of(proj: LoraLinear) -> torch.Tensor:  # [in, slots, slices, rank]
+            return proj.a.view(proj.a.shape[0], self.max_loras, len(proj.sizes), self.max_rank)
+
+        for wrapped in self.layers:
+            for proj in wrapped.values():
+                a_of(proj)[:, slot] = 0
+                for j in range(len(proj.sizes)):
+                    getattr(proj, f"b{j}")[cols] = 0
+        for (layer, module), (a_host, b_host) in adapter.weights.items():
+            name, j = TARGETS[module]
+            proj = self.layers[layer][name]
+            a_of(proj)[:, slot, j, :r] = a_host.T.to(proj.a)
+            getattr(proj, f"b{j}")[used] = b_host.T.to(proj.a)
+        self.scales[slot] = 0
+        self.scales[slot, cols] = adapter.scale
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """AdapterError if the adapter's matrices do not fit this model's projections."""
+        for (layer, module), (a_host, b_host) in adapter.weights.items():
+            if layer >= len(self.layers):
+                raise AdapterError(f"the adapter has layer {layer}; the model has {len(self.layers)}")
+            name, j = TARGETS[module]
+            proj = self.layers[layer][name]
+            if a_host.shape[1] != proj.a.shape[0] or b_host.shape[0] != proj.sizes[j]:
+                raise AdapterError(
+                    f"the adapter's {module} of layer {layer} is ({b_host.shape[0]}, {a_host.shape[1]}) (out, in);"
+                    f" the model's is ({proj.sizes[j]}, {proj.a.shape[0]})"
+                )
+
+    def set_rows(self, slots: list[int] | None, rows_per_request: list[int]) -> None:
+        """This step's rows: request i's `rows_per_request[i]` rows use slot `slots[i]` (-1: the base model)."""
+        if not slots or max(slots) < 0:
+            self.rows.mask = None
+            return
+        num = max(slots) + 1
+        index = np.repeat(np.where(np.asarray(slots) < 0, self.max_loras, slots), rows_per_request)
+        self.rows.num_slots = num
+        self.rows.mask = self.scales[:, : num * self.max_rank][torch.from_numpy(index).to(self.scales.device)]

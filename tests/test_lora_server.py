@@ -1,0 +1,150 @@
+"""LoRA adapters over HTTP: --lora serves one as a model name beside the base model (listed by /v1/models with its
+parent), completions, chat and Responses run under the adapter their `model` names, an unknown name is a 404, and
+adapters load and unload at run time behind the API key (vLLM's routes, bodies and status codes)."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+KEY = "lora-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "The capital of France is"
+
+
+def write_adapter(path, seed: int, rank: int = 8) -> str:
+    """A random rank-`rank` adapter on the bundled model's Q and V projections, in PEFT's files."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(30):
+        for module, out in (("q_proj", 576), ("v_proj", 192)):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, 576, generator=g) * 0.05
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.05
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a": write_adapter(root / "a", 1), "b": write_adapter(root / "b", 2)}
+
+
+@pytest.fixture(scope="module")
+def lora_server(server_factory, adapters):
+    """One adapter from the start and a single slot, so a second one swaps it out."""
+    with server_factory("--lora", f"a={adapters['a']}", "--max-loras", "1", "--api-key", KEY) as url:
+        yield url
+
+
+def complete(url: str, model: str | None, max_tokens: int = 8) -> httpx.Response:
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+
+
+def test_models_lists_the_adapters_with_their_parent(lora_server):
+    data = httpx.get(f"{lora_server}/v1/models", headers=AUTH, timeout=10).json()["data"]
+    base = data[0]["id"]
+    assert [(m["id"], m.get("parent")) for m in data] == [(base, None), ("a", base)]
+    card = httpx.get(f"{lora_server}/v1/models/a", headers=AUTH, timeout=10).json()
+    assert card["id"] == "a" and card["parent"] == base
+
+
+def test_the_model_field_picks_the_adapter_in_every_endpoint(lora_server):
+    base = httpx.get(f"{lora_server}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
+    plain, named, under_a = complete(lora_server, None), complete(lora_server, base), complete(lora_server, "a")
+    assert plain.status_code == named.status_code == under_a.status_code == 200, under_a.text
+    assert plain.json()["choices"][0]["text"] == named.json()["choices"][0]["text"]
+    assert under_a.json()["choices"][0]["text"] != plain.json()["choices"][0]["text"]
+    assert under_a.json()["model"] == "a" and plain.json()["model"] == base
+    chat = httpx.post(
+        f"{lora_server}/v1/chat/completions",
+        json={"model": "a", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert chat.status_code == 200 and chat.json()["model"] == "a", chat.text
+    resp = httpx.post(
+        f"{lora_server}/v1/responses",
+        json={"model": "a", "input": "Hi", "max_output_tokens": 4},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert resp.status_code == 200 and resp.json()["model"] == "a", resp.text
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape(lora_server):
+    want = {
+        "error": {
+            "message": "The model `nope` does not exist.",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    r = complete(lora_server, "nope")
+    assert (r.status_code, r.json()) == (404, want)
+    r = httpx.post(
+        f"{lora_server}/v1/chat/completions",
+        json={"model": "nope", "messages": [{"role": "user", "content": "Hi"}]},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert (r.status_code, r.json()) == (404, want)
+
+
+def test_adapters_load_and_unload_at_run_time(lora_server, adapters, tmp_path):
+    url = lora_server
+    load, unload = f"{url}/v1/load_lora_adapter", f"{url}/v1/unload_lora_adapter"
+    r = httpx.post(load, json={"lora_name": "b", "lora_path": adapters["b"]}, timeout=60)
+    assert r.status_code == 401  # behind the API key
+    r = httpx.post(load, json={"lora_name": "b", "lora_path": adapters["b"]}, headers=AUTH, timeout=60)
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'b' added successfully.")
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH, timeout=10).json()["data"]][1:] == ["a", "b"]
+    # One slot: a and b take turns in it, each giving its own tokens every time.
+    texts = [complete(url, name).json()["choices"][0]["text"] for name in ("a", "b", "a", "b")]
+    assert texts[0] == texts[2] and texts[1] == texts[3] and texts[0] != texts[1]
+
+    r = httpx.post(load, json={"lora_name": "b", "lora_path": adapters["b"]}, headers=AUTH, timeout=60)
+    assert (r.status_code, r.json()["error"]["message"]) == (400, "The lora adapter 'b' has already been loaded.")
+    r = httpx.post(load, json={"lora_name": "c"}, headers=AUTH, timeout=60)
+    assert (r.status_code, r.json()["error"]["message"]) == (400, "Both 'lora_name' and 'lora_path' must be provided.")
+    r = httpx.post(load, json={"lora_name": "c", "lora_path": str(tmp_path)}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"no LoRA adapter at {tmp_path}")
+    assert complete(url, "c").status_code == 404
+
+    r = httpx.post(unload, json={"lora_name": "b"}, headers=AUTH, timeout=60)
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'b' removed successfully.")
+    assert complete(url, "b").status_code == 404
+    r = httpx.post(unload, json={"lora_name": "b"}, headers=AUTH, timeout=60)
+    assert (r.status_code, r.json()) == (
+        404,
+        {
+            "error": {
+                "message": "The lora adapter 'b' cannot be found.",
+                "type": "not_found_error",
+                "param": "lora_name",
+                "code": None,
+            }
+        },
+    )
+    assert complete(url, "a").json()["choices"][0]["text"] == texts[0]  # the one left still serves
+
+
+def test_the_adapter_routes_exist_only_where_lora_is_on():
+    from engine.core.config import EngineConfig
+    from gateway.app import build_app
+    from gateway.config import GatewayConfig
+
+    routes = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    assert not routes & {r.path for r in build_app(GatewayConfig()).routes}
+    assert routes <= {r.path for r in build_app(GatewayConfig(EngineConfig(enable_lora=True))).routes}
