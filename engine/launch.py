@@ -16,6 +16,7 @@ from engine.model.length_predictor import RidgeLengthPredictor
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.sharding import check_splittable
 from engine.runner.device import resolve_device
+from engine.runner.kv_dtype import describe_kv_dtype
 from engine.runner.local_executor import LocalExecutor
 
 
@@ -85,6 +86,11 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
 def cpp_ops_origin() -> str:
     """Where this process's C++ ops came from (prebuilt by the install, or built at run time), for the startup block."""
     return ops_origin()
+
+
+def kv_cache_summary(asked: str, config: EngineConfig) -> str:
+    """What the KV cache stores and why, for the startup block: `asked` is --kv-cache-dtype, `config` resolved."""
+    return describe_kv_dtype(asked, config)
 
 
 def grammar_compiler(engine: EngineCore) -> Callable[[str], object] | None:

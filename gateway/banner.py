@@ -26,6 +26,7 @@ def startup_block(
         (
             f"  KV cache        {limits.num_kv_blocks} blocks x {limits.block_size} tokens = "
             f"{limits.num_kv_blocks * limits.block_size:,} tokens"
+            + (f"; {s.kv_cache_dtype}" if s.kv_cache_dtype else "")
         ),
         f"  batch           up to {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens per iteration",
         f"  prefix caching  {'on' if s.prefix_caching else 'off'}",

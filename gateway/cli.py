@@ -69,6 +69,7 @@ _ENGINE_FLAGS = {
     "compile": {"choices": ["auto", "on", "off"]},
     "block_size": {"type": int},
     "kv_cache_memory": {"type": int, "metavar": "BYTES"},
+    "kv_cache_dtype": {"choices": ["auto", "float32", "bfloat16", "float16"]},
     "max_num_seqs": {"type": int},
     "max_num_batched_tokens": {"type": int},
     "max_model_len": {"type": int},

@@ -86,3 +86,9 @@ def test_where_the_cpp_ops_came_from_is_said_when_any_loaded():
     ]
     none = EngineSummary("cuda", "bfloat16", 10**6, 8, 512, True, 1, 1, "CuPy paged decode")
     assert "C++ ops" not in startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), none), "x", None, False)
+
+
+def test_the_kv_cache_line_says_its_dtype_and_why():
+    summary = EngineSummary("cpu", "float32", 10**6, 8, 512, True, 1, kv_cache_dtype="float16, as asked")
+    text = startup_block(EngineReady("m", RequestLimits(2048, 100, 10, 16), summary), "x", None, api_key=False)
+    assert "  KV cache        10 blocks x 16 tokens = 160 tokens; float16, as asked" in text.splitlines()

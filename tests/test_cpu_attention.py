@@ -7,7 +7,7 @@ import torch
 from test_cuda_kernels import ragged_batch, rel_error
 
 from engine.attention import cpu_backend
-from engine.attention.backend import AttentionParams
+from engine.attention.backend import AttentionParams, write_kv
 from engine.attention.cpu_backend import CpuAttention
 from engine.attention.selector import make_backend
 from engine.attention.torch_backend import TorchAttention
@@ -75,8 +75,10 @@ def test_strided_queries_and_table_slices_are_read_in_place(cpu):
 
 def test_bad_inputs_are_refused(cpu):
     q, cache, meta = ragged_batch(DECODE, 9, 3, 64, dtype=torch.float32, device="cpu")
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="kv_cache must be of q's dtype"):
         cpu._decode(q.bfloat16(), cache, meta.block_tables, None, meta.context_lens, PLAIN)
+    with pytest.raises(RuntimeError, match="kv_cache must be of q's dtype"):
+        cpu._decode(q.double(), cache.half(), meta.block_tables, None, meta.context_lens, PLAIN)
     with pytest.raises(RuntimeError, match="int32"):
         cpu._decode(q, cache, meta.block_tables.long(), None, meta.context_lens, PLAIN)
     with pytest.raises(RuntimeError, match="head shapes"):
@@ -120,3 +122,52 @@ def test_a_request_s_rows_read_together_give_each_row_s_bits_alone(cpu, window, 
     assert torch.equal(together, torch.cat(alone))
     want = TorchAttention._decode(q, cache, meta.block_tables, d.requests, d.context_lens, params)
     assert rel_error(together, want) < 1e-5
+
+
+NARROW = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_16_bit_cache_under_float32_queries_is_read_as_its_float32_values(cpu, shape, cache_dtype):
+    """--kv-cache-dtype: the op widens the stored keys and values exactly, so it is the float32 reference over the
+    same values (to float32 rounding), and its output stays float32."""
+    q, cache, meta = ragged_batch(DECODE, *shape, dtype=torch.float32, device="cpu")
+    narrow = cache.to(cache_dtype)
+    got = cpu.forward(q, narrow, meta)
+    assert got.dtype == torch.float32
+    assert rel_error(got, TorchAttention().forward(q, narrow.float(), meta)) < 1e-5
+    assert torch.equal(got, cpu.forward(q, narrow.float(), meta))  # the same arithmetic as a float32 cache
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
+def test_a_16_bit_cache_in_mixed_batches_and_the_reference(cpu, cache_dtype):
+    """Prompts past 1024 keys (SDPA) and the PyTorch reference itself read a 16-bit cache too."""
+    q, cache, meta = ragged_batch(MIXED, 9, 3, 64, dtype=torch.float32, device="cpu")
+    narrow = cache.to(cache_dtype)
+    want = TorchAttention().forward(q, narrow.float(), meta)
+    assert rel_error(cpu.forward(q, narrow, meta), want) < 1e-5
+    assert torch.equal(TorchAttention().forward(q, narrow, meta), want)
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
+def test_a_16_bit_cache_keeps_batch_invariance(cache_dtype):
+    """--batch-invariant with a 16-bit cache: a prompt's tokens get the bits each gets decoded alone."""
+    from engine.attention.invariant import BatchInvariantAttention
+
+    op = BatchInvariantAttention()
+    q, cache, meta = ragged_batch([(40, 1200), (1, 300), (33, 1100)], 9, 3, 64, dtype=torch.float32, device="cpu")
+    narrow = cache.to(cache_dtype)
+    out = op.forward(q, narrow, meta)
+    for j in range(0, 40, 7):  # the chunk's j-th query sits at position 1200 - 40 + j: it sees 1161 + j keys
+        lens = torch.tensor([1161 + j], dtype=torch.int32)
+        alone = op._decode(q[j : j + 1], narrow, meta.block_tables, torch.tensor([0], dtype=torch.int32), lens, PLAIN)
+        assert torch.equal(out[j : j + 1], alone)
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
+def test_the_kv_write_rounds_into_a_16_bit_cache(cache_dtype):
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    cache = torch.zeros(2, 2, 2, 4, 8, dtype=cache_dtype)
+    write_kv(k, v, cache, torch.tensor([5, 0, 2]))
+    assert torch.equal(cache[0, :, 1, 1], k[0].to(cache_dtype)) and torch.equal(cache[1, :, 0, 2], v[2].to(cache_dtype))

@@ -12,8 +12,10 @@ from engine.runner.device import (
     activation_reserve,
     gpu_kv_budget,
     kv_cache_bytes,
+    num_kv_blocks,
     resolve_device,
 )
+from engine.runner.kv_dtype import CPU_AUTO_KV_DTYPE, KvDtypeError, describe_kv_dtype
 from engine.runner.model_runner import StepInputs
 from gateway.cli import add_engine_flags, engine_kwargs
 
@@ -136,3 +138,46 @@ def test_cli_prefix_caching_and_weights_flags():
         "weights": "dense",
         "batch_invariant": True,
     }
+
+
+def test_a_16_bit_kv_cache_holds_twice_the_blocks_in_the_same_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    shape = DUMMY_SHAPES["smollm2-135m"]
+    blocks = {
+        kv: num_kv_blocks(resolve_device(EngineConfig(kv_cache_memory=64 * 737_280, kv_cache_dtype=kv)), shape, 30)
+        for kv in ("float32", "bfloat16", "float16")
+    }
+    assert blocks == {"float32": 64, "bfloat16": 128, "float16": 128}
+
+
+def test_the_kv_cache_dtype_resolves_per_device_and_compute_dtype(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device(EngineConfig(device="cpu")).kv_cache_dtype == CPU_AUTO_KV_DTYPE
+    assert resolve_device(EngineConfig(device="cpu", dtype="bfloat16")).kv_cache_dtype == "bfloat16"
+    assert resolve_device(EngineConfig(device="cuda")).kv_cache_dtype == "bfloat16"
+    assert resolve_device(EngineConfig(device="cpu", kv_cache_dtype="float16")).kv_cache_dtype == "float16"
+    assert resolve_device(EngineConfig(device="cuda", kv_cache_dtype="bfloat16")).kv_cache_dtype == "bfloat16"
+    with pytest.raises(KvDtypeError, match="--kv-cache-dtype float16 runs on the CPU only"):
+        resolve_device(EngineConfig(device="cuda", kv_cache_dtype="float16"))
+    with pytest.raises(KvDtypeError, match="--kv-cache-dtype float16 needs --dtype float32"):
+        resolve_device(EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="float16"))
+    with pytest.raises(KvDtypeError, match="unknown KV cache dtype 'int8'"):
+        resolve_device(EngineConfig(device="cpu", kv_cache_dtype="int8"))
+
+
+def test_cli_kv_cache_dtype_flag(capsys):
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_kwargs(p.parse_args(["--kv-cache-dtype", "bfloat16"])) == {"kv_cache_dtype": "bfloat16"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-cache-dtype", "fp8"])
+    assert "argument --kv-cache-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_the_startup_block_says_why_the_kv_cache_has_its_dtype():
+    cpu = EngineConfig(device="cpu", dtype="float32")
+    assert describe_kv_dtype("float16", resolve_device(cpu.with_(kv_cache_dtype="float16"))) == "float16, as asked"
+    auto = resolve_device(cpu)
+    assert describe_kv_dtype("auto", auto).startswith(f"{CPU_AUTO_KV_DTYPE}")
+    bf16 = resolve_device(EngineConfig(device="cpu", dtype="bfloat16"))
+    assert describe_kv_dtype("auto", bf16) == "bfloat16, the compute dtype (auto)"

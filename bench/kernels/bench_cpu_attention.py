@@ -3,7 +3,8 @@ requests (a decode, or decodes verifying draft tokens) at several context length
 float32, microseconds a call (one layer), median of many calls; `--layers 30` cycles through 30 layers' caches, so their
 keys come from memory, as in a model's step, not from the last-level cache. `--against FILE` builds another copy of the
 op's source (`git show REV:engine/kernels/csrc/cpu/paged_decode_attention.cpp > FILE`) and times it call for call
-against this tree's, comparing their outputs' bits.
+against this tree's, comparing their outputs' bits. `--cache-dtypes float32 bfloat16 float16` times this tree's op over
+a cache of each dtype (float32 queries; --kv-cache-dtype), call for call, the ratios to float32's as paired medians.
 
     .venv/bin/python -m bench.kernels.bench_cpu_attention --threads 2 \\
         --out benchmarks/results/kernels/cpu_attention.json
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1, help="the rows split over this many requests, in runs")
     ap.add_argument("--layers", type=int, default=1, help="caches cycled through, one a call")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--cache-dtypes", nargs="+", default=["float32"], help="this tree's op over caches of each dtype")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -34,9 +36,14 @@ def main() -> None:
     from engine.attention.cpu_backend import _kernels
     from engine.kernels.cpu_ops import load_cpu_extension_copy
 
-    ops = {"tree": _kernels().paged_decode_attention}
+    tree = _kernels().paged_decode_attention
+    # name -> (op, cache dtype): "tree" is this tree's over float32, "tree:DTYPE" over a DTYPE cache.
+    ops = {("tree" if d == "float32" else f"tree:{d}"): (tree, getattr(torch, d)) for d in args.cache_dtypes}
     if args.against:
-        ops["against"] = load_cpu_extension_copy("orcinus_cpu_attention", args.against).paged_decode_attention
+        ops["against"] = (
+            load_cpu_extension_copy("orcinus_cpu_attention", args.against).paged_decode_attention,
+            torch.float32,
+        )
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     result = {"requests": args.requests, "median_us": {}}
@@ -46,24 +53,27 @@ def main() -> None:
             per_table = -(-(ctx + n) // block_size)
             num_blocks = per_table * args.requests + 8
             caches = [torch.randn(2, kv_heads, num_blocks, block_size, head_dim) for _ in range(args.layers)]
+            typed = {d: [c.to(d) for c in caches] for d in {dt for _, dt in ops.values()}}
             tables = torch.randperm(num_blocks)[: per_table * args.requests].int().view(args.requests, per_table)
             requests = torch.tensor([r * args.requests // n for r in range(n)], dtype=torch.int32)
             lens = torch.tensor(
                 [ctx + 1 + r - int((requests == requests[r]).nonzero()[0]) for r in range(n)], dtype=torch.int32
             )  # a request's rows: ctx + 1, ctx + 2, ... keys
-            calls = [(q, cache, tables, requests, lens, 0.125, 0, 0.0) for cache in caches]
-            outputs = {k: op(*calls[0]) for k, op in ops.items()}
+            calls = {d: [(q, cache, tables, requests, lens, 0.125, 0, 0.0) for cache in cs] for d, cs in typed.items()}
+            outputs = {k: op(*calls[d][0]) for k, (op, d) in ops.items()}
             for _ in range(20):
-                for op in ops.values():
-                    op(*calls[0])
+                for op, d in ops.values():
+                    op(*calls[d][0])
             times = {k: [] for k in ops}
             sweeps = {k: [] for k in ops}  # a sweep: every layer once
+            names = sorted(ops)
             for i in range(args.calls):
-                for k in sorted(ops, reverse=i % 2 == 1):  # who goes first alternates
+                for k in names[i % len(names) :] + names[: i % len(names)]:  # who goes first rotates
+                    op, d = ops[k]
                     sweep = 0.0
-                    for call in calls:
+                    for call in calls[d]:
                         start = time.perf_counter()
-                        ops[k](*call)
+                        op(*call)
                         times[k].append(time.perf_counter() - start)
                         sweep += times[k][-1]
                     sweeps[k].append(sweep)
@@ -73,6 +83,10 @@ def main() -> None:
                 row["against_over_tree"] = statistics.median(a / t for a, t in zip(sweeps["against"], sweeps["tree"]))
                 row["same_bits"] = torch.equal(outputs["tree"], outputs["against"])
                 line += f"; against / tree {row['against_over_tree']:.2f}x, same bits {row['same_bits']}"
+            for k in ops:
+                if k.startswith("tree:") and "tree" in ops:  # paired sweeps' ratio, as for --against
+                    row[f"{k}_over_tree"] = statistics.median(a / t for a, t in zip(sweeps[k], sweeps["tree"]))
+                    line += f"; {k} / tree {row[f'{k}_over_tree']:.2f}x"
             result["median_us"][f"{ctx}x{n}"] = row
             print(line, flush=True)
     if args.out:

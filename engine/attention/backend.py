@@ -4,7 +4,8 @@ Selective batching: every token-wise op runs on the flattened `[T, hidden]` batc
 attention is split per request, driven by this metadata. A KV cache layer is one tensor
 `[2, num_kv_heads, num_blocks, block_size, head_dim]` (keys, then values; head-major so that
 a gathered context is already `[heads, tokens, head_dim]` for matmul); token `t` of a request
-lives in slot `block_table[t // block_size] * block_size + t % block_size`.
+lives in slot `block_table[t // block_size] * block_size + t % block_size`. The cache is of the queries' dtype, or
+bfloat16 / float16 under float32 queries (--kv-cache-dtype): a backend reads it widened to the queries' dtype.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def scatter_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache.view(2, num_kv_heads, -1, head_dim)[:, :, slot_mapping] = torch.stack((k, v)).transpose(1, 2)
+    kv = torch.stack((k, v)).transpose(1, 2).to(kv_cache.dtype)  # a 16-bit cache rounds to nearest even here
+    kv_cache.view(2, num_kv_heads, -1, head_dim)[:, :, slot_mapping] = kv
 
 
 @torch.library.custom_op("orcinus::write_kv", mutates_args=("kv_cache",))

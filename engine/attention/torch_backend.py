@@ -54,8 +54,8 @@ class TorchAttention:
             width = min(tables.shape[1], -(-params.sliding_window // block_size) + 1)
             index = (first_block[:, None] + torch.arange(width, device=q.device)).clamp(max=tables.shape[1] - 1)
             tables = tables.gather(1, index)
-        keys = gather_context(kv_cache[0], tables).transpose(0, 1)  # [B, Hkv, L, D]
-        values = gather_context(kv_cache[1], tables).transpose(0, 1)
+        keys = gather_context(kv_cache[0], tables).transpose(0, 1).to(q.dtype)  # [B, Hkv, L, D]
+        values = gather_context(kv_cache[1], tables).transpose(0, 1).to(q.dtype)
         b, num_heads = q.shape[0], q.shape[1]
         # A KV head's G query heads become G query rows against it: grouped-query attention without
         # repeating the keys, through SDPA's fused CPU kernel (float softmax) rather than ~8 separate ops.
@@ -92,8 +92,8 @@ def attend_prefill(q, kv_cache, meta, i, qsl, out, params: AttentionParams):
     start = params.first_key(ctx - n + 1) // block_size  # whole blocks from the earliest key any query sees
     table = meta.block_tables[i, start : -(-ctx // block_size)].long()  # (blocks before it may be freed already)
     offset = start * block_size
-    keys = gather_context(kv_cache[0], table)[:, : ctx - offset]  # [Hkv, L, D]
-    values = gather_context(kv_cache[1], table)[:, : ctx - offset]
+    keys = gather_context(kv_cache[0], table)[:, : ctx - offset].to(q.dtype)  # [Hkv, L, D]
+    values = gather_context(kv_cache[1], table)[:, : ctx - offset].to(q.dtype)
     query = q[qsl[i] : qsl[i + 1]].transpose(0, 1)  # [Hq, n, D]
     mask, causal = None, n == ctx and not params.sliding_window
     if not causal:

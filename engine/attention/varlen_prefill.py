@@ -68,7 +68,7 @@ def attend_prefills(q, kv_cache, plan: PrefillPlan, out, varlen, params: Attenti
     """The plan's queries against their contexts through `varlen` (flash_varlen, or reference_varlen), into out."""
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     kv = kv_cache.view(2, num_kv_heads, -1, head_dim)[:, :, plan.slots]  # [2, Hkv, total_keys, D]
-    kv = kv.permute(0, 2, 1, 3).contiguous()  # [2, total_keys, Hkv, D]: flash reads rows of heads
+    kv = kv.permute(0, 2, 1, 3).contiguous().to(q.dtype)  # [2, total_keys, Hkv, D]: flash reads rows of heads
     o = varlen(q[plan.rows], kv[0], kv[1], plan.cu_queries, plan.cu_keys, plan.max_queries, plan.max_keys, params)
     out.index_copy_(0, plan.rows, o)
 

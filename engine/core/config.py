@@ -167,6 +167,9 @@ class EngineConfig:
     """A request's tokens and logprobs do not depend on the rest of the batch (CPU only)."""
     kv_cache_memory: int | None = None
     """Bytes for the KV cache; unset: 512 MiB on the CPU, what is free on a GPU."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """What the KV cache stores: the compute dtype, or bfloat16 / float16 under float32 on the CPU (half the bytes:
+    twice the tokens, half the attention's reads); auto: the compute dtype."""
     gpu_memory_utilization: float = 0.9
     """Share of the GPU's memory the engine may hold (weights, KV cache, activations)."""
     enforce_eager: bool = False

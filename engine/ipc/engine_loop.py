@@ -82,7 +82,7 @@ class EngineLoop:
     """Glues an EngineCore to the two channels."""
 
     def __init__(self, args: EngineLoopArgs, parent: int):
-        from engine.launch import build_engine, cpp_ops_origin, grammar_compiler
+        from engine.launch import build_engine, cpp_ops_origin, grammar_compiler, kv_cache_summary
 
         self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(args.to_engine, ToEngine)
@@ -101,6 +101,7 @@ class EngineLoop:
             c.tensor_parallel_size,
             getattr(e.executor, "describe", lambda: "")(),
             cpp_ops_origin(),
+            kv_cache_summary(args.config.kv_cache_dtype, c),
         )
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)

@@ -7,6 +7,7 @@ import torch
 from engine.core.config import EngineConfig, ModelShape
 from engine.model.quantized import can_use_int16
 from engine.runner.decode_graphs import whole_step_rows
+from engine.runner.kv_dtype import kv_dtype, resolve_kv_cache_dtype
 
 CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: the CPU default, when the config gives none
 GPU_TOKEN_BUDGET = 2048  # tokens per iteration on a GPU, when the config gives none
@@ -39,6 +40,7 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         raise DeviceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     budget = config.max_num_batched_tokens or (GPU_TOKEN_BUDGET if on_gpu else CPU_TOKEN_BUDGET)
     config = config.with_(device=device, dtype=dtype, max_num_batched_tokens=budget)
+    config = config.with_(kv_cache_dtype=resolve_kv_cache_dtype(config))
     return batch_invariant_attention(config) if config.batch_invariant else config
 
 
@@ -143,5 +145,4 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, n
 
 def num_kv_blocks(config: EngineConfig, shape: ModelShape, num_layers: int) -> int:
     """KV blocks the budget holds for `num_layers` layers (the runner adds one scratch block beyond it)."""
-    dtype = getattr(torch, config.dtype)
-    return kv_cache_bytes(config, shape) // kv_bytes_per_block(shape, config.block_size, dtype, num_layers)
+    return kv_cache_bytes(config, shape) // kv_bytes_per_block(shape, config.block_size, kv_dtype(config), num_layers)

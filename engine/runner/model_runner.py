@@ -15,6 +15,7 @@ from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.decode_graphs import DecodeGraphRunner, row_requests, whole_step_rows
 from engine.runner.device import num_kv_blocks
+from engine.runner.kv_dtype import kv_dtype
 from engine.runner.prompt_logprobs import DevicePromptLogprobs, PromptRows, reduce_rows
 from engine.runner.token_segments import pick_segments
 
@@ -107,7 +108,7 @@ class ModelRunner:
                 self.num_blocks + 1,
                 config.block_size,
                 s.head_dim,
-                dtype=self.dtype,
+                dtype=kv_dtype(config),
                 device=self.device,
             )
             for _ in model.layers  # a pipeline stage caches only its own layers

@@ -8,7 +8,10 @@
 // scores all its rows' G query heads against each key it reads, eight keys at a time. One query's arithmetic is
 // the same whatever else is in its run or batch (each dot product, softmax sum and value sum runs in one fixed
 // order from its own first key), so a token verified among draft tokens gets the bits it would get decoded alone.
-// Arithmetic is float32 whatever the cache's dtype, as SDPA's CPU kernel does. A sliding window reads only the
+// Arithmetic is float32 whatever the cache's dtype, as SDPA's CPU kernel does. A bfloat16 or float16 cache (the
+// cache's own dtype, or --kv-cache-dtype under float32 queries) is read as stored and widened to float32 in registers
+// as its keys and values are loaded: half the bytes of a float32 cache, and exactly the float32 arithmetic on the
+// widened values, since widening is exact. A sliding window reads only the
 // last `window` keys (the blocks before them may already hold another request's tokens); a soft cap turns each
 // score s into cap * tanh(s / cap) (Gemma 2).
 
@@ -30,15 +33,36 @@
 #include <utility>
 #include <vector>
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));  // 8 lanes: two SSE registers, one AVX2 one, half an AVX-512 one
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
 
 inline v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+inline v8 load8(const at::BFloat16* p) {  // bfloat16 is float32's top half: widen each lane, shift it up
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<v8>(__builtin_convertvector(h, v8i) << 16);
+}
+
+inline v8 load8(const at::Half* p) {
+#ifdef __F16C__
+  return reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
 }
 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
@@ -71,22 +95,30 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// One task's keys and values as float32 rows: pointers into the cache when it is float32, else converted copies.
-template <typename T>
+// The element type the kernels below load keys and values as: the cache's own where they widen it in registers
+// (float32, bfloat16, float16), else float32 copies (float64).
+template <typename C>
+using Stored = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16> ||
+                                      std::is_same_v<C, at::Half>,
+                                  C, float>;
+
+// One task's keys and values as rows the kernels load: pointers into the cache, or converted copies (float64).
+template <typename C>
 struct Rows {
-  std::vector<const float*> keys, values;
+  using E = Stored<C>;
+  std::vector<const E*> keys, values;
   std::vector<float> buffer;
 
-  void read(const T* cache_keys, const T* cache_values, const int32_t* table, int64_t block_size, int64_t first,
+  void read(const C* cache_keys, const C* cache_values, const int32_t* table, int64_t block_size, int64_t first,
             int64_t end, int64_t head_dim) {
     const int64_t n = end - first;
     keys.resize(n);
     values.resize(n);
-    if constexpr (!std::is_same_v<T, float>) buffer.resize(2 * n * head_dim);
+    if constexpr (!std::is_same_v<C, E>) buffer.resize(2 * n * head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t p = first + t;
       const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<C, E>) {
         keys[t] = cache_keys + slot * head_dim;
         values[t] = cache_values + slot * head_dim;
       } else {
@@ -108,25 +140,37 @@ struct Rows {
 // docs/performance.md, Kernels).
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define ORCINUS_ATTENTION_WIDE 1
-#include <immintrin.h>
 #endif
 
 #ifdef ORCINUS_ATTENTION_WIDE
 
 inline v8 low(__m512 v) { return reinterpret_cast<v8>(_mm512_castps512_ps256(v)); }
 inline v8 high(__m512 v) { return reinterpret_cast<v8>(_mm512_extractf32x8_ps(v, 1)); }
-inline __m512 side_by_side(const float* a, const float* b) {  // a's 8 floats, then b's
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+template <typename E>
+inline __m256 load8ps(const E* a) { return reinterpret_cast<__m256>(load8(a)); }
+template <typename E>
+inline __m512 side_by_side(const E* a, const E* b) {  // a's 8 values, then b's
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load8ps(a)), load8ps(b), 1);
 }
-inline __m512 twice(const float* a) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(a)); }
+template <typename E>
+inline __m512 twice(const E* a) { return _mm512_broadcast_f32x8(load8ps(a)); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // scores[t] = q . keys[t] for the 8 keys from `keys` (missing ones point at `zero`), head_dim a multiple of 8: keys
 // 2i and 2i+1 share a register.
-inline void score8(const float* q, const float* const* keys, int64_t head_dim, float* scores) {
+template <typename E>
+inline void score8(const float* q, const E* const* keys, int64_t head_dim, float* scores) {
   __m512 acc[4];
   for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 8) {
-    const __m512 qd = twice(q + d);
+    const __m512 qd = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + d));
     for (int i = 0; i < 4; ++i) {
       acc[i] = _mm512_fmadd_ps(qd, side_by_side(keys[2 * i] + d, keys[2 * i + 1] + d), acc[i]);
     }
@@ -140,12 +184,13 @@ inline void score8(const float* q, const float* const* keys, int64_t head_dim, f
 }
 
 // score8 for two queries, side by side in one register: a key's slice is read once for both.
-inline void score8x2(const float* q0, const float* q1, const float* const* keys, int64_t head_dim, float* scores0,
+template <typename E>
+inline void score8x2(const float* q0, const float* q1, const E* const* keys, int64_t head_dim, float* scores0,
                      float* scores1) {
   __m512 acc[8];
   for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 8) {
-    const __m512 qq = side_by_side(q0 + d, q1 + d);
+    const __m512 qq = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + d)), _mm256_loadu_ps(q1 + d), 1);
     for (int t = 0; t < 8; ++t) acc[t] = _mm512_fmadd_ps(qq, twice(keys[t] + d), acc[t]);
   }
   v8 a0[8], a1[8];
@@ -159,8 +204,8 @@ inline void score8x2(const float* q0, const float* q1, const float* const* keys,
 
 // acc[0, 16 kWidth) += p[t] * values[t][0, 16 kWidth) for t in [a, b), in that order, for kQueries queries (their
 // weights p[q] and sums acc[q]) at once; the sums stay in registers between a load and a store of acc.
-template <int kWidth, int kQueries>
-inline void accumulate_slice(const float* const* p, const float* const* values, int64_t offset, int64_t a, int64_t b,
+template <int kWidth, int kQueries, typename E>
+inline void accumulate_slice(const float* const* p, const E* const* values, int64_t offset, int64_t a, int64_t b,
                              float* const* acc) {
   __m512 sum[kQueries][kWidth];
   for (int q = 0; q < kQueries; ++q)
@@ -169,7 +214,7 @@ inline void accumulate_slice(const float* const* p, const float* const* values, 
     __m512 w[kQueries];
     for (int q = 0; q < kQueries; ++q) w[q] = _mm512_set1_ps(p[q][t]);
     for (int i = 0; i < kWidth; ++i) {
-      const __m512 v = _mm512_loadu_ps(values[t] + offset + 16 * i);
+      const __m512 v = load16(values[t] + offset + 16 * i);
       for (int q = 0; q < kQueries; ++q) sum[q][i] = _mm512_fmadd_ps(w[q], v, sum[q][i]);
     }
   }
@@ -178,8 +223,8 @@ inline void accumulate_slice(const float* const* p, const float* const* values, 
 }
 
 // The same over the whole head: 64 lanes at a time, then 16, then 8 (a half register, as the AVX2 build does it).
-template <int kQueries>
-inline void accumulate_head(const float* const* p, const float* const* values, int64_t a, int64_t b, int64_t head_dim,
+template <int kQueries, typename E>
+inline void accumulate_head(const float* const* p, const E* const* values, int64_t a, int64_t b, int64_t head_dim,
                             float* const* acc) {
   const auto at = [&](int64_t d) {
     std::array<float*, kQueries> out;
@@ -198,12 +243,13 @@ inline void accumulate_head(const float* const* p, const float* const* values, i
   }
 }
 
-inline void accumulate(const float* p, const float* const* values, int64_t a, int64_t b, int64_t head_dim,
-                       float* acc) {
+template <typename E>
+inline void accumulate(const float* p, const E* const* values, int64_t a, int64_t b, int64_t head_dim, float* acc) {
   accumulate_head<1>(&p, values, a, b, head_dim, &acc);
 }
 
-inline void accumulate2(const float* p0, const float* p1, const float* const* values, int64_t a, int64_t b,
+template <typename E>
+inline void accumulate2(const float* p0, const float* p1, const E* const* values, int64_t a, int64_t b,
                         int64_t head_dim, float* acc0, float* acc1) {
   const float* p[2] = {p0, p1};
   float* acc[2] = {acc0, acc1};
@@ -215,7 +261,8 @@ constexpr bool kPairQueries = true;
 #else  // eight lanes (AVX2, or whatever the compiler makes of them)
 
 // scores[t] = q . keys[t] for the 8 keys from `keys` (missing ones point at `zero`), head_dim a multiple of 8.
-inline void score8(const float* q, const float* const* keys, int64_t head_dim, float* scores) {
+template <typename E>
+inline void score8(const float* q, const E* const* keys, int64_t head_dim, float* scores) {
   v8 acc[8] = {};
   for (int64_t d = 0; d < head_dim; d += 8) {
     const v8 qd = load8(q + d);
@@ -225,14 +272,16 @@ inline void score8(const float* q, const float* const* keys, int64_t head_dim, f
 }
 
 // Never called: pairs of queries need the wide build's registers (16 sums and the loads spill on 16).
-inline void score8x2(const float*, const float*, const float* const*, int64_t, float*, float*) {}
-inline void accumulate2(const float*, const float*, const float* const*, int64_t, int64_t, int64_t, float*, float*) {}
+template <typename E>
+inline void score8x2(const float*, const float*, const E* const*, int64_t, float*, float*) {}
+template <typename E>
+inline void accumulate2(const float*, const float*, const E* const*, int64_t, int64_t, int64_t, float*, float*) {}
 constexpr bool kPairQueries = false;
 
 // acc[0, 8 kWidth) += p[t] * values[t][0, 8 kWidth) for t in [a, b), in that order; the sums stay in registers
 // (a width known at compile time) between a load and a store of acc.
-template <int kWidth>
-inline void accumulate_slice(const float* p, const float* const* values, int64_t offset, int64_t a, int64_t b,
+template <int kWidth, typename E>
+inline void accumulate_slice(const float* p, const E* const* values, int64_t offset, int64_t a, int64_t b,
                              float* acc) {
   v8 sum[kWidth];
   for (int i = 0; i < kWidth; ++i) sum[i] = load8(acc + 8 * i);
@@ -244,8 +293,8 @@ inline void accumulate_slice(const float* p, const float* const* values, int64_t
 }
 
 // The same over the whole head: 64 lanes at a time (eight registers of sums), then what is left, 8 at a time.
-inline void accumulate(const float* p, const float* const* values, int64_t a, int64_t b, int64_t head_dim,
-                       float* acc) {
+template <typename E>
+inline void accumulate(const float* p, const E* const* values, int64_t a, int64_t b, int64_t head_dim, float* acc) {
   int64_t d = 0;
   for (; d + 64 <= head_dim; d += 64) accumulate_slice<8>(p, values, d, a, b, acc + d);
   for (; d < head_dim; d += 8) accumulate_slice<1>(p, values, d, a, b, acc + d);
@@ -257,6 +306,9 @@ inline void accumulate(const float* p, const float* const* values, int64_t a, in
 // re-reading its whole context's values ran at L2's bandwidth). A query's sums are the same whatever the tiling: each
 // lane adds its keys in order, and a tile's end only stores and reloads them.
 constexpr int64_t kValueTile = 64;
+// Elements of a cache row in one 64-byte line: a prefetch each.
+template <typename C>
+constexpr int64_t kLine = 64 / sizeof(Stored<C>);
 
 // Some consecutive queries of one request against one KV head: query j of the task is row row0 + (q0 + j) / G's
 // query head head * G + (q0 + j) % G (so a task may start or end inside a row's G queries).
@@ -268,19 +320,21 @@ struct Task {
 inline int64_t window_start(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
 
 // One thread's buffers, reused task after task.
-template <typename T>
+template <typename C>
 struct Scratch {
-  std::vector<float> query, scores, totals, sums, zero;
+  std::vector<float> query, scores, totals, sums;
+  std::vector<Stored<C>> zero;
   std::vector<int64_t> row_of, first_key, last_key;  // per query: its row, and its keys [first, last) of the task's
-  Rows<T> rows;
+  Rows<C> rows;
 };
 
-// One call's inputs (see paged_decode_attention below) and what a task does with them.
-template <typename T>
+// One call's inputs (see paged_decode_attention below) and what a task does with them: queries and output of
+// dtype T, a cache of dtype C.
+template <typename T, typename C>
 struct Attention {
   const T* q;
   int64_t q_stride_r, q_stride_h;
-  const T* cache;
+  const C* cache;
   const int32_t *tables, *row_requests, *lens;
   int64_t table_stride;
   T* out;
@@ -289,7 +343,7 @@ struct Attention {
   int64_t window;
   float softcap;
 
-  void run(const Task& task, Scratch<T>& w) const {
+  void run(const Task& task, Scratch<C>& w) const {
     const int64_t head_stride = num_blocks * block_size * head_dim;  // one KV head's keys (or values)
     const int64_t request = row_requests ? row_requests[task.row0] : task.row0;
     const int64_t n = task.num_queries;
@@ -309,7 +363,7 @@ struct Attention {
       w.first_key[j] = window_start(lens[w.row_of[j]], window) - first;
       w.last_key[j] = lens[w.row_of[j]] - first;
     }
-    const T* keys = cache + task.head * head_stride;
+    const C* keys = cache + task.head * head_stride;
     w.rows.read(keys, keys + num_kv_heads * head_stride, tables + request * table_stride, block_size, first, last,
                 head_dim);
     w.query.resize(n * head_dim);
@@ -326,7 +380,7 @@ struct Attention {
     w.sums.assign(n * head_dim, 0.f);
     for (int64_t t0 = 0; t0 < span; t0 += kValueTile) {
       for (int64_t t = t0 + kValueTile; t < std::min(t0 + 2 * kValueTile, span); ++t) {
-        for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(w.rows.values[t] + d);
+        for (int64_t d = 0; d < head_dim; d += kLine<C>) __builtin_prefetch(w.rows.values[t] + d);
       }
       for (int64_t j = 0; j < n;) {
         const int64_t a = std::max(t0, w.first_key[j]), b = std::min(t0 + kValueTile, w.last_key[j]);
@@ -335,7 +389,7 @@ struct Attention {
         if (kPairQueries && j + 1 < n && std::max(t0, w.first_key[j + 1]) == a) {
           // Two queries from their common first key to the first's or the second's last; then the longer one alone.
           const int64_t b1 = std::min(t0 + kValueTile, w.last_key[j + 1]), common = std::min(b, b1);
-          const float* const* values = w.rows.values.data();
+          const auto* values = w.rows.values.data();
           if (a < common) accumulate2(p, p + stride, values, a, common, head_dim, sums, sums + head_dim);
           if (common < b) accumulate(p, values, std::max(a, common), b, head_dim, sums);
           if (common < b1) accumulate(p + stride, values, std::max(a, common), b1, head_dim, sums + head_dim);
@@ -356,15 +410,15 @@ struct Attention {
   int64_t head_of(const Task& task, int64_t j) const { return task.head * group + (task.q0 + j) % group; }
 
   // Scores, eight keys at a time, each query only where it has keys (a later row sees more of them).
-  void score(Scratch<T>& w, int64_t n, int64_t span, int64_t stride) const {
+  void score(Scratch<C>& w, int64_t n, int64_t span, int64_t stride) const {
     w.zero.resize(head_dim);  // zeros, never written
-    const float* eight[8];
+    const Stored<C>* eight[8];
     for (int64_t t0 = 0; t0 < span; t0 += 8) {
       for (int t = 0; t < 8; ++t) eight[t] = t0 + t < span ? w.rows.keys[t0 + t] : w.zero.data();
       // A block of keys is a page of its own, where the hardware's prefetcher stops: fetch two eights on ahead, for
       // a layer whose keys come from memory, not the last-level cache.
       for (int64_t t = t0 + 16; t < std::min(t0 + 24, span); ++t) {
-        for (int64_t d = 0; d < head_dim; d += 16) __builtin_prefetch(w.rows.keys[t] + d);
+        for (int64_t d = 0; d < head_dim; d += kLine<C>) __builtin_prefetch(w.rows.keys[t] + d);
       }
       const auto wants = [&](int64_t j) { return t0 < w.last_key[j] && t0 + 8 > w.first_key[j]; };
       for (int64_t j = 0; j < n;) {
@@ -381,7 +435,7 @@ struct Attention {
   }
 
   // Each query's softmax over its own keys: its scores become weights, its sum is kept for the end.
-  void softmax(Scratch<T>& w, int64_t n, int64_t stride) const {
+  void softmax(Scratch<C>& w, int64_t n, int64_t stride) const {
     w.totals.resize(n);
     for (int64_t j = 0; j < n; ++j) {
       float* s = w.scores.data() + j * stride + w.first_key[j];
@@ -463,14 +517,17 @@ std::vector<std::vector<Task>> make_chunks(const int32_t* row_requests, const in
 
 // q [R, Hq, D] (rows may be strided, the last dim contiguous; D a multiple of 8); kv_cache as above; block_tables
 // [B, >= blocks needed] int32 (rows may be strided); row_requests [R] int32: each row's table (None: row r reads
-// table r); context_lens [R] int32: keys each row sees; window 0 and softcap 0 turn those off.
+// table r); context_lens [R] int32: keys each row sees; window 0 and softcap 0 turn those off. kv_cache is of q's dtype,
+// or bfloat16 / float16 under float32 queries.
 // Returns [R, Hq, D] in q's dtype.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                                   std::optional<at::Tensor> row_requests, at::Tensor context_lens, double scale,
                                   int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [R, Hq, D] with a contiguous last dimension");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 5-d tensor");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
+  const bool narrow_cache = kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || (q.scalar_type() == at::kFloat && narrow_cache),
+              "kv_cache must be of q's dtype, or bfloat16 or float16 under float32 queries");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32 rows");
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens: int32");
   const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -487,19 +544,29 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor 
   const int64_t group = num_heads / num_kv_heads;
   const auto chunks = make_chunks(requests, context_lens.data_ptr<int32_t>(), num_rows, num_kv_heads, group, window);
   auto out = at::empty({num_rows, num_heads, head_dim}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const Attention<scalar_t> call{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), kv_cache.data_ptr<scalar_t>(),
-                                   block_tables.data_ptr<int32_t>(), requests, context_lens.data_ptr<int32_t>(),
-                                   block_tables.stride(0), out.data_ptr<scalar_t>(), num_kv_heads, group, num_blocks,
-                                   block_size, head_dim, static_cast<float>(scale), window,
-                                   static_cast<float>(softcap)};
+  const auto attend = [&](auto* query_type, auto* cache_type) {
+    using T = std::remove_pointer_t<decltype(query_type)>;
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    const Attention<T, C> call{q.data_ptr<T>(), q.stride(0), q.stride(1), kv_cache.data_ptr<C>(),
+                               block_tables.data_ptr<int32_t>(), requests, context_lens.data_ptr<int32_t>(),
+                               block_tables.stride(0), out.data_ptr<T>(), num_kv_heads, group, num_blocks,
+                               block_size, head_dim, static_cast<float>(scale), window, static_cast<float>(softcap)};
     at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-      Scratch<scalar_t> scratch;
+      Scratch<C> scratch;
       for (int64_t c = begin; c < end; ++c) {
         for (const Task& task : chunks[c]) call.run(task, scratch);
       }
     });
-  });
+  };
+  if (kv_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat) {
+    attend(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  } else if (kv_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat) {
+    attend(static_cast<float*>(nullptr), static_cast<at::Half*>(nullptr));
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+      attend(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
+    });
+  }
   return out;
 }
 
