@@ -68,9 +68,13 @@ def main() -> int:
         params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)  # aborted once timed
         requests = []
         for i in range(batch):
-            prompt = llm.tokenizer.encode(f"The history of the printing press begins {i}")
-            if args.context:  # distinct ids, so no request's prefix is cached from another's
-                prompt = [1000 + (i * 7919 + j * 31) % 40000 for j in range(args.context)]
+            if args.context:  # distinct ids, so no request's prefix is cached from another's (nor a tokenizer needed)
+                prompt = [
+                    1000 + (i * 7919 + j * 31) % min(40000, llm.engine.shape.vocab_size - 1000)
+                    for j in range(args.context)
+                ]
+            else:
+                prompt = llm.tokenizer.encode(f"The history of the printing press begins {i}")
             requests.append(engine.add_request(prompt, params))
         while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in requests):  # the prefill, maybe in chunks
             engine.step()

@@ -22,7 +22,7 @@ PRESETS = {
             "num_attention_heads": 4,
             "num_key_value_heads": 1,
             "head_dim": 256,
-            "max_position_embeddings": 2048,
+            "max_position_embeddings": 8192,  # room for the decode bench's 4096-token requests
             "rms_norm_eps": 1e-6,
             "query_pre_attn_scalar": 256,
             "sliding_window": 512,
