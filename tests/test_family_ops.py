@@ -136,6 +136,17 @@ def test_the_modules_a_family_builds_choose_its_fused_ops():
     assert [type(m) for m in model] == [CpuHeadRMSNorm, CpuGeluAndMul, CpuRMSNorm]
 
 
+def test_a_machine_that_cannot_build_them_keeps_the_common_fused_ops(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'orcinus_cpu_family_ops'")
+
+    monkeypatch.setattr(token_ops, "_family_ops", no_compiler)
+    model = torch.nn.Sequential(HeadRMSNorm(8, 1e-6), GeluAndMul(), token_ops.RMSNorm(8, 1e-6))
+    with pytest.warns(UserWarning, match="fused CPU ops of some families are unusable here"):
+        fuse_token_ops(model)
+    assert [type(m) for m in model] == [CpuRMSNorm, GeluAndMul, CpuRMSNorm]
+
+
 @pytest.mark.parametrize("kind,extra", [("gemma2", GEMMA2), ("gemma3", GEMMA3)])
 def test_a_fused_bfloat16_gemma_decodes_the_unfused_ones_tokens(kind, extra, tmp_path, monkeypatch):
     build(kind, tmp_path, **{**extra, "head_dim": 64})

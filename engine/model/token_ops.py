@@ -249,22 +249,26 @@ class CpuRotary(Rotary):
 
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
-    """Fused token ops here: bfloat16 on the CPU, where the ops build (a warning says why not, if they cannot)."""
+    """Fused token ops here: bfloat16 on the CPU, where the op builds (a warning says why not, if it cannot)."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and builds(_ops, "the fused CPU token ops are unusable here, using PyTorch's")
-        and builds(_family_ops, "the fused CPU token ops are unusable here, using PyTorch's")
     )
+
+
+def _family_ops_build() -> bool:
+    """Whether family_ops.cpp builds here: where not, the families that use it keep the common fused ops."""
+    return builds(_family_ops, "the fused CPU ops of some families are unusable here, using PyTorch's")
 
 
 # Each token-op module a family may build -> its fused CPU version, made from the module it replaces (sharing its
 # weight or table). A family picks its ops by the modules it builds; a new op is a line here.
 FUSED_CPU: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
     RMSNorm: lambda m: m.on_weight_of(CpuRMSNorm),
-    HeadRMSNorm: lambda m: m.on_weight_of(CpuHeadRMSNorm),
+    HeadRMSNorm: lambda m: m.on_weight_of(CpuHeadRMSNorm if _family_ops_build() else CpuRMSNorm),
     SiluAndMul: lambda m: CpuSiluAndMul(),
-    GeluAndMul: lambda m: CpuGeluAndMul(),
+    GeluAndMul: lambda m: CpuGeluAndMul() if _family_ops_build() else m,
     Rotary: lambda m: m.on_table_of(CpuRotary),
 }
 
