@@ -29,6 +29,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=0, help="prompt tokens per request (0: ~10, a short sentence)")
+    ap.add_argument(
+        "--model", default=None, help="a .gguf, Hugging Face directory or dummy:NAME (default: the bundled)"
+    )
     ap.add_argument("--config", default="{}", help='EngineConfig fields as JSON, e.g. \'{"dtype": "bfloat16"}\'')
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -54,7 +57,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     llm = LLM(
-        checkpoint=load_checkpoint(None),
+        checkpoint=load_checkpoint(args.model),
         num_threads=args.threads,
         max_num_seqs=max(args.batches),
         **json.loads(args.config),
@@ -65,9 +68,13 @@ def main() -> int:
         params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)  # aborted once timed
         requests = []
         for i in range(batch):
-            prompt = llm.tokenizer.encode(f"The history of the printing press begins {i}")
-            if args.context:  # distinct ids, so no request's prefix is cached from another's
-                prompt = [1000 + (i * 7919 + j * 31) % 40000 for j in range(args.context)]
+            if args.context:  # distinct ids, so no request's prefix is cached from another's (nor a tokenizer needed)
+                prompt = [
+                    1000 + (i * 7919 + j * 31) % min(40000, llm.engine.shape.vocab_size - 1000)
+                    for j in range(args.context)
+                ]
+            else:
+                prompt = llm.tokenizer.encode(f"The history of the printing press begins {i}")
             requests.append(engine.add_request(prompt, params))
         while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in requests):  # the prefill, maybe in chunks
             engine.step()
@@ -85,7 +92,7 @@ def main() -> int:
         result[batch] = statistics.median(times) * 1e3
         print(f"batch {batch:>3}: {result[batch]:.2f} ms a step", flush=True)
     if args.out:
-        report = {"tree": args.tree, "dtype": engine.config.dtype, "median_step_ms": result}
+        report = {"tree": args.tree, "model": args.model, "dtype": engine.config.dtype, "median_step_ms": result}
         if args.child:  # another tree's process, which may lack bench.common: the parent adds the provenance
             Path(args.out).write_text(json.dumps(report))
         else:

@@ -41,6 +41,7 @@ CPU_EXTENSIONS = {
     "orcinus_cpu_block_matmul": ("block_matmul.cpp", True),
     "orcinus_cpu_int16_matmul": ("int16_matmul.cpp", True),
     "orcinus_cpu_token_ops": ("token_ops.cpp", False),
+    "orcinus_cpu_family_ops": ("family_ops.cpp", False),
     "orcinus_cpu_attention": ("paged_decode_attention.cpp", False),
     "orcinus_cpu_sampling": ("sampling.cpp", False),
 }

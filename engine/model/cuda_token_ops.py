@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.kernels.availability import builds
 from engine.kernels.nvrtc import CUDA_SOURCES, DTYPE_SUFFIX, NvrtcKernels, ptr
-from engine.model.token_ops import RMSNorm, Rotary
+from engine.model.token_ops import HeadRMSNorm, RMSNorm, Rotary
 
 KERNEL_SOURCE = CUDA_SOURCES / "rope_write_kv.cu"
 THREADS = 128  # kThreads in the kernel: each thread rotates (or copies) one pair of a head's elements
@@ -273,5 +273,5 @@ def use_cuda_rms_norm(module: nn.Module) -> None:
     """Swap every RMSNorm under `module` for CudaRMSNorm (sharing its weight)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is RMSNorm:
+            if type(child) in (RMSNorm, HeadRMSNorm):  # a per-head norm too, where no fused RoPE takes it
                 setattr(parent, name, child.on_weight_of(CudaRMSNorm))

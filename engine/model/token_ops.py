@@ -1,5 +1,5 @@
-"""The decoder's token-wise ops as modules, RMSNorm, SiLU-and-multiply and RoPE (with the K/V cache write), and their
-fused C++ versions for the CPU.
+"""The decoder's token-wise ops as modules, RMSNorm, SiLU- and GELU-and-multiply and RoPE (with the K/V cache write,
+after a per-head norm for the families that norm queries and keys), and their fused C++ versions for the CPU.
 
 On the CPU each of PyTorch's small ops costs microseconds whatever its size (F.rms_norm alone runs as ~7 of them), so at
 decode batch sizes the norms and the activation cost a tenth of a step; engine/kernels/csrc/cpu/token_ops.cpp does each
@@ -12,6 +12,8 @@ Under torch.compile they take PyTorch's formula, which Inductor fuses itself (th
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,10 @@ class GeluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of each query or key head (Gemma 3); its rotary fuses it with RoPE where it can (`norm_rope_write_kv`)."""
 
 
 class Rotary(nn.Module):
@@ -116,6 +122,23 @@ class Rotary(nn.Module):
         write_kv(k, v.view(-1, num_kv_heads, d), kv_cache, slot_mapping)
         return q
 
+    def norm_rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """`rope_write_kv` with each query head normed by q_norm and each key head by k_norm before RoPE."""
+        d = self.table.shape[-1]
+        q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+        qkv = torch.cat([q_norm(q.reshape(-1, d)).view(q.shape), k_norm(k.reshape(-1, d)).view(k.shape), v], dim=-1)
+        return self.rope_write_kv(qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads)
+
 
 def _angles(head_dim: int, theta: float, positions: range, freq_factors: tuple[float, ...] | None):
     """cos and sin [positions, head_dim / 2] of each position's angles, the frequencies divided by the factors."""
@@ -132,6 +155,10 @@ def base_frequencies(head_dim: int, theta: float) -> torch.Tensor:
 
 def _ops():
     return load_cpu_extension("orcinus_cpu_token_ops")
+
+
+def _family_ops():
+    return load_cpu_extension("orcinus_cpu_family_ops")
 
 
 class CpuRMSNorm(RMSNorm):
@@ -157,6 +184,17 @@ class CpuSiluAndMul(SiluAndMul):
         return _ops().silu_mul(gate_up)
 
 
+class CpuGeluAndMul(GeluAndMul):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or gate_up.dim() != 2 or not gate_up.is_contiguous():
+            return super().forward(gate_up)
+        return _family_ops().gelu_tanh_mul(gate_up)
+
+
+class CpuHeadRMSNorm(CpuRMSNorm, HeadRMSNorm):
+    """A per-head norm that CpuRotary.norm_rope_write_kv applies inside its C++ pass."""
+
+
 class CpuRotary(Rotary):
     """RoPE and the cache write in one C++ pass (the same table buffer as the module it replaced)."""
 
@@ -176,6 +214,39 @@ class CpuRotary(Rotary):
             qkv, positions.contiguous(), self.table, kv_cache, slot_mapping.contiguous(), num_heads, num_kv_heads
         )
 
+    def norm_rope_write_kv(self, qkv, q_norm, k_norm, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
+        if (
+            torch.compiler.is_compiling()
+            or not isinstance(q_norm, CpuHeadRMSNorm)
+            or not isinstance(k_norm, CpuHeadRMSNorm)
+            or q_norm.eps != k_norm.eps
+            or q_norm.weight.dtype != qkv.dtype
+            or k_norm.weight.dtype != qkv.dtype
+            or self.table.shape[-1] > 512  # the op keeps a normed head on its stack
+            or qkv.dim() != 2
+            or qkv.stride(1) != 1
+            or not kv_cache.is_contiguous()
+            or kv_cache.dtype != qkv.dtype
+            or self.table.dtype != qkv.dtype
+            or positions.dtype != torch.int64
+            or slot_mapping.dtype != torch.int64
+        ):
+            return super().norm_rope_write_kv(
+                qkv, q_norm, k_norm, positions, kv_cache, slot_mapping, num_heads, num_kv_heads
+            )
+        return _family_ops().qk_norm_rope_write_kv(
+            qkv,
+            positions.contiguous(),
+            self.table,
+            kv_cache,
+            slot_mapping.contiguous(),
+            num_heads,
+            num_kv_heads,
+            q_norm.weight,
+            k_norm.weight,
+            q_norm.eps,
+        )
+
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     """Fused token ops here: bfloat16 on the CPU, where the op builds (a warning says why not, if it cannot)."""
@@ -186,18 +257,31 @@ def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def fuse_token_ops(module: nn.Module, _tables: dict[int, CpuRotary] | None = None) -> None:
-    """Swap every RMSNorm, SiluAndMul and Rotary under `module` for its C++ version (after the final dtype cast);
-    layers that shared a RoPE table share its replacement."""
-    tables = {} if _tables is None else _tables
+def _family_ops_build() -> bool:
+    """Whether family_ops.cpp builds here: where not, the families that use it keep the common fused ops."""
+    return builds(_family_ops, "the fused CPU ops of some families are unusable here, using PyTorch's")
+
+
+# Each token-op module a family may build -> its fused CPU version, made from the module it replaces (sharing its
+# weight or table). A family picks its ops by the modules it builds; a new op is a line here.
+FUSED_CPU: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
+    RMSNorm: lambda m: m.on_weight_of(CpuRMSNorm),
+    HeadRMSNorm: lambda m: m.on_weight_of(CpuHeadRMSNorm if _family_ops_build() else CpuRMSNorm),
+    SiluAndMul: lambda m: CpuSiluAndMul(),
+    GeluAndMul: lambda m: CpuGeluAndMul() if _family_ops_build() else m,
+    Rotary: lambda m: m.on_table_of(CpuRotary),
+}
+
+
+def fuse_token_ops(module: nn.Module, _done: dict[int, nn.Module] | None = None) -> None:
+    """Swap every module of FUSED_CPU's types under `module` for its C++ version (after the final dtype cast);
+    layers that shared one (a RoPE table) share its replacement."""
+    done = {} if _done is None else _done
     for name, child in list(module.named_children()):
-        if type(child) is RMSNorm:
-            setattr(module, name, child.on_weight_of(CpuRMSNorm))
-        elif type(child) is SiluAndMul:
-            setattr(module, name, CpuSiluAndMul())
-        elif type(child) is Rotary:
-            if id(child) not in tables:
-                tables[id(child)] = child.on_table_of(CpuRotary)
-            setattr(module, name, tables[id(child)])
-        else:
-            fuse_token_ops(child, tables)
+        fused = FUSED_CPU.get(type(child))
+        if fused is None:
+            fuse_token_ops(child, done)
+            continue
+        if id(child) not in done:
+            done[id(child)] = fused(child)
+        setattr(module, name, done[id(child)])

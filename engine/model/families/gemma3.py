@@ -3,30 +3,30 @@ and the windowed layers (five in six) on a RoPE base of their own."""
 
 from __future__ import annotations
 
-import torch
-
 from engine.core.config import ModelShape
 from engine.model.decoder import Source
 from engine.model.families.gemma2 import Gemma2Layer, Gemma2Model
 from engine.model.sharding import TensorShard
-from engine.model.token_ops import RMSNorm
+from engine.model.token_ops import HeadRMSNorm
 
 
 class Gemma3Layer(Gemma2Layer):
     def __init__(self, shape: ModelShape, shard: TensorShard, index: int):
         super().__init__(shape, shard, index)
-        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
-        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+        self.q_norm = HeadRMSNorm(shape.head_dim, shape.rms_norm_eps)
+        self.k_norm = HeadRMSNorm(shape.head_dim, shape.rms_norm_eps)
 
     def pre_attention(self, x, positions, kv_cache, slot_mapping):
         """Norm, fused QKV, each query and key head normed, then RoPE and the K/V write."""
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        d = self.shape.head_dim
-        qkv = torch.cat(
-            [self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(k.shape), v], dim=-1
-        )
-        return self.rotary.rope_write_kv(
-            qkv, positions, kv_cache, slot_mapping, self.shape.num_heads, self.shape.num_kv_heads
+        return self.rotary.norm_rope_write_kv(
+            self.qkv_proj(self.input_layernorm(x)),
+            self.q_norm,
+            self.k_norm,
+            positions,
+            kv_cache,
+            slot_mapping,
+            self.shape.num_heads,
+            self.shape.num_kv_heads,
         )
 
 

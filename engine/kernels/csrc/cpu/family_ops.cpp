@@ -1,0 +1,190 @@
+// Token-wise ops that only some model families use, fused for the CPU as token_ops.cpp fuses the common ones:
+// GeGLU's GELU(tanh)-and-multiply (Gemma), and Gemma 3's per-head RMSNorm of the queries and keys with RoPE and
+// the K/V cache write in one pass (PyTorch's chain there is a reshape, two norms, a cat, then the RoPE op; a
+// strided key view even drops the norm to PyTorch's seven-op formula).
+//
+// Built with token_ops.cpp's flags (-march=native, so AVX-512 where the CPU has it, AVX2 otherwise); the loops are
+// written to vectorize. Math is float32; results round to the dtype where PyTorch's unfused ops round.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kGrainElements = 16384;  // below this many elements per thread, threads cost more than they save
+constexpr int64_t kMaxHeadDim = 512;       // a head's normed row is kept on the stack
+
+inline float load(float x) { return x; }
+inline float load(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {
+  // Round to nearest even as at::BFloat16 does, branch-free so the loops vectorize (values are finite here).
+  uint32_t u = __builtin_bit_cast(uint32_t, x);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
+inline float rounded(float x, float) { return x; }
+inline float rounded(float x, uint16_t) {  // x as bfloat16 would hold it
+  uint16_t b;
+  store(&b, x);
+  return load(b);
+}
+
+int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
+}
+
+// PyTorch's formula, 0.5 x (1 + tanh(u)), with tanh through exp (which vectorizes where tanh does not) on |u|: then
+// 1 - 2 / (exp(2|u|) + 1) rounds near 1 as tanh does, so 1 + tanh(u) flushes to 0 where PyTorch's does (a large
+// negative gate). Past |u| = 10, tanh is 1 in float32; the clamp keeps exp finite.
+inline float gelu_tanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  const float u = kBeta * (x + kKappa * (x * x * x));
+  const float m = 1.f - 2.f / (std::exp(2.f * std::min(std::fabs(u), 10.f)) + 1.f);
+  return 0.5f * x * (1.f + std::copysign(m, u));
+}
+
+template <typename T>
+void gelu_tanh_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * width;
+      const T* up = gate + width;
+      T* o = out + r * width;
+      // gelu rounds to the dtype before the product, as F.gelu(gate, approximate="tanh") * up does.
+      for (int64_t i = 0; i < width; ++i) store(o + i, rounded(gelu_tanh(load(gate[i])), T{}) * load(up[i]));
+    }
+  });
+}
+
+// One head's RMSNorm into `normed`, rounded to T as the norm's output tensor would be.
+template <typename T>
+inline void norm_head(const T* x, const T* weight, float eps, int64_t d, float* normed) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float v = load(x[i]);
+    squares += v * v;
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) normed[i] = rounded(load(x[i]) * inv * load(weight[i]), T{});
+}
+
+// Each query and key head RMS-normed (its own weight, shared by the heads), then RoPE as token_ops.cpp's
+// rope_write_kv does it (rotate-half, the table's sin half signed, each product and the sum rounded to T, no
+// multiply-add: the pragma), queries into q, keys and the values into the cache's slots.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void qk_norm_rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, const T* table, const T* q_weight,
+                                const T* k_weight, float eps, T* q, T* cache, int64_t num_slots, const int64_t* slots,
+                                int64_t rows, int64_t hq, int64_t hkv, int64_t d) {
+  const int64_t half = d / 2;
+  T* values = cache + hkv * num_slots * d;
+  at::parallel_for(0, rows, grain((hq + 2 * hkv) * d), [&](int64_t begin, int64_t end) {
+    float x[kMaxHeadDim];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* cos = table + positions[r] * 2 * d;
+      const T* sin = cos + d;
+      const T* row = qkv + r * ld;
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        norm_head(row + h * d, h < hq ? q_weight : k_weight, eps, d, x);
+        T* out = h < hq ? q + (r * hq + h) * d : cache + ((h - hq) * num_slots + slots[r]) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = rounded(x[i] * load(cos[i]), T{});
+          const float b = rounded(x[i + half] * load(sin[i]), T{});
+          store(out + i, a + b);
+        }
+        for (int64_t i = half; i < d; ++i) {
+          const float a = rounded(x[i] * load(cos[i]), T{});
+          const float b = rounded(x[i - half] * load(sin[i]), T{});
+          store(out + i, a + b);
+        }
+      }
+      for (int64_t h = 0; h < hkv; ++h)
+        std::memcpy(values + (h * num_slots + slots[r]) * d, row + (hq + hkv + h) * d, d * sizeof(T));
+    }
+  });
+}
+#pragma GCC pop_options
+
+template <typename Fn>
+void dispatch(const at::Tensor& x, Fn fn) {
+  if (x.scalar_type() == at::kBFloat16) fn(static_cast<uint16_t*>(nullptr));
+  else fn(static_cast<float*>(nullptr));
+}
+
+template <typename T>
+T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+}  // namespace
+
+// gate_up [rows, 2 * width] (gate, then up) -> gelu_tanh(gate) * up [rows, width]
+at::Tensor gelu_tanh_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "gate_up must be a contiguous [rows, width] tensor");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
+              "gate_up must be float32 or bfloat16");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up side by side");
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
+  dispatch(gate_up, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    gelu_tanh_mul_rows<T>(data<T>(gate_up), data<T>(out), gate_up.size(0), width);
+  });
+  return out;
+}
+
+// rope_write_kv's arguments (token_ops.cpp) and the query and key norms' weights [D] and eps: each query and key
+// head RMS-normed before RoPE -> rotated queries [T, hq, D]; rotated keys and the values go into the cache.
+at::Tensor qk_norm_rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor table, at::Tensor kv_cache,
+                                 at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, at::Tensor q_weight,
+                                 at::Tensor k_weight, double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && (qkv.scalar_type() == at::kFloat ||
+              qkv.scalar_type() == at::kBFloat16), "qkv must be a float32 or bfloat16 [T, width] tensor, rows dense");
+  const int64_t rows = qkv.size(0), d = kv_cache.size(-1);
+  TORCH_CHECK(d % 2 == 0 && d <= kMaxHeadDim && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv is not ",
+              num_heads, " + 2 x ", num_kv_heads, " heads of ", d, " (an even head size of at most ", kMaxHeadDim,
+              ")");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == num_kv_heads &&
+              kv_cache.is_contiguous() && kv_cache.scalar_type() == qkv.scalar_type(),
+              "kv_cache must be a contiguous [2, kv heads, blocks, block size, D] tensor of qkv's dtype");
+  TORCH_CHECK(table.dim() == 3 && table.size(1) == 2 && table.size(2) == d && table.is_contiguous() &&
+              table.scalar_type() == qkv.scalar_type(), "table must be a contiguous [positions, 2, D] tensor of qkv's dtype");
+  for (const auto* w : {&q_weight, &k_weight})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == d && w->is_contiguous() && w->scalar_type() == qkv.scalar_type(),
+                "the norm weights must be contiguous [D] tensors of qkv's dtype");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous() && slot_mapping.dim() == 1 && slot_mapping.size(0) == rows &&
+              slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "positions and slot_mapping must be contiguous int64 [T] tensors");
+  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0) && slots[r] >= 0 && slots[r] < num_slots,
+                "a position or slot out of range");
+  auto q = at::empty({rows, num_heads, d}, qkv.options());
+  dispatch(qkv, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    qk_norm_rope_write_kv_rows<T>(data<T>(qkv), qkv.stride(0), pos, data<T>(table), data<T>(q_weight),
+                                  data<T>(k_weight), static_cast<float>(eps), data<T>(q), data<T>(kv_cache), num_slots,
+                                  slots, rows, num_heads, num_kv_heads, d);
+  });
+  return q;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "GELU (tanh) of the first half times the second (CPU)");
+  m.def("qk_norm_rope_write_kv", &qk_norm_rope_write_kv,
+        "per-head RMSNorm of queries and keys, RoPE, keys and values into the paged cache (CPU)");
+}
