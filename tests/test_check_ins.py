@@ -52,6 +52,14 @@ def test_greedy_tokens_and_max_tokens_are_the_same_for_k_1_4_8(tiny):
     assert iterations[8] < iterations[4] < iterations[1]  # the runs really took several steps per check-in
 
 
+def test_async_scheduling_waits_for_the_check_in_rather_than_run_ahead(tiny):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 13)]
+    want = [r.output_token_ids for r in run(engine(tiny, 1), PROMPTS[:2], params)]
+    e = engine(tiny, 4, async_scheduling="on")
+    assert [r.output_token_ids for r in run(e, PROMPTS[:2], params)] == want
+    assert e.num_iterations == 4  # the prompts (their first tokens), then 3 runs of 4: nothing ran ahead
+
+
 def test_seeded_sampling_draws_the_same_tokens_with_k_4(tiny):
     params = [
         SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(4)

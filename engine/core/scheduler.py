@@ -328,6 +328,10 @@ class Scheduler:
             return num_tokens - req.num_computed_tokens
         if not self.run_ahead or in_flight > 1 or req.request_id in self.drafting:
             return 0
+        # One that may run several steps waits for its check-in instead: its next batch can run them only once
+        # nothing is in flight.
+        if self.check_in_steps > 1 and not self.waiting and self.policy.runs_long(req):
+            return 0
         pending = req.num_pending_outputs
         # Not ahead of a token its sampling must see, nor of one that may reach max_tokens or the context window (a
         # stop id can end it anyway: that costs one wasted row, which update drops).
