@@ -67,6 +67,8 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
     ckpt = checkpoint or load_checkpoint(config.model, config.seed, weights=not is_distributed(config))
     check_splittable(ckpt.shape, config.tensor_parallel_size)  # here, before any process starts
     max_model_len = min(config.max_model_len or ckpt.shape.max_position, ckpt.shape.max_position)
+    if config.check_in_steps < 1 or (config.check_in_steps > 1 and is_distributed(config)):
+        raise ValueError("--check-in-steps is at least 1, and 1 with --pipeline-stages or --tensor-parallel-size")
     if config.length_predictor and config.scheduling_policy != "predicted":
         raise ValueError("--length-predictor is the predicted policy's: add --scheduling-policy predicted")
     # Before any stage process starts: an unknown policy, or a predictor file that does not suit the model, fails here.

@@ -77,6 +77,7 @@ _ENGINE_FLAGS = {
     "scheduling_policy": {"type": policy_name, "metavar": "POLICY"},
     "length_predictor": {"metavar": "PATH"},
     "async_scheduling": {"choices": ["auto", "on", "off"]},
+    "check_in_steps": {"type": int, "metavar": "K"},
     "kv_policy": {"choices": ["paged", "orca-reserve"]},
     "prefix_caching": {"action": argparse.BooleanOptionalAction},
     "attention_backend": {"choices": ["auto", "torch", "cpu", "cuda"]},

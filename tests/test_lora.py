@@ -90,6 +90,29 @@ def test_a_mixed_batch_gives_each_request_its_tokens_alone(served):
     assert not gate.held and not gate.holding and len(gate.pool.slot_of) <= 2
 
 
+def test_check_in_runs_keep_each_rows_adapter(served):
+    """Runs of several steps (--check-in-steps) over a batch mixing adapters and the base: each row keeps its slot in
+    every step of the run, so its tokens are the single-step ones."""
+    _, llm, _, _ = served
+    names = ["", "a", "b"]
+    jobs = [(n, i) for i in range(len(PROMPTS)) for n in names]
+    prompts, loras = [PROMPTS[i] for _, i in jobs], [n for n, _ in jobs]
+    want = [c.token_ids for c in llm.generate(prompts, GREEDY, lora=loras)]
+    cfg = llm.engine.config
+    runs = LLM(
+        cfg.model,
+        dtype="float32",
+        max_num_seqs=16,
+        lora=cfg.lora,
+        max_loras=3,
+        max_lora_rank=64,
+        check_in_steps=4,
+        speculative="off",
+    )
+    assert [c.token_ids for c in runs.generate(prompts, GREEDY, lora=loras)] == want
+    assert runs.engine.num_iterations < GREEDY.max_tokens  # the decode steps ran in runs of several
+
+
 def test_the_prefix_cache_never_shares_blocks_across_adapters(served):
     _, llm, _, _ = served
     engine = llm.engine

@@ -201,6 +201,9 @@ class EngineConfig:
     """Reuse the cached K/V of prompt prefixes shared with earlier requests."""
     attention_backend: str = "auto"
     """Which AttentionBackend runs attention: auto|torch|cpu|cuda."""
+    check_in_steps: int = 1
+    """Decode steps a batch of long requests runs between check-ins (the scheduler, stop checks and output delivery
+    see them every this many steps): under the predicted policy those predicted long, under the others every one."""
     speculative: Literal["auto", "off", "ngram", "suffix"] = "auto"
     """Speculative decoding: draft from prompt lookup (ngram) or suffix trees, verify in one step; auto: ngram on the
     CPU, off on a GPU."""

@@ -49,6 +49,7 @@ class EngineCore:
         )
         # `policy`: who runs first (None: the config's, as named); launch builds the `predicted` one with its predictor.
         self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, policy)
+        self.scheduler.check_in_steps = min(config.check_in_steps, getattr(executor, "max_steps", 1))
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
         held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
         self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size, held)

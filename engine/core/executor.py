@@ -19,6 +19,7 @@ class Executor(Protocol):
 
     max_in_flight: int  # batches that may be submitted before the oldest is collected
     num_blocks: int  # KV blocks every part of the model has room for
+    max_steps: int  # decode steps one batch may run (Batch.num_steps); one where the executor lacks this
 
     @property
     def num_in_flight(self) -> int: ...

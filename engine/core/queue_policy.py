@@ -49,6 +49,11 @@ class QueuePolicy:
         """Whether this step should return the final hidden state at the request's last known token (`probed`)."""
         return False
 
+    def runs_long(self, req: Request) -> bool:
+        """Whether the request may run several decode steps between check-ins (--check-in-steps): a policy that
+        knows no lengths lets every request."""
+        return True
+
     def probed(self, req: Request, hidden: list[float]) -> None:
         """A probe came back: the hidden state at the request's last known token, before this step's outputs."""
 
@@ -153,6 +158,11 @@ class Predicted(QueuePolicy):
         """At its first sample (the prompt's last token), then every PROBE_EVERY outputs."""
         length = req.length
         return length is None or req.num_output_tokens - length.probes[-1][0] >= PROBE_EVERY
+
+    def runs_long(self, req: Request) -> bool:
+        """Predicted at least LONG_POOL_TOKENS more outputs (a request not yet predicted is checked every step);
+        without a predictor, every request."""
+        return self.predictor is None or self.remaining(req) >= LONG_POOL_TOKENS
 
     def probed(self, req: Request, hidden: list[float]) -> None:
         t = req.num_output_tokens

@@ -7,6 +7,7 @@ from collections import Counter
 
 import msgspec
 
+from engine.core.check_ins import may_run_long, reserve_steps
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.queue_policy import QueuePolicy, WaitingQueue, queue_policy
@@ -55,6 +56,9 @@ class Batch(msgspec.Struct):
 
     requests: list[ScheduledRequest]
     lora_slots: list[int] | None = None  # each request's LoRA slot (-1: the base model); None: no adapters served
+    # Decode steps to run before the next check-in, each row's sampled token fed back as its next input (see
+    # engine/core/check_ins.py); a row stops early at a stop token, max_tokens or the context window.
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +119,9 @@ class Scheduler:
         self.in_flight: Counter[str] = Counter()
         self.run_ahead = config.async_scheduling == "on"
         self.speculation = speculation  # None: no drafts, one token per request per step
-        self.drafting: set[str] = set()  # requests whose batch in flight verifies drafts: none runs ahead of it
+        # Requests whose batch in flight may give several tokens (drafts to verify, several steps): none runs ahead.
+        self.drafting: set[str] = set()
+        self.check_in_steps = config.check_in_steps  # most steps a batch runs between check-ins (EngineCore may lower)
         self.num_preemptions = 0
         self.newcomers_ran_alone = False  # the last batch took new prompts only (`_newcomers_alone`)
         # Tokens of admitted requests (prompt, plus outputs after a preemption) looked up in the prefix cache.
@@ -178,14 +184,32 @@ class Scheduler:
         self.newcomers_ran_alone = alone and bool(scheduled)
 
         batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
+        if self.check_in_steps > 1 and batch.requests:
+            batch.num_steps = self._steps_to_check_in(batch, [req for req, _, _ in scheduled])
         in_flight = self.in_flight
         for (req, _, draft), sr in zip(scheduled, batch.requests):
             in_flight[req.request_id] += 1
             req.num_in_flight_tokens += len(sr.token_ids)
             req.num_pending_outputs += sr.sample
-            if draft:
+            if draft or batch.num_steps > 1:
                 self.drafting.add(req.request_id)
         return batch
+
+    def _steps_to_check_in(self, batch: Batch, reqs: list[Request]) -> int:
+        """Steps `batch` may run before its next check-in, their KV slots allocated: 1 unless every running request is
+        in it, nothing waits or is in flight and the policy lets each run long (engine/core/check_ins.py)."""
+        if (
+            self.waiting
+            or self.in_flight
+            or len(reqs) != len(self.running)
+            or not may_run_long(batch.requests, reqs, self.policy.runs_long)
+        ):
+            return 1
+        steps = reserve_steps(self.kv, reqs, self.check_in_steps, self.max_model_len)
+        if steps > 1:
+            for sr, req in zip(batch.requests, reqs):
+                sr.block_table = list(req.block_table)
+        return steps
 
     def _schedule_running(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int) -> int:
         """Running requests in order, until `scheduled` holds `max_seqs`; preempts where blocks run out, then gives
@@ -305,6 +329,10 @@ class Scheduler:
             return num_tokens - req.num_computed_tokens
         if not self.run_ahead or in_flight > 1 or req.request_id in self.drafting:
             return 0
+        # One that may run several steps waits for its check-in instead: its next batch can run them only once
+        # nothing is in flight.
+        if self.check_in_steps > 1 and not self.waiting and self.policy.runs_long(req):
+            return 0
         pending = req.num_pending_outputs
         # Not ahead of a token its sampling must see, nor of one that may reach max_tokens or the context window (a
         # stop id can end it anyway: that costs one wasted row, which update drops).
@@ -417,6 +445,7 @@ class Scheduler:
         if (
             self.speculation is not None
             and seconds is not None
+            and batch.num_steps == 1
             and all(sr.sample and len(sr.token_ids) == sr.num_draft + 1 for sr in batch.requests)
         ):
             self.speculation.step_cost.observe(batch.num_tokens, seconds)
@@ -424,6 +453,7 @@ class Scheduler:
         # Per request per step: the attributes it reads are bound once for the batch.
         in_flight, drafting, requests, kv = self.in_flight, self.drafting, self.requests, self.kv
         names_blocks, block_size, window = kv.prefix_caching, kv.block_size, self.kv_window
+        several_steps = batch.num_steps > 1
         for sr in batch.requests:
             rid = sr.request_id
             left = in_flight[rid] - 1
@@ -446,9 +476,10 @@ class Scheduler:
                 updated.append(req)
                 continue
             # A rejected draft token's K/V stays in its slot, uncounted (so never named for the prefix cache), until
-            # the token that belongs there is computed over it.
+            # the token that belongs there is computed over it. A run of several steps computed, as inputs, every token
+            # it returns but the last, as accepted drafts are.
             num_draft = sr.num_draft
-            num_accepted = len(result.token_ids) - 1 if num_draft else 0
+            num_accepted = len(result.token_ids) - 1 if num_draft or several_steps else 0
             req.num_computed_tokens += num_new - num_draft + num_accepted
             if sr.prompt_logprobs is not None:
                 req.prompt_logprobs += prompt_logprobs[rid]

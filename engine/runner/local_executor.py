@@ -21,6 +21,7 @@ from engine.model.sampling.sampler import DeviceSample, Sampler
 from engine.model.sampling.state import SamplingState
 from engine.model.sharding import WHOLE, TensorShard
 from engine.model.token_ops import Rotary, can_fuse, fuse_token_ops
+from engine.runner.check_in_steps import run_steps
 from engine.runner.device import DeviceError, block_weights, int16_activations
 from engine.runner.model_runner import ModelRunner
 from engine.runner.prompt_logprobs import DevicePromptLogprobs
@@ -91,6 +92,8 @@ class LocalExecutor:
         self.runner.lora = self.lora
         self.num_blocks = self.runner.num_blocks
         self.max_in_flight = 2 if config.async_scheduling == "on" else 1
+        self.max_steps = config.check_in_steps
+        self.max_model_len = max_model_len
         self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
         # Each batch in flight: its sample, prompt logprobs and length probes' hidden states.
         self.done: deque[tuple[Batch, DeviceSample | Sampled, DevicePromptLogprobs | None, dict]] = deque()
@@ -121,6 +124,9 @@ class LocalExecutor:
                 )
         ids = [req.request_id for req in sampling]
         previous, self.previous = self.previous, None
+        if batch.num_steps > 1:
+            self._run_steps(batch, previous)
+            return
         try:
             self.faults.at_forward(self.num_submitted)
             logits = self.runner.run(batch, previous=previous)
@@ -139,6 +145,32 @@ class LocalExecutor:
             tokens = [t.token_ids[-1] if isinstance(t, SampledTokens) else 0 for t in (result[i] for i in ids)]
             self.previous = torch.tensor(tokens, device=self.runner.device), {i: row for row, i in enumerate(ids)}
         self.done.append((batch, result, self.runner.prompt_logprobs, self.runner.probed_hidden))
+
+    def _run_steps(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None) -> None:
+        """Several decode steps before the next check-in (engine/runner/check_in_steps.py); the first step's length
+        probes go back with the tokens. Nothing runs ahead of such a batch, so no row reads its tokens here."""
+        probed: dict[str, list[float]] = {}
+
+        def forward(rows: Batch, first: bool) -> torch.Tensor | Failure:
+            nonlocal probed
+            try:
+                if first:
+                    self.faults.at_forward(self.num_submitted)
+                logits = self.runner.run(rows, previous=previous if first else None)
+            except Exception as e:
+                if self.runner.device.type == "cuda":
+                    raise  # as in submit: the engine restarts
+                return Failure(f"the forward pass failed: {e!r}")
+            if first:
+                probed = self.runner.probed_hidden
+            return logits
+
+        def sample(logits: torch.Tensor, ids: list[str]) -> Sampled:
+            result = self._sample_isolated(logits, ids, [[] for _ in ids])
+            return self.sampler.finish(result) if isinstance(result, DeviceSample) else result
+
+        sampled = run_steps(batch, forward, sample, self.sampler.states, self.max_model_len)
+        self.done.append((batch, sampled, None, probed))
 
     def _sample_isolated(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]) -> DeviceSample | Sampled:
         restore = self.sampler.save_rng(ids)
