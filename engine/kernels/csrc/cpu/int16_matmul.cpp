@@ -1,12 +1,13 @@
-// Matmul against a GGUF file's 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0) with the activations rounded to 16-bit
-// integers: y = x @ W^T, W [N, K], x [M, K] in float32 or bfloat16, at a fraction of the float32 path's instructions
-// (block_matmul.cpp decodes every weight to a float).
+// Matmul against a GGUF file's 4- to 8-bit blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) with the activations rounded
+// to 16-bit integers: y = x @ W^T, W [N, K], x [M, K] in float32 or bfloat16, at a fraction of the float32 path's
+// instructions (block_matmul.cpp decodes every weight to a float).
 //
 // Each row of x is quantized per 32 inputs (the weights' blocks), as llama.cpp's Q8 activations but with 16 bits:
 // d = max|x| / 32767, q = round(x / d), an error of at most 2^-16 of the block's largest input (bfloat16's is 2^-9 of
 // each). A block's dot product with the weights' codes is an integer sum, exact in int32 (AVX-512 VNNI's vpdpwssd, 32
 // products an instruction), then scaled once in float32 by the weights' and the activations' scales. The weights are
-// the file's codes and scales, unchanged; only their order in memory is (`pack`): 16 output rows make a tile, one
+// the file's codes and scales, unchanged in value (Q5_0's and Q6_K's codes widened to bytes, the K-quants' scales
+// multiplied out in float32, exactly); their order in memory is not (`pack`): 16 output rows make a tile, one
 // int32 lane per row, the rows' block b side by side. A block of x is then one broadcast operand, no lane is idle
 // whatever K is (a 576-wide model filled 18 of a group's 32 lanes when a lane held a block), no sum needs a horizontal
 // reduction, and a tile streams through memory in order (against float32 inputs: docs/performance.md, Kernels).
@@ -559,7 +560,9 @@ void check_part(const at::Tensor& part, int64_t k, int weights, int bytes) {
               k / weights * bytes);
 }
 
-void check_part(const at::Tensor& part, int64_t type, int64_t k) { check_part(part, k, kBlock, format_of(type).bytes()); }
+void check_part(const at::Tensor& part, int64_t type, int64_t k) {
+  check_part(part, k, kBlock, format_of(type).bytes());
+}
 
 }  // namespace
 
