@@ -224,17 +224,24 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(x.shape)
 
 
+# One block, 17 blocks, 48 blocks; the K-quants in whole 256-weight super-blocks: one, and 6.
+INT16_CASES = [
+    (GGMLQuantizationType(t), cols)
+    for t in sorted(INT16_TYPES)
+    for cols in ([256, 1536] if GGML_QUANT_SIZES[GGMLQuantizationType(t)][0] == 256 else [32, 544, 1536])
+]
+
+
 @needs_int16
-@pytest.mark.parametrize("kind", [GGMLQuantizationType(t) for t in sorted(INT16_TYPES)], ids=lambda t: t.name)
-@pytest.mark.parametrize("cols", [32, 544, 1536])  # one block; 17 blocks; 48
+@pytest.mark.parametrize("kind, cols", INT16_CASES, ids=lambda c: getattr(c, "name", str(c)))
 def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weights(kind, cols):
     blocks = random_blocks(kind, 48, cols, seed=5)  # three tiles of 16 outputs
     w = dequantize(blocks).double()
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(6)) * 3  # a tile of 8 rows of x, then 1
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
-    packed = Int16BlockLinear([blocks])._parts
+    layer = Int16BlockLinear([blocks])
     got = torch.empty(9, 48)
-    _int16_ops().int16_matmul_out(x, packed, [blocks.type], got)  # the op itself takes any number of rows
+    _int16_ops().int16_matmul_out(x, layer._parts, layer.types, got)  # the op itself takes any number of rows
     want = int16_rounded(x) @ w.t()
     # integer block sums are exact: what is left is float32 scaling and a sum over the blocks
     bound = 4 * (cols // 32) * 2**-24 * (int16_rounded(x).abs() @ w.abs().t()) + 1e-30
@@ -246,6 +253,61 @@ def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weigh
     assert torch.equal(Int16BlockLinear([blocks])(x[1:2]), got[1:2])
     # bfloat16 activations give bfloat16 outputs of the same sums
     assert Int16BlockLinear([blocks])(x[:1].bfloat16()).dtype == torch.bfloat16
+
+
+@needs_int16
+@pytest.mark.parametrize(
+    "kind, cols",
+    [
+        (GGMLQuantizationType.Q5_0, 640),
+        (GGMLQuantizationType.Q5_0, 896),
+        (GGMLQuantizationType.Q5_0, 2048),
+        (GGMLQuantizationType.Q4_K, 768),
+        (GGMLQuantizationType.Q4_K, 2048),
+        (GGMLQuantizationType.Q6_K, 768),
+        (GGMLQuantizationType.Q6_K, 2048),
+    ],
+    ids=lambda c: getattr(c, "name", str(c)),
+)
+def test_q5_0_and_the_k_quants_take_the_int16_path_at_any_row_count(kind, cols):
+    """A Q4_K_M file's formats: the product of the file's weights within int16 rounding, a row's bits its own."""
+    blocks = random_blocks(kind, 32, cols, seed=11)
+    w = dequantize(blocks).double()
+    layer = Int16BlockLinear([blocks])
+    x = torch.randn(33, cols, generator=torch.Generator().manual_seed(12)) * 3
+    batch = layer(x)
+    for rows in (1, 3, 16, 33):
+        got = layer(x[:rows])
+        assert torch.equal(got, batch[:rows])  # the same bits at every row count
+        want = int16_rounded(x[:rows]) @ w.t()
+        bound = 4 * (cols // 32) * 2**-24 * (int16_rounded(x[:rows]).abs() @ w.abs().t()) + 1e-30
+        assert ((got.double() - want).abs() <= bound).all()
+        exact = x[:rows].double() @ w.t()
+        assert ((got.double() - exact).abs() <= (x[:rows].double().abs() @ w.abs().t()) * 2**-15).all()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(layer(x), batch)  # nor on how the outputs' tiles are split among threads
+    finally:
+        torch.set_num_threads(2)
+    blocks_linear = nn_layers_of(kind, blocks)
+    assert type(blocks_linear) is Int16BlockLinear
+
+
+def nn_layers_of(kind: GGMLQuantizationType, blocks: Blocks) -> torch.nn.Module:
+    """use_block_weights' choice for one linear layer over `blocks`, with int16 activations."""
+    from engine.model.decoder import Source
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(blocks.cols, blocks.rows, bias=False)
+
+        def sources(self):
+            return {"proj.weight": Source(("p",))}
+
+    model = One()
+    use_block_weights(model, {"p": blocks}, int16=True)
+    return model.proj
 
 
 @needs_int16

@@ -7,7 +7,8 @@ and sums in float32, in an order that does not depend on the batch. So these lay
 --batch-invariant runs the other linear layers through the same op, their float weights as F32 or BF16 "blocks".
 
 An Int16BlockLinear, the default where the CPU has AVX-512 VNNI or AVX2 (the same bits from either), multiplies through
-engine/kernels/csrc/cpu/int16_matmul.cpp: Q4_0, Q4_1 and Q8_0 blocks (the same codes and scales, reordered once) times
+engine/kernels/csrc/cpu/int16_matmul.cpp: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks (the same codes and scales,
+reordered once, Q5_0's and Q6_K's codes widened to bytes and the K-quants' scales to exact float32s) times
 the activations rounded to 16-bit integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is
 faster than the float32 path at every row count (docs/performance.md, Kernels), and as batch-independent: a row's
 rounding and each output's order of sums are its own.
@@ -36,8 +37,8 @@ QUANTIZED_TYPES: dict[int, tuple[int, int]] = {
     13: (256, 176),  # Q5_K
     14: (256, 210),  # Q6_K
 }
-# The formats the int16-activation op takes: Q4_0, Q4_1, Q8_0, in tiles of this many output rows.
-INT16_TYPES = {2, 3, 8}
+# The formats the int16-activation op takes: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, in tiles of this many output rows.
+INT16_TYPES = {2, 3, 6, 8, 12, 14}
 INT16_TILE = 16
 # Float weights the op also takes, as ggml names them.
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
@@ -121,11 +122,15 @@ class BlockLinear(nn.Module):
 
 
 class Int16BlockLinear(BlockLinear):
-    """A BlockLinear over Q4_0/Q4_1/Q8_0 parts (whole tiles of INT16_TILE rows) that rounds its input to int16 per 32
-    values and sums in integers. It holds the file's blocks reordered for the op (`pack`), not a second copy."""
+    """A BlockLinear over INT16_TYPES parts (whole tiles of INT16_TILE rows) that rounds its input to int16 per 32
+    values and sums in integers. It holds the file's blocks repacked for the op (`pack`, its `types` the packed ones),
+    not a second copy."""
 
     def __init__(self, parts: list[Blocks], bias: torch.Tensor | None = None):
-        super().__init__([Blocks(p.type, _int16_ops().pack(p.data, p.type, p.cols), p.cols) for p in parts], bias)
+        ops = _int16_ops()
+        super().__init__(
+            [Blocks(ops.packed_type(p.type), ops.pack(p.data, p.type, p.cols), p.cols) for p in parts], bias
+        )
 
     def _matmul_out(self, x: torch.Tensor, out: torch.Tensor) -> None:
         _int16_ops().int16_matmul_out(x.contiguous(), self._parts, self.types, out)

@@ -1,12 +1,13 @@
-// Matmul against a GGUF file's 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0) with the activations rounded to 16-bit
-// integers: y = x @ W^T, W [N, K], x [M, K] in float32 or bfloat16, at a fraction of the float32 path's instructions
-// (block_matmul.cpp decodes every weight to a float).
+// Matmul against a GGUF file's 4- to 8-bit blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) with the activations rounded
+// to 16-bit integers: y = x @ W^T, W [N, K], x [M, K] in float32 or bfloat16, at a fraction of the float32 path's
+// instructions (block_matmul.cpp decodes every weight to a float).
 //
 // Each row of x is quantized per 32 inputs (the weights' blocks), as llama.cpp's Q8 activations but with 16 bits:
 // d = max|x| / 32767, q = round(x / d), an error of at most 2^-16 of the block's largest input (bfloat16's is 2^-9 of
 // each). A block's dot product with the weights' codes is an integer sum, exact in int32 (AVX-512 VNNI's vpdpwssd, 32
 // products an instruction), then scaled once in float32 by the weights' and the activations' scales. The weights are
-// the file's codes and scales, unchanged; only their order in memory is (`pack`): 16 output rows make a tile, one
+// the file's codes and scales, unchanged in value (Q5_0's and Q6_K's codes widened to bytes, the K-quants' scales
+// multiplied out in float32, exactly); their order in memory is not (`pack`): 16 output rows make a tile, one
 // int32 lane per row, the rows' block b side by side. A block of x is then one broadcast operand, no lane is idle
 // whatever K is (a 576-wide model filled 18 of a group's 32 lanes when a lane held a block), no sum needs a horizontal
 // reduction, and a tile streams through memory in order (against float32 inputs: docs/performance.md, Kernels).
@@ -15,7 +16,7 @@
 
 // Only the headers used, not <torch/extension.h> (all of torch's C++ API): a build parses a fraction of the headers.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
@@ -43,51 +44,138 @@ constexpr int kBlock = 32;  // inputs per block, in the weights and in x
 constexpr int kRows = 16;   // output rows per tile: one int32 lane each
 constexpr float kMaxCode = 32767.f;  // x's codes are int16: |q| <= 32767
 
-// What a block holds besides its codes: Q4_0 w = d (c - 8); Q4_1 w = d c + m; Q8_0 w = d c (int8 codes).
+// What a packed block holds besides its codes: Q4_0 w = d (c - 8); Q4_1 w = d c + m; Q8_0 w = d c (int8 codes). The
+// K-quants are packed with float32 scales, exact products of the file's float16 super-block scale and its 6- or 8-bit
+// sub-block scales: Q4_K w = s c + m per 32 weights; Q6_K w = s_h c per 16 (two scales a block, int8 codes).
 struct Format {
-  int code_bytes;  // per block
-  bool mins;       // a float16 minimum m per block after the scales
-  int offset;      // subtracted from every stored code
-  constexpr int bytes() const { return code_bytes + 2 + (mins ? 2 : 0); }
+  int code_bytes;   // per block
+  bool mins;        // a minimum m per block after the scales
+  int offset;       // subtracted from every stored code
+  int scale_bytes;  // 2: the file's float16 scales; 4: float32
+  int halves;       // scales per block: each of its halves summed on its own
+  constexpr int bytes() const { return code_bytes + scale_bytes * (halves + (mins ? 1 : 0)); }
   constexpr int per_word() const { return code_bytes == kBlock ? 2 : 4; }  // packed code slices per 16-bit word
 };
 
-// Q4_0 (2), Q4_1 (3), else Q8_0 (8): a compile-time constant in the kernel, checked where a type comes in.
+// Packed types: Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14): a compile-time constant in the kernel, checked
+// where a type comes in. Q5_0 (6) is packed as Q8_0 (its codes less 16 as int8).
 constexpr Format format_for(int64_t type) {
-  return type == 2 ? Format{16, false, 8} : type == 3 ? Format{16, true, 0} : Format{32, false, 0};
+  return type == 2    ? Format{16, false, 8, 2, 1}
+         : type == 3  ? Format{16, true, 0, 2, 1}
+         : type == 12 ? Format{16, true, 0, 4, 1}
+         : type == 14 ? Format{32, false, 0, 4, 2}
+                      : Format{32, false, 0, 2, 1};
 }
 
 Format format_of(int64_t type) {
-  TORCH_CHECK(type == 2 || type == 3 || type == 8, "no int16-activation matmul for ggml type ", type);
+  TORCH_CHECK(type == 2 || type == 3 || type == 8 || type == 12 || type == 14,
+              "no int16-activation matmul for packed ggml type ", type);
   return format_for(type);
 }
 
-// A block's 32 codes (0..15, or Q8_0's int8 bytes) from the file's block (scales first, then codes).
-void codes_of(const uint8_t* block, int64_t type, uint8_t* c) {
-  if (type == 8) {
-    std::memcpy(c, block + 2, kBlock);
-    return;
-  }
-  const uint8_t* qs = block + (type == 3 ? 4 : 2);
-  for (int e = 0; e < 16; ++e) {
-    c[e] = qs[e] & 15;
-    c[e + 16] = qs[e] >> 4;
+// The type a file's type is packed as, or -1 where the op does not take it.
+int64_t packed_type(int64_t type) {
+  switch (type) {
+    case 2: case 3: case 8: case 12: case 14: return type;
+    case 6: return 8;
+    default: return -1;
   }
 }
 
-// Sixteen rows' blocks as one tile: for each block b in order, the codes, then the 16 rows' float16 scales, then
-// (Q4_1) their minimums. Code slice t (inputs 2t and 2t+1) of row r sits in 16-bit lanes 2r and 2r+1 of a 64-byte
-// vector; Q8_0 stores slices 2u and 2u+1 in one vector's words (low and high byte), a 4-bit format slices 4u .. 4u+3
-// (the word's four nibbles, lowest first), so a load and a shift or mask widens a slice. Every byte of the tile is
+// The file's weights and bytes per block of a type packed_type takes.
+void file_block(int64_t type, int& weights, int& bytes) {
+  switch (type) {
+    case 2: weights = 32, bytes = 18; break;
+    case 3: weights = 32, bytes = 20; break;
+    case 6: weights = 32, bytes = 22; break;
+    case 8: weights = 32, bytes = 34; break;
+    case 12: weights = 256, bytes = 144; break;
+    default: weights = 256, bytes = 210; break;  // 14
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Q4_K's 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63, m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Block b (32 weights) of a file's row of type `type`: its 32 codes (0..15, or int8 bytes), its scale bytes (float16
+// or float32, one per half) and minimum bytes, as the packed format stores them.
+void block_of(const uint8_t* row, int64_t type, int64_t b, uint8_t* c, uint8_t* scale, uint8_t* min) {
+  if (type == 2 || type == 3 || type == 8) {
+    const uint8_t* block = row + b * format_for(type).bytes();
+    std::memcpy(scale, block, 2);
+    if (type == 8) {
+      std::memcpy(c, block + 2, kBlock);
+      return;
+    }
+    if (type == 3) std::memcpy(min, block + 2, 2);
+    const uint8_t* qs = block + (type == 3 ? 4 : 2);
+    for (int e = 0; e < 16; ++e) {
+      c[e] = qs[e] & 15;
+      c[e + 16] = qs[e] >> 4;
+    }
+  } else if (type == 6) {  // d, 32 fifth bits, 16 bytes of low nibbles: w = d (c - 16)
+    const uint8_t* block = row + b * 22;
+    std::memcpy(scale, block, 2);
+    uint32_t qh;
+    std::memcpy(&qh, block + 2, 4);
+    for (int e = 0; e < 16; ++e) {
+      c[e] = static_cast<uint8_t>(static_cast<int8_t>(((block[6 + e] & 15) | (((qh >> e) << 4) & 16)) - 16));
+      c[e + 16] = static_cast<uint8_t>(static_cast<int8_t>(((block[6 + e] >> 4) | ((qh >> (e + 12)) & 16)) - 16));
+    }
+  } else if (type == 12) {  // d, dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
+    const uint8_t* block = row + (b / 8) * 144;
+    const int j = b % 8;
+    int sc, m;
+    scale_min_k4(j, block + 4, sc, m);
+    const float s = half_to_float(block) * sc, mn = -(half_to_float(block + 2) * m);  // exact: 11 + 6 bits
+    std::memcpy(scale, &s, 4);
+    std::memcpy(min, &mn, 4);
+    const uint8_t* q = block + 16 + 32 * (j / 2);
+    for (int e = 0; e < kBlock; ++e) c[e] = j % 2 ? q[e] >> 4 : q[e] & 15;
+  } else {  // Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
+    const uint8_t* block = row + (b / 8) * 210;
+    const int j = b % 8, n = j / 4, quarter = j % 4;
+    const uint8_t* ql = block + 64 * n + (quarter % 2) * 32;
+    const uint8_t* qh = block + 128 + 32 * n;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192) + 8 * n + 2 * quarter;
+    const float d = half_to_float(block + 208);
+    for (int e = 0; e < kBlock; ++e) {
+      const int lo = quarter < 2 ? ql[e] & 15 : ql[e] >> 4;
+      c[e] = static_cast<uint8_t>(static_cast<int8_t>((lo | (((qh[e] >> (2 * quarter)) & 3) << 4)) - 32));
+    }
+    for (int h = 0; h < 2; ++h) {
+      const float s = d * sc[h];  // exact: 11 + 8 bits
+      std::memcpy(scale + 4 * h, &s, 4);
+    }
+  }
+}
+
+// Sixteen rows' blocks as one tile: for each block b in order, the codes, then the 16 rows' scales (for each half),
+// then their minimums. Code slice t (inputs 2t and 2t+1) of row r sits in 16-bit lanes 2r and 2r+1 of a 64-byte
+// vector; 8-bit codes store slices 2u and 2u+1 in one vector's words (low and high byte), a 4-bit format slices 4u ..
+// 4u+3 (the word's four nibbles, lowest first), so a load and a shift or mask widens a slice. Every byte of the tile is
 // written, each code straight to its place (a model's load packs every weight: bit by bit into zeroed words was slow).
 void pack_tile(const uint8_t* src, int64_t row_bytes, int64_t type, const Format& f, int64_t nb, uint8_t* dst) {
+  const int sb = f.scale_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* tile = dst + b * kRows * f.bytes();
     uint8_t* scales = tile + kRows * f.code_bytes;
     for (int r = 0; r < kRows; ++r) {
-      const uint8_t* block = src + r * row_bytes + b * f.bytes();
-      uint8_t c[kBlock];
-      codes_of(block, type, c);
+      uint8_t c[kBlock], scale[8], min[4];
+      block_of(src + r * row_bytes, type, b, c, scale, min);
       if (f.per_word() == 2) {
         // Vector u, row r: bytes 4r .. 4r+3 are lane 2r (inputs 4u, 4u+2) then lane 2r+1 (4u+1, 4u+3).
         for (int u = 0; u < kBlock / 4; ++u) {
@@ -106,8 +194,8 @@ void pack_tile(const uint8_t* src, int64_t row_bytes, int64_t type, const Format
             std::memcpy(tile + 64 * u + 4 * r + 2 * p, &word, 2);
           }
       }
-      std::memcpy(scales + 2 * r, block, 2);
-      if (f.mins) std::memcpy(scales + 2 * kRows + 2 * r, block + 2, 2);
+      for (int h = 0; h < f.halves; ++h) std::memcpy(scales + (h * kRows + r) * sb, scale + h * sb, sb);
+      if (f.mins) std::memcpy(scales + (f.halves * kRows + r) * sb, min, sb);
     }
   }
 }
@@ -237,6 +325,13 @@ inline void store16(at::BFloat16* p, __m512 v) {
   for (int i = 0; i < kRows; ++i) p[i] = at::BFloat16(f[i]);  // round to nearest even
 }
 
+// Sixteen rows' scales (or minimums): the file's float16, or float32.
+template <int Bytes>
+inline __m512 scales16(const uint8_t* p) {
+  if constexpr (Bytes == 2) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_loadu_ps(p);
+}
+
 // The 16 outputs of one tile for R rows of x (row r's blocks at xb + r * nb). Lane i sums row i's blocks in order, so
 // an output's sum never depends on M, on the tile or on the thread count.
 template <int R, int Type, typename T>
@@ -245,19 +340,23 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
   // At least 8 independent sums below 8 rows: with fewer, a pass at 1 row waits on vpdpwssd's latency
   // (docs/performance.md, Kernels); same bits. 12 sums at 4-5 rows spill registers and run slower.
   constexpr int per_word = f.per_word(), chains = R >= 8 ? 1 : R >= 4 ? 2 : (8 + R - 1) / R;
+  constexpr int vectors = 16 / per_word;  // 64-byte code vectors a block
   const __m512i nibble = _mm512_set1_epi16(15);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kRows * f.bytes();
     prefetch_ahead(p, kRows * f.bytes());
+    const uint8_t* scales = p + kRows * f.code_bytes;
+    // A block's halves (Q6_K's per-16 scales) are summed and scaled in turn; other formats are one half.
+    for (int hh = 0; hh < f.halves; ++hh) {
     // Integer sums are exact in any order: several chains (or rows) hide the multiply-adds' latency.
     __m512i sum[R][chains];
     for (int r = 0; r < R; ++r) {
       sum[r][0] = f.offset ? _mm512_set1_epi32(-f.offset * xb[r * nb + b].s) : _mm512_setzero_si512();
       for (int c = 1; c < chains; ++c) sum[r][c] = _mm512_setzero_si512();
     }
-    for (int u = 0; u < 16 / per_word; ++u) {
+    for (int u = hh * vectors / f.halves; u < (hh + 1) * vectors / f.halves; ++u) {
       const __m512i v = _mm512_loadu_si512(p + u * 64);
       __m512i wv[per_word];
       if constexpr (per_word == 2) {
@@ -276,16 +375,17 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
               _mm512_dpwssd_epi32(sum[r][t % chains], wv[s], _mm512_set1_epi32(pair(xb[r * nb + b], t)));
       }
     }
-    const uint8_t* scales = p + kRows * f.code_bytes;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-    __m512 mw = _mm512_setzero_ps();
-    if constexpr (f.mins) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * kRows)));
+    const __m512 dw = scales16<f.scale_bytes>(scales + hh * kRows * f.scale_bytes);
     for (int r = 0; r < R; ++r) {
       const XBlock& x = xb[r * nb + b];
       __m512i s = sum[r][0];
       for (int c = 1; c < chains; ++c) s = _mm512_add_epi32(s, sum[r][c]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(x.d)), acc[r]);
-      if constexpr (f.mins) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds), acc[r]);
+    }
+    }
+    if constexpr (f.mins) {
+      const __m512 mw = scales16<f.scale_bytes>(scales + f.halves * kRows * f.scale_bytes);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb[r * nb + b].ds), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) store16(out + r * ldo, acc[r]);
@@ -305,12 +405,20 @@ inline void store8(at::BFloat16* p, __m256 v) {
   for (int i = 0; i < 8; ++i) p[i] = at::BFloat16(f[i]);  // round to nearest even
 }
 
+// Eight rows' scales (or minimums): the file's float16, or float32.
+template <int Bytes>
+inline __m256 scales8(const uint8_t* p) {
+  if constexpr (Bytes == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
 // Half h of a tile (its rows 8h .. 8h+7, the upper or lower 32 bytes of each of its vectors) for R rows of x: the VNNI
 // tile's steps on 8 lanes, with vpmaddwd's pair sums added to the chain instead of accumulated in one instruction.
 template <int R, int Type, typename T>
 void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, int64_t ldo) {
   constexpr Format f = format_for(Type);
   constexpr int per_word = f.per_word(), chains = R < 4 ? 4 / R : 1;
+  constexpr int vectors = 16 / per_word;  // 64-byte code vectors a block
   const __m256i nibble = _mm256_set1_epi16(15);
   // Past 4 rows the rows' sums, a word's slices and a broadcast fill the 16 registers: the float accumulators,
   // touched once a block, live in memory then (left in registers, GCC spills sums in the inner loop instead).
@@ -322,12 +430,14 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kRows * f.bytes();
     if (h == 0) prefetch_ahead(p, kRows * f.bytes());  // the second half reads what the first brought in
+    const uint8_t* scales = p + kRows * f.code_bytes + 8 * f.scale_bytes * h;
+    for (int hh = 0; hh < f.halves; ++hh) {
     __m256i sum[R][chains];
     for (int r = 0; r < R; ++r) {
       sum[r][0] = f.offset ? _mm256_set1_epi32(-f.offset * xb[r * nb + b].s) : _mm256_setzero_si256();
       for (int c = 1; c < chains; ++c) sum[r][c] = _mm256_setzero_si256();
     }
-    for (int u = 0; u < 16 / per_word; ++u) {
+    for (int u = hh * vectors / f.halves; u < (hh + 1) * vectors / f.halves; ++u) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + u * 64 + 32 * h));
       __m256i wv[per_word];
       if constexpr (per_word == 2) {
@@ -350,19 +460,25 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
         }
       }
     }
-    const uint8_t* scales = p + kRows * f.code_bytes + 16 * h;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-    __m256 mw = _mm256_setzero_ps();
-    if constexpr (f.mins) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * kRows)));
+    const __m256 dw = scales8<f.scale_bytes>(scales + hh * kRows * f.scale_bytes);
     for (int r = 0; r < R; ++r) {
       const XBlock& x = xb[r * nb + b];
       __m256i s = sum[r][0];
       for (int c = 1; c < chains; ++c) s = _mm256_add_epi32(s, sum[r][c]);
       __m256 a = in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r];
       a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(x.d)), a);
-      if constexpr (f.mins) a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds), a);
       if constexpr (in_memory) _mm256_store_ps(acc_mem[r], a);
       else acc_reg[r] = a;
+    }
+    }
+    if constexpr (f.mins) {
+      const __m256 mw = scales8<f.scale_bytes>(scales + f.halves * kRows * f.scale_bytes);
+      for (int r = 0; r < R; ++r) {
+        __m256 a = in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r];
+        a = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb[r * nb + b].ds), a);
+        if constexpr (in_memory) _mm256_store_ps(acc_mem[r], a);
+        else acc_reg[r] = a;
+      }
     }
   }
   for (int r = 0; r < R; ++r) store8(out + r * ldo, in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r]);
@@ -424,6 +540,8 @@ void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& 
       switch (types[i]) {
         case 2: run_tile<2>(xb.get(), m, nb, w, o, ldo); break;
         case 3: run_tile<3>(xb.get(), m, nb, w, o, ldo); break;
+        case 12: run_tile<12>(xb.get(), m, nb, w, o, ldo); break;
+        case 14: run_tile<14>(xb.get(), m, nb, w, o, ldo); break;
         default: run_tile<8>(xb.get(), m, nb, w, o, ldo); break;
       }
     }
@@ -432,14 +550,18 @@ void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& 
 
 #endif  // ORCINUS_INT16
 
-void check_part(const at::Tensor& part, int64_t type, int64_t k) {
-  const Format f = format_of(type);
+// A part's shape: whole tiles of rows, whole blocks of `weights` inputs of `bytes` each.
+void check_part(const at::Tensor& part, int64_t k, int weights, int bytes) {
   TORCH_CHECK(part.dim() == 2 && part.is_contiguous() && part.scalar_type() == at::kByte,
               "blocks must be a contiguous uint8 [N, row bytes] tensor");
   TORCH_CHECK(part.size(0) % kRows == 0, "the int16 op takes whole tiles of ", kRows, " rows, not ", part.size(0));
-  TORCH_CHECK(k % kBlock == 0, "the input width ", k, " is not a whole number of 32-weight blocks");
-  TORCH_CHECK(part.size(1) == k / kBlock * f.bytes(), "blocks hold ", part.size(1), " bytes a row, not ",
-              k / kBlock * f.bytes());
+  TORCH_CHECK(k % weights == 0, "the input width ", k, " is not a whole number of ", weights, "-weight blocks");
+  TORCH_CHECK(part.size(1) == k / weights * bytes, "blocks hold ", part.size(1), " bytes a row, not ",
+              k / weights * bytes);
+}
+
+void check_part(const at::Tensor& part, int64_t type, int64_t k) {
+  check_part(part, k, kBlock, format_of(type).bytes());
 }
 
 }  // namespace
@@ -453,17 +575,23 @@ bool available() {
 #endif
 }
 
-// The file's blocks [N, row bytes] of ggml type `type` (N a multiple of 16) in the order int16_matmul_out reads.
+// The file's blocks [N, row bytes] of ggml type `type` (N a multiple of 16) in the order int16_matmul_out reads, as
+// packed_type(type): the same bytes for Q4_0, Q4_1 and Q8_0; Q5_0's codes widened to bytes (+55%), Q4_K's scales to
+// float32 (+33%), Q6_K's codes to bytes and its scales to float32 (+52%).
 at::Tensor pack(at::Tensor blocks, int64_t type, int64_t k) {
-  check_part(blocks, type, k);
-  const Format f = format_of(type);
-  const int64_t row_bytes = blocks.size(1);
-  auto out = at::empty_like(blocks);  // pack_tile writes every byte
+  const int64_t packed = packed_type(type);
+  TORCH_CHECK(packed >= 0, "no int16-activation matmul for ggml type ", type);
+  int weights, bytes;
+  file_block(type, weights, bytes);
+  check_part(blocks, k, weights, bytes);
+  const Format f = format_of(packed);
+  const int64_t row_bytes = blocks.size(1), packed_bytes = k / kBlock * f.bytes();
+  auto out = at::empty({blocks.size(0), packed_bytes}, blocks.options());  // pack_tile writes every byte
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, blocks.size(0) / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      pack_tile(src + t * kRows * row_bytes, row_bytes, type, f, k / kBlock, dst + t * kRows * row_bytes);
+      pack_tile(src + t * kRows * row_bytes, row_bytes, type, f, k / kBlock, dst + t * kRows * packed_bytes);
   });
   return out;
 }
@@ -493,6 +621,7 @@ void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<i
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the int16-activation matmul (AVX-512 VNNI or AVX2)");
-  m.def("pack", &pack, "Q4_0 / Q4_1 / Q8_0 blocks -> the order int16_matmul_out reads");
+  m.def("packed_type", &packed_type, "the type `pack` gives a file's type (-1: not taken)");
+  m.def("pack", &pack, "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks -> the order int16_matmul_out reads");
   m.def("int16_matmul_out", &int16_matmul_out, "out = x @ W^T, x rounded to int16 per 32, W packed GGUF blocks (CPU)");
 }
