@@ -115,6 +115,8 @@ class LocalExecutor:
                 )
         ids = [req.request_id for req in sampling]
         previous, self.previous = self.previous, None
+        # Its block-table changes first, whatever fails next: the batches after it carry only theirs.
+        self.runner.input_batch.apply(batch)
         try:
             self.faults.at_forward(self.num_submitted)
             logits = self.runner.run(batch, previous=previous)
