@@ -210,7 +210,8 @@ def test_slots_are_reserved_for_the_steps_each_request_can_take_and_fewer_steps_
     batch = s.schedule()
     # b can take 2 more tokens (max_tokens 3): its 2 blocks hold them; a gets the steps its 2 blocks hold, not 8.
     assert batch.num_steps == 4 and len(a.block_table) == 2 and len(b.block_table) == 2
-    assert [r.block_table for r in batch.requests] == [a.block_table, b.block_table]
+    # The run's reserved blocks go with it, after those the runners hold (the persistent batch).
+    assert [(r.block_offset, r.block_table) for r in batch.requests] == [(1, a.block_table[1:]), (1, b.block_table[1:])]
     s.update(batch, {"a": SampledTokens([7, 7, 7, 7]), "b": SampledTokens([7, 7])})
     assert b.finish_reason == "length" and s.kv.num_free_blocks == 2
     assert a.num_computed_tokens == 8 and len(a.output_token_ids) == 5

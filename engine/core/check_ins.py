@@ -33,15 +33,19 @@ def may_run_long(rows: list, reqs: list[Request], runs_long) -> bool:
 def reserve_steps(kv: KVCacheManager, reqs: list[Request], max_steps: int, max_model_len: int) -> int:
     """The most steps (up to `max_steps`) whose KV slots every request can have, allocated; 1 where none fit.
 
-    A request takes slots only for the steps it can use (its max_tokens and the context window end it sooner)."""
+    A request takes slots only for the steps it can use (its max_tokens and the context window end it sooner); its first
+    step's token is in flight already (the batch counted it), with its slot."""
     for steps in range(max_steps, 1, -1):
         uses = [_usable(req, steps, max_model_len) for req in reqs]
         if max(uses) <= 1:
             return 1
-        missing = sum(max(0, kv.blocks_for(_slots(kv, req, n)) - len(req.block_table)) for req, n in zip(reqs, uses))
+        missing = sum(
+            max(0, kv.blocks_for(_slots(kv, req, n - 1)) - len(req.block_table)) for req, n in zip(reqs, uses)
+        )
         if missing <= kv.num_free_blocks:
             for req, n in zip(reqs, uses):
-                kv.allocate(req, n)  # cannot fail: counted above
+                if n > 1:
+                    kv.allocate(req, n - 1)  # cannot fail: counted above
             return max(uses)
     return 1
 

@@ -148,6 +148,7 @@ class KVCacheManager:
         for block in reversed(req.block_table[req.num_released_blocks :]):
             self._release(block)
         req.block_table = []
+        req.num_sent_blocks = 0  # the next batch carries its new table whole
         req.num_registered_blocks = 0
         req.num_released_blocks = 0
 

@@ -98,6 +98,7 @@ class Request:
     block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks (from its tokens)
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows
     num_released_blocks: int = 0  # leading blocks of block_table given back: before every layer's sliding window
+    num_sent_blocks: int = 0  # leading blocks of block_table that batches carried to the runners, which keep them
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission (usage reports them)
     queue_seconds: float | None = None  # from arrival to its first admission (the queue-time histogram)
@@ -130,8 +131,12 @@ class Request:
     def reads_own_outputs(self) -> bool:
         """Whether sampling its next token needs every earlier output on the host (penalties, a grammar, min_tokens
         still masking eos): such a request is never scheduled ahead of a token it has yet to see."""
-        p = self.params
-        return p.has_penalties or p.grammar is not None or len(self.output_token_ids) < p.min_tokens
+        return self.samples_from_outputs or len(self.output_token_ids) < self.params.min_tokens
+
+    @cached_property  # params are frozen: asked per running request per step, computed once
+    def samples_from_outputs(self) -> bool:
+        """Whether every token's sampling reads the outputs before it: penalties, a grammar."""
+        return self.params.has_penalties or self.params.grammar is not None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -35,11 +35,14 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     request_id: str
     token_ids: list[int]  # the last may be PLACEHOLDER
     num_computed_tokens: int  # the chunk's first position (tokens computed, or in a batch ahead of it)
-    block_table: list[int]
+    block_table: list[int]  # its request's blocks from `block_offset` on: those that batches before it did not carry
     sample: bool  # these tokens reach the end of what is known: sample the next one (after the accepted drafts)
     prompt_logprobs: PromptLogprobRows | None = None  # rows whose prompt logprobs the LM head computes too
     num_draft: int = 0  # draft tokens at the end of token_ids; the rows from the last known token on sample
     probe: bool = False  # return the final hidden state at its last known token (the length predictor reads it)
+    # Where block_table starts in the request's table: the runners keep the blocks batches before it carried (0: the
+    # whole table, the request's first batch or its table started again).
+    block_offset: int = 0
 
     @property
     def num_logits_rows(self) -> int:
@@ -59,6 +62,8 @@ class Batch(msgspec.Struct):
     # Decode steps to run before the next check-in, each row's sampled token fed back as its next input (see
     # engine/core/check_ins.py); a row stops early at a stop token, max_tokens or the context window.
     num_steps: int = 1
+    # Requests finished, aborted or preempted since the batch before: their rows in the runners' persistent batch go.
+    dropped: list[str] = []
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +128,7 @@ class Scheduler:
         self.drafting: set[str] = set()
         self.check_in_steps = config.check_in_steps  # most steps a batch runs between check-ins (EngineCore may lower)
         self.num_preemptions = 0
+        self.dropped: list[str] = []  # requests gone from the running since the last batch (Batch.dropped)
         self.newcomers_ran_alone = False  # the last batch took new prompts only (`_newcomers_alone`)
         # Tokens of admitted requests (prompt, plus outputs after a preemption) looked up in the prefix cache.
         self.prefix_queried_tokens = 0
@@ -159,6 +165,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.kv.free(req)
+        self.dropped.append(request_id)
         req.status = RequestStatus.FINISHED_ABORTED
         return req
 
@@ -183,24 +190,19 @@ class Scheduler:
             self._schedule_running(scheduled, max_running_seqs, budget)
         self.newcomers_ran_alone = alone and bool(scheduled)
 
+        idle = not self.in_flight  # before this batch's requests count in flight
         batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
-        if self.check_in_steps > 1 and batch.requests:
+        if scheduled and self.dropped:  # an empty batch is never submitted: they go with the next one
+            batch.dropped, self.dropped = self.dropped, []
+        if self.check_in_steps > 1 and idle and batch.requests:
             batch.num_steps = self._steps_to_check_in(batch, [req for req, _, _ in scheduled])
-        in_flight = self.in_flight
-        for (req, _, draft), sr in zip(scheduled, batch.requests):
-            in_flight[req.request_id] += 1
-            req.num_in_flight_tokens += len(sr.token_ids)
-            req.num_pending_outputs += sr.sample
-            if draft or batch.num_steps > 1:
-                self.drafting.add(req.request_id)
         return batch
 
     def _steps_to_check_in(self, batch: Batch, reqs: list[Request]) -> int:
         """Steps `batch` may run before its next check-in, their KV slots allocated: 1 unless every running request is
-        in it, nothing waits or is in flight and the policy lets each run long (engine/core/check_ins.py)."""
+        in it, nothing waits (nor, as the caller saw, is in flight) and the policy lets each run long (check_ins.py)."""
         if (
             self.waiting
-            or self.in_flight
             or len(reqs) != len(self.running)
             or not may_run_long(batch.requests, reqs, self.policy.runs_long)
         ):
@@ -208,7 +210,10 @@ class Scheduler:
         steps = reserve_steps(self.kv, reqs, self.check_in_steps, self.max_model_len)
         if steps > 1:
             for sr, req in zip(batch.requests, reqs):
-                sr.block_table = list(req.block_table)
+                self.drafting.add(req.request_id)  # several tokens come back: nothing runs ahead of them
+                # The blocks reserved for the run go with it (the runners hold those before block_offset).
+                sr.block_table = req.block_table[sr.block_offset :]
+                req.num_sent_blocks = len(req.block_table)
         return steps
 
     def _schedule_running(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int) -> int:
@@ -219,13 +224,14 @@ class Scheduler:
         first = len(scheduled)
         step = self.speculation.new_step(len(self.running)) if self.speculation is not None else None
         i = 0
-        while i < len(self.running) and len(scheduled) < max_seqs:
-            req = self.running[i]
-            num_new = min(self._num_schedulable(req), budget)
+        running, schedulable, allocate = self.running, self._num_schedulable, self.kv.allocate  # per request per step
+        while i < len(running) and len(scheduled) < max_seqs:
+            req = running[i]
+            num_new = min(schedulable(req), budget)
             if num_new == 0:
                 i += 1
                 continue
-            while not self.kv.allocate(req, num_new):
+            while not allocate(req, num_new):
                 victim = self._preempt({r.request_id for r, _, _ in scheduled})
                 if victim is None:  # every newer request is in flight: wait for one to come back
                     i += 1
@@ -349,29 +355,47 @@ class Scheduler:
         return {name for r in self.running for name in r.block_names[r.num_registered_blocks :]}
 
     def _to_scheduled(self, req: Request, num_new: int, draft: list[int]) -> ScheduledRequest:
+        """`req`'s share of the batch, counted in flight."""
         start = req.num_computed_tokens + req.num_in_flight_tokens
         end = start + num_new
         num_prompt = len(req.prompt_token_ids)
         known = num_prompt + len(req.output_token_ids)
+        prompt_rows = None
         if num_new == 1 and start >= num_prompt:  # a decode step: one output token, or the one in flight
             token_ids = [req.output_token_ids[start - num_prompt]] if start < known else [PLACEHOLDER]
         else:
             token_ids = req.token_ids(start, min(end, known))
             if end > known:
                 token_ids += [PLACEHOLDER] * (end - max(start, known))
+            # The optional parts are asked for only where they can be there: this runs per request per step.
+            if req.params.prompt_logprobs is not None:
+                prompt_rows = self._prompt_logprob_rows(req, start, end)
         sample = end == known + req.num_pending_outputs
-        # The optional parts are asked for only where they can be there: this runs per request per step.
-        prompt_rows = None if req.params.prompt_logprobs is None else self._prompt_logprob_rows(req, start, end)
         probe = sample and self.policy.probing and self.policy.probes(req)
+        if draft:
+            token_ids += draft
+            self.drafting.add(req.request_id)
+        rid = req.request_id
+        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        req.num_in_flight_tokens += len(token_ids)
+        req.num_pending_outputs += sample
+        # Only the blocks no batch carried yet: the runners hold the others (engine/runner/input_batch.py).
+        table, sent = req.block_table, req.num_sent_blocks
+        if len(table) != sent:
+            req.num_sent_blocks = len(table)
+            table = table[sent:]
+        else:
+            table = []
         return ScheduledRequest(
-            req.request_id,
-            token_ids + draft if draft else token_ids,
+            rid,
+            token_ids,
             start,
-            list(req.block_table),
+            table,
             sample,
             prompt_rows,
             len(draft),
             probe,
+            sent,
         )
 
     @staticmethod
@@ -425,6 +449,7 @@ class Scheduler:
         victim = self.running[max(candidates)[1]]
         self.running.remove(victim)
         self.kv.free(victim)
+        self.dropped.append(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
@@ -527,4 +552,5 @@ class Scheduler:
         req.status = status
         self.running.remove(req)
         self.kv.free(req)
+        self.dropped.append(req.request_id)
         del self.requests[req.request_id]

@@ -22,7 +22,7 @@ import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
 from engine.core.lora_pool import AdapterError, AdapterNotFoundError
-from engine.core.request import EngineRequest
+from engine.core.request import EngineRequest, RequestStatus
 from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.channel import Channel, ChannelHandle
 from engine.ipc.grammar_gate import Compiled, GrammarGate
@@ -50,6 +50,7 @@ from engine.ipc.messages import (
     cache_key,
 )
 
+RUNNING = RequestStatus.RUNNING
 PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
 STEP_DELTAS_PART = 1024  # output positions with logprobs per StepDeltas frame (the same bound as above)
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
@@ -222,18 +223,17 @@ class EngineLoop:
 
     def delta(self, req) -> TokenDelta:
         """The tokens `req` got since its last delta (a step that verified drafts gives several)."""
-        self.faults.at_publish(req.prompt_token_ids)
-        start, req.num_delivered_tokens = req.num_delivered_tokens, req.num_output_tokens
+        # Per request per step: the fault check only where a fault is planned, the lengths read directly.
+        if self.faults.publish_token is not None:
+            self.faults.at_publish(req.prompt_token_ids)
+        start, outputs = req.num_delivered_tokens, req.output_token_ids
+        req.num_delivered_tokens = len(outputs)
         lp = req.output_logprobs[start:] if req.params.logprobs is not None else None
-        first = start == 0  # the first delta also says what admission found
-        return TokenDelta(
-            req.request_id,
-            req.output_token_ids[start:],
-            req.finish_reason,
-            lp,
-            req.num_cached_tokens if first else None,
-            req.queue_seconds if first else None,
-        )
+        reason = None if req.status is RUNNING else req.finish_reason
+        if start:
+            return TokenDelta(req.request_id, outputs[start:], reason, lp)
+        # The first delta also says what admission found.
+        return TokenDelta(req.request_id, outputs[start:], reason, lp, req.num_cached_tokens, req.queue_seconds)
 
     def send_cache_events(self) -> None:
         stored, removed = self.engine.scheduler.kv.drain_events()

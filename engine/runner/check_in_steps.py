@@ -64,8 +64,12 @@ def run_steps(
             if out.logprobs is not None:
                 logprobs.setdefault(rid, []).extend(out.logprobs)
             if not ends(states[rid], token_id, max_model_len):
-                # Its slots were allocated for the whole run; the block table is the scheduler's, as scheduled.
-                following.append(ScheduledRequest(rid, [token_id], r.num_computed_tokens + 1, r.block_table, True))
+                # Its slots were allocated for the whole run and the first step brought their blocks: the runner holds
+                # them all, so the later steps bring none (ScheduledRequest.block_offset).
+                held = r.block_offset + len(r.block_table)
+                following.append(
+                    ScheduledRequest(rid, [token_id], r.num_computed_tokens + 1, [], True, block_offset=held)
+                )
         rows = following
         if not rows:
             break

@@ -124,6 +124,8 @@ class LocalExecutor:
                 )
         ids = [req.request_id for req in sampling]
         previous, self.previous = self.previous, None
+        # Its block-table changes first, whatever fails next: the batches after it carry only theirs.
+        self.runner.input_batch.apply(batch)
         if batch.num_steps > 1:
             self._run_steps(batch, previous)
             return

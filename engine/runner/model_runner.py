@@ -15,6 +15,7 @@ from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.decode_graphs import DecodeGraphRunner, row_requests, whole_step_rows
 from engine.runner.device import num_kv_blocks
+from engine.runner.input_batch import InputBatch
 from engine.runner.kv_dtype import kv_dtype
 from engine.runner.prompt_logprobs import DevicePromptLogprobs, PromptRows, reduce_rows
 from engine.runner.token_segments import pick_segments
@@ -89,6 +90,8 @@ class ModelRunner:
         s = model.shape
         self.attention = make_backend(config.attention_backend, self.device.type)
         self.inputs = [StepInputs(config, max_model_len, self.device) for _ in range(2)]
+        # Each live request's block table, kept between steps: a batch brings only its changes.
+        self.input_batch = InputBatch(-(-max_model_len // config.block_size), config.max_num_seqs)
         self.num_steps = 0
         # Graphs capture one whole model on one GPU: not a pipeline stage's span, nor a rank's shard, whose
         # collectives would have to be captured too.
@@ -219,22 +222,24 @@ class ModelRunner:
         return self.model.logits(normed[logits_indices])
 
     def prepare(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None = None):
+        """The flat inputs of `batch`: ids, positions, attention metadata and the rows whose logits are sampled.
+
+        The batch's block-table changes go into the persistent batch first; its tables are a gather of those rows.
+        """
+        rows = self.input_batch.apply(batch)
         if all(len(r.token_ids) == 1 for r in batch.requests):
-            return self._prepare_decode(batch, previous)
+            return self._prepare_decode(batch, rows, previous)
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        owners: list[int] = []  # each row's request, in batch order
         query_lens, context_lens, logits_indices = [], [], []
         query_start = [0]
         ahead_rows, ahead_sources = [], []  # placeholder rows, and where in `previous` their ids are
-        max_blocks = max(len(r.block_table) for r in batch.requests)
-        tables: list[int] = []  # [requests x max_blocks], flat, padded with 0
-        padding = [0] * max_blocks
         end = 0  # rows so far
         # Per request per step, so the one-token case (decode) takes the short way.
-        for r in batch.requests:
-            ids, start, table = r.token_ids, r.num_computed_tokens, r.block_table
+        for i, r in enumerate(batch.requests):
+            ids, start = r.token_ids, r.num_computed_tokens
             n = len(ids)
             input_ids += ids
             end += n
@@ -243,15 +248,8 @@ class ModelRunner:
                 if previous is not None and r.request_id in previous[1]:
                     ahead_rows.append(end - 1)
                     ahead_sources.append(previous[1][r.request_id])
-            if n == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                pos = range(start, start + n)
-                positions += pos
-                slots += [table[p // bs] * bs + p % bs for p in pos]
-            tables += table
-            tables += padding[len(table) :]
+            positions += range(start, start + n)
+            owners += [i] * n
             query_lens.append(n)
             context_lens.append(start + n)
             query_start.append(end)
@@ -261,34 +259,29 @@ class ModelRunner:
         inputs = self.inputs[self.num_steps % 2]
         self.num_steps += 1
         put = inputs.put
+        tables, max_blocks = self.input_batch.gather(rows)
+        pos = np.array(positions, dtype=np.int64)
+        slots = tables[np.array(owners, dtype=np.intp), pos // bs].astype(np.int64) * bs + pos % bs
         meta = AttentionMetadata(
             query_start_loc=put("query_start_loc", query_start),
             context_lens=put("context_lens", context_lens),
-            block_tables=put("block_tables", tables, (len(batch.requests), max_blocks)),
+            block_tables=put("block_tables", tables.ravel(), (len(batch.requests), max_blocks)),
             slot_mapping=put("slot_mapping", slots),
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
         ids = put("input_ids", input_ids)
         if ahead_rows:
-            rows, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
-            ids.index_copy_(0, rows, previous[0].index_select(0, sources))
-        return ids, put("positions", positions), meta, put("logits_indices", logits_indices)
+            ahead, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
+            ids.index_copy_(0, ahead, previous[0].index_select(0, sources))
+        return ids, put("positions", pos), meta, put("logits_indices", logits_indices)
 
-    def _prepare_decode(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None):
+    def _prepare_decode(self, batch: Batch, rows: list[int], previous: tuple[torch.Tensor, dict[str, int]] | None):
         """prepare() for a batch of one token per request (no prompt chunk, no drafts): the per-request Python is a
-        few list comprehensions over the batch; slots, context lengths and offsets are numpy over all of it."""
+        few list comprehensions over the batch; tables, slots, context lengths and offsets are numpy over all of it."""
         reqs = batch.requests
         n, bs = len(reqs), self.config.block_size
         input_ids = [r.token_ids[0] for r in reqs]
-        starts = [r.num_computed_tokens for r in reqs]
-        table_lists = [r.block_table for r in reqs]
-        max_blocks = max(map(len, table_lists))
-        tables: list[int] = []  # [requests x max_blocks], flat, padded with 0
-        padding = [0] * max_blocks
-        for table in table_lists:
-            tables += table
-            tables += padding[len(table) :]
         ahead_rows, ahead_sources = [], []  # placeholder rows, and where in `previous` their ids are
         if PLACEHOLDER in input_ids:
             sources = previous[1] if previous is not None else {}
@@ -303,23 +296,22 @@ class ModelRunner:
         inputs = self.inputs[self.num_steps % 2]
         self.num_steps += 1
         put = inputs.put
-        positions = np.array(starts, dtype=np.int64)
-        table_rows = inputs.arrays["block_tables"][: n * max_blocks]
-        table_rows[:] = tables
-        slots = table_rows.reshape(n, max_blocks)[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        positions = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        tables, max_blocks = self.input_batch.gather(rows)
+        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         context_lens = positions + 1
         meta = AttentionMetadata(
             query_start_loc=put("query_start_loc", np.arange(n + 1)),
             context_lens=put("context_lens", context_lens),
-            block_tables=put("block_tables", table_rows, (n, max_blocks)),
+            block_tables=put("block_tables", tables.ravel(), (n, max_blocks)),
             slot_mapping=put("slot_mapping", slots),
             query_lens_cpu=[1] * n,
             context_lens_cpu=context_lens.tolist(),
         )
         ids = put("input_ids", input_ids)
         if ahead_rows:
-            rows, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
-            ids.index_copy_(0, rows, previous[0].index_select(0, sources))
+            ahead, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
+            ids.index_copy_(0, ahead, previous[0].index_select(0, sources))
         logits_indices = [i for i, r in enumerate(reqs) if r.sample]
         return ids, put("positions", positions), meta, put("logits_indices", logits_indices)
 
