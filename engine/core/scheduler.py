@@ -39,6 +39,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     prompt_logprobs: PromptLogprobRows | None = None  # rows whose prompt logprobs the LM head computes too
     num_draft: int = 0  # draft tokens at the end of token_ids; the rows from the last known token on sample
     probe: bool = False  # return the final hidden state at its last known token (the length predictor reads it)
+    pooling: str = ""  # a prompt chunk of an embedding request: pool its rows ("last" or "mean")
 
     @property
     def num_logits_rows(self) -> int:
@@ -244,7 +245,9 @@ class Scheduler:
             and self.admission.may_admit(num_running_at_start, budget)
         ):
             req = self.waiting.first
-            req.num_computed_tokens = 0 if req.needs_prompt_logprobs else self.kv.take_cached_prefix(req)
+            # Mean pooling needs every prompt row's hidden state, so it computes the prompt whole.
+            whole = req.needs_prompt_logprobs or req.params.pooling == "mean"
+            req.num_computed_tokens = 0 if whole else self.kv.take_cached_prefix(req)
             # A running request may be computing the next block of this prompt (a sibling choice of an n > 1
             # request, a shared system prompt): then wait an iteration or two and take it from the cache.
             following = len(req.block_table)
@@ -344,6 +347,7 @@ class Scheduler:
             prompt_rows,
             len(draft),
             probe,
+            req.params.pooling if start < num_prompt else "",
         )
 
     @staticmethod
@@ -454,6 +458,8 @@ class Scheduler:
                 req.prompt_logprobs += prompt_logprobs[rid]
             if result is not None and result.hidden is not None:
                 self.policy.probed(req, result.hidden)
+            if result is not None and result.embedding is not None:
+                req.embedding = result.embedding
             status = self._append(req, result) if sr.sample else None
             if names_blocks and req.num_computed_tokens // block_size > req.num_registered_blocks:
                 kv.cache_full_blocks(req)

@@ -232,6 +232,7 @@ class EngineLoop:
             lp,
             req.num_cached_tokens if first else None,
             req.queue_seconds if first else None,
+            req.embedding if req.finish_reason is not None else None,
         )
 
     def send_cache_events(self) -> None:

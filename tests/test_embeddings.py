@@ -1,0 +1,73 @@
+"""Embeddings from the engine: a prompt's final normed hidden states pooled (last row, or mean over the prompt)
+equal transformers' last hidden state (after the final norm) pooled the same way, for one prompt, a batch of
+prompts of different lengths, and a prompt computed in several chunks."""
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from engine import LLM, SamplingParams
+from engine.core.sampling_params import InvalidRequestError
+
+EXACT = {"block_activations": "float32"}  # float32 inputs to the block matmuls, as the reference computes
+TOLERANCE = 1e-5
+
+
+def params(pooling: str) -> SamplingParams:
+    return SamplingParams(max_tokens=1, prompt_only=True, pooling=pooling)
+
+
+def normalised(v) -> torch.Tensor:
+    v = torch.as_tensor(v, dtype=torch.float32)
+    return v / v.norm()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    long = " ".join(PROMPTS) * 2  # longer than the chunk budget below
+    return [tokenizer.encode(p) for p in PROMPTS[:3]] + [tokenizer.encode(long)]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompt_ids):
+    """Per prompt: transformers' final hidden states [len, hidden] (the last entry is after the final norm)."""
+    with torch.no_grad():
+        return [
+            hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float() for ids in prompt_ids
+        ]
+
+
+def pooled(ref: torch.Tensor, pooling: str) -> torch.Tensor:
+    return normalised(ref[-1] if pooling == "last" else ref.double().mean(dim=0))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint=checkpoint, dtype="float32", max_num_batched_tokens=32, **EXACT)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_one_prompt_and_a_batch_equal_transformers(llm, prompt_ids, reference, pooling):
+    assert len(prompt_ids[-1]) > 32  # the long prompt runs in several chunks
+    alone = llm.generate([prompt_ids[0]], params(pooling))[0]
+    assert alone.token_ids == [] and alone.finish_reason == "length"
+    assert (normalised(alone.embedding) - pooled(reference[0], pooling)).abs().max().item() < TOLERANCE
+    batch = llm.generate(prompt_ids, params(pooling))
+    for out, ref in zip(batch, reference):
+        assert len(out.embedding) == ref.shape[1]
+        assert (normalised(out.embedding) - pooled(ref, pooling)).abs().max().item() < TOLERANCE
+
+
+def test_mean_pooling_computes_a_cached_prefix_again(llm, prompt_ids, reference):
+    """A prefix-cache hit would skip rows the mean needs: the second run of the same prompt equals the first."""
+    first = llm.generate([prompt_ids[-1]], params("mean"))[0].embedding
+    again = llm.generate([prompt_ids[-1]], params("mean"))[0].embedding
+    assert (normalised(again) - pooled(reference[-1], "mean")).abs().max().item() < TOLERANCE
+    assert (normalised(again) - normalised(first)).abs().max().item() < TOLERANCE
+
+
+def test_pooling_params_are_checked():
+    with pytest.raises(InvalidRequestError, match="pooling must be last or mean"):
+        SamplingParams(max_tokens=1, prompt_only=True, pooling="max")
+    with pytest.raises(InvalidRequestError, match="pooling needs a prompt-only request"):
+        SamplingParams(max_tokens=1, pooling="last")
