@@ -71,3 +71,10 @@ def test_pooling_params_are_checked():
         SamplingParams(max_tokens=1, prompt_only=True, pooling="max")
     with pytest.raises(InvalidRequestError, match="pooling needs a prompt-only request"):
         SamplingParams(max_tokens=1, pooling="last")
+
+
+def test_two_pipeline_stages_give_the_same_embeddings(prompt_ids, reference):
+    with LLM(model=None, pipeline_stages=2, dtype="float32", max_num_batched_tokens=32, **EXACT) as llm:
+        for pooling in ("last", "mean"):
+            for out, ref in zip(llm.generate(prompt_ids, params(pooling)), reference):
+                assert (normalised(out.embedding) - pooled(ref, pooling)).abs().max().item() < TOLERANCE
