@@ -8,6 +8,8 @@ from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
 from engine.core.sampling_params import InvalidRequestError
+from engine.core.scheduler import Batch, ScheduledRequest
+from engine.runner.pooling import Pooler
 
 EXACT = {"block_activations": "float32"}  # float32 inputs to the block matmuls, as the reference computes
 TOLERANCE = 1e-5
@@ -78,3 +80,22 @@ def test_two_pipeline_stages_give_the_same_embeddings(prompt_ids, reference):
         for pooling in ("last", "mean"):
             for out, ref in zip(llm.generate(prompt_ids, params(pooling)), reference):
                 assert (normalised(out.embedding) - pooled(ref, pooling)).abs().max().item() < TOLERANCE
+
+
+def test_pooler_sums_chunks_restarts_at_zero_and_forgets():
+    rows = torch.arange(14, dtype=torch.float32).reshape(7, 2)
+    other = ScheduledRequest("b", [9], 5, [0], True)  # a decoding request's row comes first in each batch
+
+    def chunk(start: int, last: bool) -> Batch:
+        return Batch([other, ScheduledRequest("a", [1, 2, 3], start, [0], last, pooling="mean")])
+
+    pooler = Pooler()
+    assert pooler.pool(chunk(0, False), rows[:4]) == {} and set(pooler.sums) == {"a"}
+    pooler.pool(chunk(0, False), rows[:4])  # recomputed from position 0 (preempted): the sum starts again
+    assert pooler.pool(chunk(3, True), rows[3:]) == {"a": rows[[1, 2, 3, 4, 5, 6]].mean(dim=0).tolist()}
+    assert pooler.sums == {}
+    pooler.pool(chunk(0, False), rows[:4])
+    pooler.forget(["a"])  # released: aborted part-way through its prompt
+    assert pooler.sums == {}
+    last = Batch([other, ScheduledRequest("a", [1, 2, 3], 0, [0], True, pooling="last")])
+    assert pooler.pool(last, rows[:4]) == {"a": rows[3].tolist()}

@@ -120,6 +120,7 @@ class Stage:
     def step(self, frame: StageBatch) -> None:
         if self.samples:
             self.sampler.release(frame.released)
+            self.runner.pooler.forget(frame.released)
             for new in frame.new_requests:
                 self.sampler.add(
                     SamplingState(new.request_id, new.prompt_token_ids, new.params, frozenset(new.stop_token_ids))

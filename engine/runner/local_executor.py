@@ -172,6 +172,7 @@ class LocalExecutor:
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
+        self.runner.pooler.forget(request_ids)  # an embedding request aborted part-way through its prompt
 
     def describe(self) -> str:
         return self.runner.describe()

@@ -43,6 +43,6 @@ class Pooler:
         return out
 
     def forget(self, request_ids) -> None:
-        """Drop the sums of requests that will not come back (a failed step's)."""
+        """Drop the sums of requests that will not come back (released by the engine, or failed in a step)."""
         for rid in request_ids:
             self.sums.pop(rid, None)
