@@ -60,11 +60,13 @@ def test_one_prompt_and_a_batch_equal_transformers(llm, prompt_ids, reference, p
         assert (normalised(out.embedding) - pooled(ref, pooling)).abs().max().item() < TOLERANCE
 
 
-def test_mean_pooling_computes_a_cached_prefix_again(llm, prompt_ids, reference):
-    """A prefix-cache hit would skip rows the mean needs: the second run of the same prompt equals the first."""
-    first = llm.generate([prompt_ids[-1]], params("mean"))[0].embedding
-    again = llm.generate([prompt_ids[-1]], params("mean"))[0].embedding
-    assert (normalised(again) - pooled(reference[-1], "mean")).abs().max().item() < TOLERANCE
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_a_cached_prompt_embeds_the_same(llm, prompt_ids, reference, pooling):
+    """A prefix-cache hit would skip rows the mean needs (so mean pooling takes none); the last row is computed
+    whatever the cache holds: the second run of the same prompt equals the first."""
+    first = llm.generate([prompt_ids[-1]], params(pooling))[0].embedding
+    again = llm.generate([prompt_ids[-1]], params(pooling))[0].embedding
+    assert (normalised(again) - pooled(reference[-1], pooling)).abs().max().item() < TOLERANCE
     assert (normalised(again) - normalised(first)).abs().max().item() < TOLERANCE
 
 
