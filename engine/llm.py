@@ -25,6 +25,7 @@ class Completion:
     logprobs: list[TokenLogprobs] | None = field(default=None)
     # With params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None)
+    embedding: list[float] | None = field(default=None)  # with params.pooling: the pooled prompt, unnormalised
 
 
 class LLM:
@@ -91,4 +92,5 @@ class LLM:
             req.finish_reason,
             list(req.output_logprobs)[: len(outputs)] if req.params.logprobs is not None else None,
             [None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None,
+            req.embedding,
         )

@@ -19,6 +19,7 @@ from engine.core.lora_pool import parse_lora
 from engine.model.tokenizer.chat_template import load_chat_template
 from gateway.api.chat import create_chat_completion
 from gateway.api.completions import create_completion
+from gateway.api.embeddings import create_embedding
 from gateway.api.lora import load_lora_adapter, unload_lora_adapter
 from gateway.api.openapi import openapi_document
 from gateway.api.protocol import AdapterCard, ModelCard, ModelList
@@ -84,6 +85,7 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
         SchemaCompiler(),
         content_tokens,
         config.shutdown_timeout,
+        config.pooling,
     )
     state.adapters.update(parse_lora(spec) for spec in config.engine.lora)
     started = int(time.time())
@@ -163,6 +165,7 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
         routes=[
             Route("/v1/completions", handler(create_completion), methods=["POST"]),
             Route("/v1/chat/completions", handler(create_chat_completion), methods=["POST"]),
+            Route("/v1/embeddings", handler(create_embedding), methods=["POST"]),
             Route("/v1/responses", handler(create_response), methods=["POST"]),
             Route("/v1/responses/{response_id}", handler(retrieve_response), methods=["GET"]),
             Route("/v1/responses/{response_id}", handler(delete_response), methods=["DELETE"]),

@@ -220,6 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         special_tokens_in_content=args.special_tokens_in_content,
         chat_template=args.chat_template,
         shutdown_timeout=args.shutdown_timeout,
+        pooling=args.pooling,
         engine_unresponsive_timeout=args.engine_unresponsive_timeout,
         allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
         allowed_hosts=default_allowed_hosts(args.host) if args.allowed_hosts is None else tuple(args.allowed_hosts),
@@ -345,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_flag(srv, "allowed_origins", "the flag alone: none", nargs="*", metavar="ORIGIN")
     _gateway_flag(srv, "special_tokens_in_content", choices=["allow", "escape"])
     _gateway_flag(srv, "chat_template", metavar="FILE_OR_NAME")
+    _gateway_flag(srv, "pooling", choices=["last", "mean"])
     # The server's default is not the field's: bound to loopback, it answers only loopback names.
     srv.add_argument(
         "--allowed-hosts",

@@ -58,6 +58,9 @@ class GatewayConfig:
     """Host header values the server answers to (api.example.com, *.example.com; * for any); unset: any."""
     url: str | None = None
     """Where clients reach the server, for the startup log (None: not logged)."""
+    pooling: Literal["last", "mean"] = "last"
+    """How /v1/embeddings pools a prompt's final hidden states: the last token's, or the mean over its tokens (the
+    embedding is then L2-normalised)."""
 
 
 def make_replicas(config: GatewayConfig) -> Replicas:

@@ -46,6 +46,7 @@ def test_document_describes_routes_errors_and_streams(keyed_server):
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/responses/{response_id}",
+        "/v1/embeddings",
         "/v1/models",
         "/v1/models/{model}",
         "/tokenize",

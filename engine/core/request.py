@@ -47,6 +47,7 @@ class SampledTokens(msgspec.Struct, array_like=True):
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one per token, where the request asked for logprobs
     hidden: list[float] | None = None  # the final hidden state at its last known token, where the step probed it
+    embedding: list[float] | None = None  # its prompt's pooled final hidden states (params.pooling), unnormalised
 
 
 class RequestOptions(msgspec.Struct, frozen=True, array_like=True):
@@ -91,6 +92,7 @@ class Request:
     # Logprobs of prompt tokens 1, 2, ... (as params.prompt_logprobs asks), each computed by its prefill chunk.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_logprob_rows: int = 0  # prompt positions whose row of logprobs is scheduled (computed or in flight)
+    embedding: list[float] | None = None  # with params.pooling: the pooled prompt, once its last chunk ran
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_in_flight_tokens: int = 0  # tokens in batches submitted but not yet updated (computed, or being)
     num_pending_outputs: int = 0  # tokens being sampled in those batches: the host learns them at update

@@ -36,11 +36,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # each prompt token's logprob (the first has none) and this many top ones
     grammar: str | None = None  # an llguidance grammar the output must match (from a JSON schema, Lark or a regex)
     prompt_only: bool = False  # the API's max_tokens 0: score the prompt; its one sampled token is no output
+    pooling: str = ""  # "last" or "mean": an embedding of the prompt's final hidden states (with prompt_only)
 
     def __post_init__(self) -> None:
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (not self.prompt_only or self.max_tokens == 1, "max_tokens", "must be 1 for a prompt-only request"),
+            (self.pooling in ("", "last", "mean"), "pooling", "must be last or mean"),
+            (not self.pooling or self.prompt_only, "pooling", "needs a prompt-only request"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens"),
             (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
             (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),

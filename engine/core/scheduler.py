@@ -43,6 +43,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     # Where block_table starts in the request's table: the runners keep the blocks batches before it carried (0: the
     # whole table, the request's first batch or its table started again).
     block_offset: int = 0
+    pooling: str = ""  # a prompt chunk of an embedding request: pool its rows ("last" or "mean")
 
     @property
     def num_logits_rows(self) -> int:
@@ -274,7 +275,9 @@ class Scheduler:
             and self.admission.may_admit(num_running_at_start, budget)
         ):
             req = self.waiting.first
-            req.num_computed_tokens = 0 if req.needs_prompt_logprobs else self.kv.take_cached_prefix(req)
+            # Mean pooling needs every prompt row's hidden state, so it computes the prompt whole.
+            whole = req.needs_prompt_logprobs or req.params.pooling == "mean"
+            req.num_computed_tokens = 0 if whole else self.kv.take_cached_prefix(req)
             # A running request may be computing the next block of this prompt (a sibling choice of an n > 1
             # request, a shared system prompt): then wait an iteration or two and take it from the cache.
             following = len(req.block_table)
@@ -396,6 +399,7 @@ class Scheduler:
             len(draft),
             probe,
             sent,
+            req.params.pooling if start < num_prompt else "",
         )
 
     @staticmethod
@@ -510,6 +514,8 @@ class Scheduler:
                 req.prompt_logprobs += prompt_logprobs[rid]
             if result is not None and result.hidden is not None:
                 self.policy.probed(req, result.hidden)
+            if result is not None and result.embedding is not None:
+                req.embedding = result.embedding
             status = self._append(req, result) if sr.sample else None
             if names_blocks and req.num_computed_tokens // block_size > req.num_registered_blocks:
                 kv.cache_full_blocks(req)

@@ -231,9 +231,14 @@ class EngineLoop:
         lp = req.output_logprobs[start:] if req.params.logprobs is not None else None
         reason = None if req.status is RUNNING else req.finish_reason
         if start:
-            return TokenDelta(req.request_id, outputs[start:], reason, lp)
-        # The first delta also says what admission found.
-        return TokenDelta(req.request_id, outputs[start:], reason, lp, req.num_cached_tokens, req.queue_seconds)
+            if reason is None or req.embedding is None:
+                return TokenDelta(req.request_id, outputs[start:], reason, lp)
+            return TokenDelta(req.request_id, outputs[start:], reason, lp, None, None, req.embedding)
+        # The first delta also says what admission found (and an embedding request's vector, at its end).
+        embedding = req.embedding if reason is not None else None
+        return TokenDelta(
+            req.request_id, outputs[start:], reason, lp, req.num_cached_tokens, req.queue_seconds, embedding
+        )
 
     def send_cache_events(self) -> None:
         stored, removed = self.engine.scheduler.kv.drain_events()

@@ -89,6 +89,7 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True):
     logprobs: list[TokenLogprobs] | None = None  # one per token, where the request asked for them
     num_cached_tokens: int | None = None  # on a request's first delta: its prompt tokens found in the prefix cache
     queue_seconds: float | None = None  # on a request's first delta: how long it waited for admission
+    embedding: list[float] | None = None  # on an embedding request's last delta: its pooled prompt (unnormalised)
 
 
 class StepDeltas(msgspec.Struct, tag=True, array_like=True):

@@ -44,7 +44,7 @@ from engine.parallel.frames import (
 )
 from engine.parallel.world import LinkLost, join, stage_place
 from engine.runner.device import num_kv_blocks
-from engine.runner.local_executor import attach_hidden, build_model
+from engine.runner.local_executor import attach_embeddings, attach_hidden, build_model
 from engine.runner.model_runner import ModelRunner
 
 DRIVER = 0
@@ -120,6 +120,7 @@ class Stage:
     def step(self, frame: StageBatch) -> None:
         if self.samples:
             self.sampler.release(frame.released)
+            self.runner.pooler.forget(frame.released)
             for new in frame.new_requests:
                 self.sampler.add(
                     SamplingState(new.request_id, new.prompt_token_ids, new.params, frozenset(new.stop_token_ids))
@@ -157,6 +158,7 @@ class Stage:
         sampling = [r.request_id for r in batch.requests if r.sample]
         sampled = self.sampler(out, sampling, [r.draft_token_ids for r in batch.requests if r.sample])
         attach_hidden(sampled, self.runner.probed_hidden)
+        attach_embeddings(sampled, self.runner.pooled)
         prompt = self.runner.prompt_logprobs
         send_frame(
             StageResult(

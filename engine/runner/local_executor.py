@@ -96,7 +96,7 @@ class LocalExecutor:
         self.max_model_len = max_model_len
         self.sampler = Sampler(config.seed, torch.device(config.device), ckpt.tokenizer)
         # Each batch in flight: its sample, prompt logprobs and length probes' hidden states.
-        self.done: deque[tuple[Batch, DeviceSample | Sampled, DevicePromptLogprobs | None, dict]] = deque()
+        self.done: deque[tuple[Batch, DeviceSample | Sampled, DevicePromptLogprobs | None, dict, dict]] = deque()
         # The newest batch's sampled ids on the device, and each request's row in them: what rows scheduled ahead
         # of their token read.
         self.previous: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -136,7 +136,8 @@ class LocalExecutor:
             if self.runner.device.type == "cuda":
                 raise  # a failed kernel may leave the device or the KV cache in doubt: the engine restarts
             failed = {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}
-            self.done.append((batch, failed, None, {}))
+            self.runner.pooler.forget(failed)
+            self.done.append((batch, failed, None, {}, {}))
             return
         drafts = [r.draft_token_ids for r in batch.requests if r.sample]
         result = self._sample_isolated(logits, ids, drafts)
@@ -146,7 +147,7 @@ class LocalExecutor:
         else:  # sampled request by request: the survivors' ids go back to the device
             tokens = [t.token_ids[-1] if isinstance(t, SampledTokens) else 0 for t in (result[i] for i in ids)]
             self.previous = torch.tensor(tokens, device=self.runner.device), {i: row for row, i in enumerate(ids)}
-        self.done.append((batch, result, self.runner.prompt_logprobs, self.runner.probed_hidden))
+        self.done.append((batch, result, self.runner.prompt_logprobs, self.runner.probed_hidden, self.runner.pooled))
 
     def _run_steps(self, batch: Batch, previous: tuple[torch.Tensor, dict[str, int]] | None) -> None:
         """Several decode steps before the next check-in (engine/runner/check_in_steps.py); the first step's length
@@ -197,13 +198,15 @@ class LocalExecutor:
         return sample
 
     def collect(self) -> tuple[Batch, Sampled, PromptLogprobs]:
-        batch, result, prompt, probed = self.done.popleft()
+        batch, result, prompt, probed, pooled = self.done.popleft()
         sampled = self.sampler.finish(result) if isinstance(result, DeviceSample) else result
         attach_hidden(sampled, probed)
+        attach_embeddings(sampled, pooled)
         return batch, sampled, prompt.finish() if prompt is not None else {}
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
+        self.runner.pooler.forget(request_ids)  # an embedding request aborted part-way through its prompt
 
     def describe(self) -> str:
         return self.runner.describe()
@@ -229,3 +232,11 @@ def attach_hidden(sampled: Sampled, probed: dict[str, list[float]]) -> None:
         tokens = sampled.get(request_id)
         if isinstance(tokens, SampledTokens):
             tokens.hidden = hidden
+
+
+def attach_embeddings(sampled: Sampled, pooled: dict[str, list[float]]) -> None:
+    """Each embedding request's pooled prompt goes back with its (dropped) sampled token."""
+    for request_id, embedding in pooled.items():
+        tokens = sampled.get(request_id)
+        if isinstance(tokens, SampledTokens):
+            tokens.embedding = embedding

@@ -17,6 +17,7 @@ from engine.runner.decode_graphs import DecodeGraphRunner, row_requests, whole_s
 from engine.runner.device import num_kv_blocks
 from engine.runner.input_batch import InputBatch
 from engine.runner.kv_dtype import kv_dtype
+from engine.runner.pooling import Pooler
 from engine.runner.prompt_logprobs import DevicePromptLogprobs, PromptRows, reduce_rows
 from engine.runner.token_segments import pick_segments
 
@@ -120,6 +121,9 @@ class ModelRunner:
         self.prompt_logprobs: DevicePromptLogprobs | None = None
         # The last run's final hidden states of the requests that asked for a length probe, by request id.
         self.probed_hidden: dict[str, list[float]] = {}
+        # The last run's pooled prompts of the embedding requests whose last chunk ran, by request id.
+        self.pooler = Pooler()
+        self.pooled: dict[str, list[float]] = {}
         self.graphs: CudaGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         # Steps run by each path since start: a benchmark checks the path it means to time actually ran.
@@ -182,10 +186,12 @@ class ModelRunner:
             self.lora.set_rows(batch.lora_slots, meta.query_lens_cpu)
         self.prompt_logprobs = None
         self.probed_hidden = {}
+        self.pooled = {}
         prompt = PromptRows.of(batch) if self.model.is_last else None
         probes = probe_rows(batch) if self.model.is_last else {}
-        if prompt is not None or probes:
-            return self._run_normed(input_ids, positions, meta, logits_indices, hidden, prompt, probes)
+        pooling = self.model.is_last and Pooler.wants(batch)
+        if prompt is not None or probes or pooling:
+            return self._run_normed(input_ids, positions, meta, logits_indices, hidden, prompt, probes, batch)
         logits = None
         if self.decode_graphs is not None and self.decode_graphs.takes(input_ids.shape[0], len(logits_indices), meta):
             rows = self.inputs[(self.num_steps - 1) % 2].put("row_requests", row_requests(meta))
@@ -201,7 +207,15 @@ class ModelRunner:
         return logits
 
     def _run_normed(
-        self, input_ids, positions, meta, logits_indices, hidden, prompt: PromptRows | None, probes: dict[str, int]
+        self,
+        input_ids,
+        positions,
+        meta,
+        logits_indices,
+        hidden,
+        prompt: PromptRows | None,
+        probes: dict[str, int],
+        batch: Batch,
     ):
         """The forward to the final norm for every row; then the sampled rows' logits, the prompt rows' logprobs (in
         bounded chunks) and the probed rows' hidden states."""
@@ -214,6 +228,8 @@ class ModelRunner:
         if probes:
             states = normed[list(probes.values())].float().cpu().tolist()
             self.probed_hidden = dict(zip(probes, states))
+        if Pooler.wants(batch):
+            self.pooled = self.pooler.pool(batch, normed)
         if prompt is not None:
             inputs = self.inputs[(self.num_steps - 1) % 2]  # the buffers prepare() just filled
             rows, targets = inputs.put("prompt_rows", prompt.rows), inputs.put("prompt_targets", prompt.targets)

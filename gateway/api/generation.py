@@ -31,6 +31,7 @@ class ChoiceEvent:
     finish_reason: str | None
     # On a choice's first event when the request asked for them: one for each prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled prompt, on its one event
 
 
 @dataclass
@@ -193,7 +194,7 @@ class Generation:
             choice.finished = True
             self._release(rid)
             self.metrics.finished.labels("length").inc()
-            return ChoiceEvent(choice.index, "", [], [], [], "length", prompt)
+            return ChoiceEvent(choice.index, "", [], [], [], "length", prompt, delta.embedding)
         detok = choice.detok
         first = detok.num_tokens
         text = detok.push(delta.token_ids)

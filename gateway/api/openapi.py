@@ -11,6 +11,7 @@ from importlib import metadata
 
 import msgspec
 
+from gateway.api.embeddings import EmbeddingRequest, EmbeddingResponse
 from gateway.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -60,6 +61,8 @@ _STRUCTS = (
     TokenizeResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ResponsesRequest,
     ResponseObject,
     *_EVENTS,
@@ -202,7 +205,7 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
             **unauthorized,
         },
     }
-    tokenize, detokenize = (
+    tokenize, detokenize, embeddings = (
         {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
@@ -215,8 +218,10 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
         for summary, request, response in (
             ("Token ids of a prompt or chat messages", TokenizeRequest, TokenizeResponse),
             ("The text of token ids", DetokenizeRequest, DetokenizeResponse),
+            ("Embeddings of texts or token ids (pooled final hidden states)", EmbeddingRequest, EmbeddingResponse),
         )
     )
+    embeddings["responses"]["429"] = _error(429)  # admitted like a generation
     info = {
         "summary": "The tokenizer's configuration (vLLM's /tokenizer_info)",
         "responses": {
@@ -292,7 +297,7 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
         },
     }
     if api_key:
-        for op in (models, model, tokenize, detokenize, info, kept["get"], kept["delete"]):
+        for op in (models, model, tokenize, detokenize, embeddings, info, kept["get"], kept["delete"]):
             op["security"] = [{"bearer": []}]
         if metrics_need_key:
             metrics["security"] = [{"bearer": []}]
@@ -319,6 +324,7 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
                 "Response (the Responses API)", ResponsesRequest, ResponseObject, None, _RESPONSES_EXAMPLES, api_key
             ),
             "/v1/responses/{response_id}": kept,
+            "/v1/embeddings": {"post": embeddings},
             "/v1/models": {"get": models},
             "/v1/models/{model}": {"get": model},
             "/tokenize": {"post": tokenize},

@@ -49,6 +49,7 @@ class ServerState:
     grammars: SchemaCompiler
     content_tokens: ContentTokens | None  # how chat messages' special-token text is tokenized; None: no tokenizer
     drain_timeout: float = 30.0  # seconds a stream may go on after SIGTERM before it is cut
+    pooling: str = "last"  # how /v1/embeddings pools a prompt's hidden states (GatewayConfig.pooling)
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's kept responses
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
