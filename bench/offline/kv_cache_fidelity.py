@@ -10,13 +10,11 @@ logits were within MARGIN_BOUND.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 from bench.common import write_report
 
-ROOT = Path(__file__).resolve().parents[2]
 MARGIN_BOUND = 0.1
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama 2", "qwen2 tied", "mistral (sliding window)", "phi3 (sliding window)", "gemma2", "gemma3 (text)"]
@@ -57,12 +55,11 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=DTYPES, help="KV cache dtypes to measure")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
     import torch
-    from test_families import CASES, build
-    from test_fidelity import GREEDY, PROMPT_SET, served_defaults
 
     from engine import LLM
+    from tests.test_families import CASES, build
+    from tests.test_fidelity import GREEDY, PROMPT_SET, served_defaults
 
     result = {"margin_bound": MARGIN_BOUND, "bundled": None, "families": {}}
     if not args.no_bundled:
