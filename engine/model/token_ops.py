@@ -198,8 +198,9 @@ class CpuHeadRMSNorm(CpuRMSNorm, HeadRMSNorm):
 class CpuRotary(Rotary):
     """RoPE and the cache write in one C++ pass (the same table buffer as the module it replaced)."""
 
-    def rope_write_kv(self, qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
-        if (
+    def _takes(self, qkv, positions, kv_cache, slot_mapping) -> bool:
+        """Whether the C++ pass takes these tensors (its layouts and one dtype throughout); else PyTorch's path."""
+        return not (
             torch.compiler.is_compiling()
             or qkv.dim() != 2
             or qkv.stride(1) != 1
@@ -208,7 +209,10 @@ class CpuRotary(Rotary):
             or self.table.dtype != qkv.dtype
             or positions.dtype != torch.int64
             or slot_mapping.dtype != torch.int64
-        ):
+        )
+
+    def rope_write_kv(self, qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
+        if not self._takes(qkv, positions, kv_cache, slot_mapping):
             return super().rope_write_kv(qkv, positions, kv_cache, slot_mapping, num_heads, num_kv_heads)
         return _ops().rope_write_kv(
             qkv, positions.contiguous(), self.table, kv_cache, slot_mapping.contiguous(), num_heads, num_kv_heads
@@ -216,20 +220,13 @@ class CpuRotary(Rotary):
 
     def norm_rope_write_kv(self, qkv, q_norm, k_norm, positions, kv_cache, slot_mapping, num_heads, num_kv_heads):
         if (
-            torch.compiler.is_compiling()
+            not self._takes(qkv, positions, kv_cache, slot_mapping)
             or not isinstance(q_norm, CpuHeadRMSNorm)
             or not isinstance(k_norm, CpuHeadRMSNorm)
             or q_norm.eps != k_norm.eps
             or q_norm.weight.dtype != qkv.dtype
             or k_norm.weight.dtype != qkv.dtype
             or self.table.shape[-1] > 512  # the op keeps a normed head on its stack
-            or qkv.dim() != 2
-            or qkv.stride(1) != 1
-            or not kv_cache.is_contiguous()
-            or kv_cache.dtype != qkv.dtype
-            or self.table.dtype != qkv.dtype
-            or positions.dtype != torch.int64
-            or slot_mapping.dtype != torch.int64
         ):
             return super().norm_rope_write_kv(
                 qkv, q_norm, k_norm, positions, kv_cache, slot_mapping, num_heads, num_kv_heads
