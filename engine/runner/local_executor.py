@@ -173,7 +173,7 @@ class LocalExecutor:
             return self.sampler.finish(result) if isinstance(result, DeviceSample) else result
 
         sampled = run_steps(batch, forward, sample, self.sampler.states, self.max_model_len)
-        self.done.append((batch, sampled, None, probed))
+        self.done.append((batch, sampled, None, probed, {}))  # a run never pools: no prompt rows
 
     def _sample_isolated(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]) -> DeviceSample | Sampled:
         restore = self.sampler.save_rng(ids)
