@@ -195,7 +195,7 @@ CASES = [
     ("unknown model", "POST", CMPL, {**P, "model": "gpt-4"}, 404, "not_found_error", "model", "model_not_found"),
     ("unknown chat model", "POST", CHAT, {**M, "model": "nope"}, 404, "not_found_error", "model", "model_not_found"),
     # routes and methods
-    ("unknown route", "POST", "/v1/embeddings", {"input": "x"}, 404, "not_found_error", None, None),
+    ("unknown route", "POST", "/v1/images/generations", {"prompt": "x"}, 404, "not_found_error", None, None),
     ("unknown top-level route", "GET", "/nope", None, 404, "not_found_error", None, None),
     ("GET on completions", "GET", CMPL, None, 405, INVALID, None, "method_not_allowed"),
     ("GET on chat", "GET", CHAT, None, 405, INVALID, None, "method_not_allowed"),
