@@ -12,10 +12,10 @@ logits must be under MARGIN_BOUND.
 from dataclasses import fields
 
 import pytest
-from conftest import PROMPTS
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.ipc.engine_loop import serving_config
+from tests.conftest import PROMPTS
 
 # 0.1 nats: float32 sums in another order move a logit by ~1e-5 here; a choice whose margin is 10^4 times that is no
 # near-tie, while a real loss of precision shows up well above it. On this set, in a batch of 32: bfloat16 activations
