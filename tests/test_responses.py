@@ -321,7 +321,7 @@ def scripted_turn(texts: list[str], error: Exception | None = None, **body) -> T
     req = decode_request(json.dumps({"input": "Weather in Paris and Rome?", **body}).encode(), ResponsesRequest)
     chat = req.to_chat([])
     gen = ScriptedGeneration(texts, error=error)
-    run = ChatRun(gen, chat.tool_plan(), chat.parallel_tool_calls is not False, None)
+    run = ChatRun(gen, chat.tool_plan(), chat.parallel_tool_calls is not False, None, "m")
     return Turn(req, run, SimpleNamespace(model_name="m", responses=ResponseStore()), chat.messages, b"")
 
 

@@ -10,6 +10,7 @@ from gguf import GGUFReader
 
 from bench.offline.make_synthetic_gguf import main as make_gguf
 from engine import LLM, SamplingParams
+from engine.model.quantized import Int16BlockLinear, _int16_ops
 
 # Two blocks: llama.cpp's quantizer gives layer 1 of 2 (not layer 0) more bits in attn_v and ffn_down; rows that are
 # not whole 256-weight blocks fall back from Q4_K to Q5_0 and from Q6_K to Q8_0.
@@ -58,9 +59,11 @@ def test_a_preset_has_q4_k_m_types_and_orcinus_generates_from_it(preset, tmp_pat
     assert "output" not in types  # tied, as all three are
     assert reader.fields["general.architecture"].contents() == ARCH[preset]
     llm = LLM(path, max_num_seqs=2)
-    # The projections stay in the file's blocks (not dequantized): layer 1's fused Q/K/V joins three tensors' types.
+    # The projections stay in the file's blocks (not dequantized): layer 1's fused Q/K/V joins three tensors' types,
+    # each as the int16 op repacks it where it takes the format (Q5_0 as Q8_0's codes: the same weights).
     qkv = llm.engine.model.layers[1].qkv_proj
-    assert qkv.types == [int(types[f"blk.1.attn_{n}"]) for n in "qkv"]
+    stored = _int16_ops().packed_type if isinstance(qkv, Int16BlockLinear) else int
+    assert qkv.types == [stored(int(types[f"blk.1.attn_{n}"])) for n in "qkv"]
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0))[0]
     assert len(out.token_ids) == 4 and all(0 <= t < 1024 for t in out.token_ids)
     assert all(math.isfinite(lp.logprob) for lp in out.logprobs)
