@@ -81,7 +81,7 @@ class Metrics:
             "orcinus_routed_requests",
             "Sequences sent to each replica, by why: the prompt's prefix "
             "cached there (cache), the fewest tokens in flight (load), the loads out of balance "
-            "(balance), or its turn",
+            "(balance), its LoRA adapter resident there (lora), or its turn",
             ["replica", "reason"],
             registry=r,
         )
