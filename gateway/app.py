@@ -93,7 +93,7 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
     started = int(time.time())
     keyed = bool(config.api_keys)
     metrics_need_key = keyed and config.metrics_need_key
-    contract = msgspec.json.encode(openapi_document(keyed, metrics_need_key))
+    contract = msgspec.json.encode(openapi_document(keyed, metrics_need_key, config.engine.lora_enabled))
     page = CHAT_PAGE.read_text(encoding="utf-8")
     page_security = page_headers(page)
 
