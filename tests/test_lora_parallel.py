@@ -66,7 +66,13 @@ def alone(adapters):
 
 
 def run_together(llm: LLM) -> list[list[int]]:
-    return [c.token_ids for c in llm.generate([p for _, p in JOBS], GREEDY, lora=[n for n, _ in JOBS])]
+    """The 32 requests in one run; every adapter was put in a slot, some more than once (four slots for eight)."""
+    gate, loads = llm.engine.adapters, []
+    load = gate.load
+    gate.load = lambda slot, name: (loads.append(name), load(slot, name))
+    got = [c.token_ids for c in llm.generate([p for _, p in JOBS], GREEDY, lora=[n for n, _ in JOBS])]
+    assert set(loads) == set(NAMES[1:]) and len(loads) > len(NAMES) - 1, loads
+    return got
 
 
 def test_the_adapters_change_the_tokens(alone):
