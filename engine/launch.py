@@ -27,7 +27,7 @@ def make_executor(config: EngineConfig, ckpt: Checkpoint, max_model_len: int) ->
             PipelineExecutor,  # torch.distributed only where it is used
         )
 
-        return PipelineExecutor(config, max_model_len)
+        return PipelineExecutor(config, max_model_len, ckpt.shape)
     return LocalExecutor(config, ckpt, max_model_len)
 
 
@@ -76,8 +76,6 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
         policy = Predicted(RidgeLengthPredictor(ckpt.shape.hidden_size, config.length_predictor))
     else:
         policy = queue_policy(config.scheduling_policy)()
-    if config.lora_enabled and is_distributed(config):
-        raise ValueError("LoRA adapters are not served with --pipeline-stages or --tensor-parallel-size above 1 yet")
     executor = make_executor(config, ckpt, max_model_len)
     draft_source = (
         None if config.speculative == "off" else DRAFT_SOURCES[config.speculative](shared=config.speculative_shared)

@@ -88,10 +88,12 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
         config.pooling,
     )
     state.adapters.update(parse_lora(spec) for spec in config.engine.lora)
+    for name in (state.model_name, *state.adapters):
+        metrics.add_model(name)
     started = int(time.time())
     keyed = bool(config.api_keys)
     metrics_need_key = keyed and config.metrics_need_key
-    contract = msgspec.json.encode(openapi_document(keyed, metrics_need_key))
+    contract = msgspec.json.encode(openapi_document(keyed, metrics_need_key, config.engine.lora_enabled))
     page = CHAT_PAGE.read_text(encoding="utf-8")
     page_security = page_headers(page)
 

@@ -3,6 +3,7 @@ parent), completions, chat and Responses run under the adapter their `model` nam
 adapters load and unload at run time behind the API key (vLLM's routes, bodies and status codes)."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -80,6 +81,39 @@ def test_the_model_field_picks_the_adapter_in_every_endpoint(lora_server):
         timeout=60,
     )
     assert resp.status_code == 200 and resp.json()["model"] == "a", resp.text
+
+
+def requests_by_model(url: str) -> tuple[list[str], dict[str, float]]:
+    """/metrics' orcinus_requests_total family as written (its lines), and its value per model."""
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
+    lines = [line for line in text.splitlines() if re.match(r"(# (HELP|TYPE) )?orcinus_requests_total[{ ]", line)]
+    values = {}
+    for line in lines[2:]:
+        model, value = re.fullmatch(r'orcinus_requests_total\{model="(.*)"\} (\S+)', line).groups()
+        values[model] = float(value)
+    return lines, values
+
+
+def test_metrics_count_requests_by_the_model_they_run_under(lora_server):
+    """orcinus_requests_total{model}: the adapter's name for a request under it, the base model's for the others;
+    both series are there from the start."""
+    _, counts = requests_by_model(lora_server)
+    base = httpx.get(f"{lora_server}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
+    assert list(counts)[:2] == [base, "a"]
+    for model in ("a", None, "a"):
+        assert complete(lora_server, model, max_tokens=1).status_code == 200
+    assert complete(lora_server, "nope").status_code == 404  # not admitted: counted nowhere
+    counts[base] += 1
+    counts["a"] += 2
+    after, _ = requests_by_model(lora_server)
+    assert after == [
+        (
+            "# HELP orcinus_requests_total Requests admitted, by the model they run under: the base model's name or a "
+            "LoRA adapter's"
+        ),
+        "# TYPE orcinus_requests_total counter",
+        *(f'orcinus_requests_total{{model="{model}"}} {n}' for model, n in counts.items()),
+    ]
 
 
 def test_an_unknown_model_is_a_404_in_openai_shape(lora_server):

@@ -32,7 +32,14 @@ def keyed_server(server_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ORCINUS_API_KEY", KEY)
         with server_factory(
-            "--model", "dummy:tiny", "--max-model-len", "40", "--metrics-need-key", "--num-threads", "1"
+            "--model",
+            "dummy:tiny",
+            "--max-model-len",
+            "40",
+            "--metrics-need-key",
+            "--num-threads",
+            "1",
+            "--enable-lora",  # the adapter routes are fuzzed too
         ) as url:
             mp.delenv("ORCINUS_API_KEY")
             yield url
@@ -54,6 +61,8 @@ def test_document_describes_routes_errors_and_streams(keyed_server):
         "/tokenizer_info",
         "/health",
         "/metrics",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     }
     responses = doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
     assert responses["required"] == ["event", "data"]  # typed events, no [DONE]
@@ -135,3 +144,36 @@ def test_schemathesis_finds_no_server_error_and_no_response_outside_the_schema(k
             assert seen[(path, status, kind)] > 0, (path, status, kind, seen)
     for path in ("/v1/models", "/metrics", "/health"):
         assert seen[(path, 200, "application/json" if path != "/metrics" else "text/plain")] > 0, seen
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # no adapter at the paths it sends
+        assert seen[(path, 400, "application/json")] > 0 and seen[(path, 401, "application/json")] > 0, seen
+
+
+def test_the_lora_routes_and_their_bodies_are_documented_where_they_exist():
+    """The document lists exactly the app's routes, with LoRA on (vLLM's two adapter routes) and off (neither)."""
+    from starlette.testclient import TestClient
+
+    from engine.core.config import EngineConfig
+    from gateway.app import build_app
+    from gateway.config import GatewayConfig
+
+    lora_paths = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    for lora in (False, True):
+        app = build_app(GatewayConfig(EngineConfig(enable_lora=lora)))
+        doc = TestClient(app).get("/openapi.json").json()  # no lifespan: no engine starts
+        routes = {r.path.replace(":path", "") for r in app.routes} - {"/", "/openapi.json"}
+        assert set(doc["paths"]) == routes and bool(lora_paths & routes) == lora
+    schemas, paths = doc["components"]["schemas"], doc["paths"]
+    assert set(schemas["LoadLoraAdapterRequest"]["properties"]) == {"lora_name", "lora_path"}
+    assert set(schemas["UnloadLoraAdapterRequest"]["properties"]) == {"lora_name"}
+    load, unload = paths["/v1/load_lora_adapter"]["post"], paths["/v1/unload_lora_adapter"]["post"]
+    assert load["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/LoadLoraAdapterRequest"
+    }
+    assert unload["requestBody"]["content"]["application/json"]["examples"] == {
+        "unload": {"value": {"lora_name": "sql"}}
+    }
+    assert load["responses"]["200"]["content"] == {
+        "text/plain": {"schema": {"type": "string"}, "example": "Success: LoRA adapter 'sql' added successfully."}
+    }
+    assert set(load["responses"]) == {"200", "400", "408", "413", "415", "503"}
+    assert set(unload["responses"]) == {"200", "400", "404", "408", "413", "415"}

@@ -283,3 +283,73 @@ def test_where_no_replica_answers_a_request_waits_on_one_that_still_serves():
             raise AssertionError("a request was routed to an engine that exited")
 
     asyncio.run(scenario())
+
+
+def test_adapter_requests_go_where_their_adapter_is_resident_else_to_the_least_loaded():
+    from gateway.engines.adapter_routing import AdapterAware
+
+    router = AdapterAware(RoundRobin(), 3, max_loras=2)
+    rs = replicas(0, 0, 0)
+    assert router.route("a1", rs, [1, 2], b"", "a") == (rs[0], "load")  # resident nowhere: the least loaded
+    rs[0].load, rs[1].load = 100, 50
+    assert router.route("a2", rs, [1, 2], b"", "a") == (rs[0], "lora")  # busier, but a is resident there
+    assert router.route("b1", rs, [1, 2], b"", "b") == (rs[2], "load")
+    rs[2].load = 10
+    assert router.route("x", rs, [1, 2], b"", "") == (rs[0], "turn")  # the base model: the policy underneath
+    assert router.route("y", rs, [1, 2], b"", "") == (rs[1], "turn")
+    # Loads out of balance: the least loaded, which now holds a too.
+    rs[0].load = BALANCE_TOKENS * 2
+    assert router.route("a3", rs, [1, 2], b"", "a") == (rs[2], "load")
+    assert router.route("a4", rs, [1, 2], b"", "a") == (rs[2], "lora")
+    assert list(router.resident[2]) == ["b", "a"]
+    # Two slots on replica 2: c comes in, b (unheld, used least recently) goes; a is held and stays.
+    router.done("b1")
+    rs[1].load = rs[0].load
+    assert router.route("c1", rs, [1, 2], b"", "c") == (rs[2], "load")
+    assert list(router.resident[2]) == ["a", "c"]
+    assert router.route("b2", rs, [1, 2], b"", "b") == (rs[2], "load")  # resident nowhere again
+    assert list(router.resident[2]) == ["a", "c", "b"]  # every one held: the engine makes b wait for a slot
+    for r in ("a1", "a2", "a3", "a4", "c1", "b2", "x", "y"):
+        router.done(r)
+    assert not router.in_flight and all(not u for u in router.users)
+    # a's last request on replica 2 gave its slot to the waiting b, as the engine's pool does.
+    assert [list(r) for r in router.resident] == [["a"], [], ["c", "b"]]
+    router.unloaded("a")
+    assert all("a" not in r for r in router.resident)
+
+
+def test_replicas_serving_adapters_route_by_residency_and_count_why():
+    import asyncio
+
+    from gateway.engines.adapter_routing import AdapterAware
+    from gateway.engines.replicas import Replicas
+    from gateway.web.metrics import Metrics
+
+    async def scenario():
+        import time
+
+        replicas = Replicas(EngineConfig(enable_lora=True, max_loras=2), Metrics(), size=2, routing="round-robin")
+        assert isinstance(replicas.router, AdapterAware)
+        for c in replicas.clients:
+            c.engine, c.ready = FakeEngine(), "ready"
+            c.last_heard = c.last_beat = time.monotonic()
+        queue = asyncio.Queue()
+        params = SamplingParams(max_tokens=4)
+        for i, lora in enumerate(["a", "", "a", "b", "a"]):
+            request = EngineRequest(f"r{i}", [1, 2, 3], params, options=RequestOptions(lora=lora))
+            await replicas.add(request, queue)
+        where = {r: c.index for r, c in replicas.where.items()}
+        m = replicas.metrics.registry
+        reasons = {
+            (s.labels["replica"], s.labels["reason"]): s.value
+            for metric in m.collect()
+            if metric.name == "orcinus_routed_requests"
+            for s in metric.samples
+            if s.name.endswith("_total")
+        }
+        return where, reasons
+
+    where, reasons = asyncio.run(scenario())
+    # r0 (a) to replica 0, r1 (base) by turn, r2 (a) where a is, r3 (b) to the less loaded, r4 (a) to a's.
+    assert where == {"r0": 0, "r1": 0, "r2": 0, "r3": 1, "r4": 0}
+    assert reasons == {("0", "load"): 1, ("0", "turn"): 1, ("0", "lora"): 2, ("1", "load"): 1}

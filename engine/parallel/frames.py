@@ -63,11 +63,21 @@ class StageResult(msgspec.Struct, tag=True):
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
+class StageLora(msgspec.Struct, tag=True):
+    """Driver -> every rank, between batches: put this rank's part of an adapter (engine/model/lora_shards.py) in
+    `slot`, for the batches that follow."""
+
+    slot: int
+    rank: int
+    scale: float
+    weights: bytes  # safetensors: this rank's layers' A and B
+
+
 class StageShutdown(msgspec.Struct, tag=True):
     pass
 
 
-Frame = StageSetup | StageReady | StageBatch | StageResult | StageShutdown
+Frame = StageSetup | StageReady | StageBatch | StageResult | StageLora | StageShutdown
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
 

@@ -22,14 +22,18 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Request
 from engine.core.scheduler import Batch
+from engine.model.lora import LoraAdapter, read_adapter
+from engine.model.lora_shards import adapter_bytes, adapter_part, check_adapter
+from engine.model.sharding import TensorShard
 from engine.parallel.frames import (
     PendingSends,
     SamplingStart,
     StageBatch,
+    StageLora,
     StageReady,
     StageResult,
     StageSetup,
@@ -37,7 +41,7 @@ from engine.parallel.frames import (
     recv_frame,
     send_frame,
 )
-from engine.parallel.stage import make_groups, rank_of
+from engine.parallel.stage import make_groups, rank_of, stage_span
 from engine.parallel.world import Place, driver_place, join
 
 
@@ -54,7 +58,9 @@ def _free_port() -> int:
 class PipelineExecutor:
     """Rank 0 of the stage grid: submit batches in order, collect sampled ids in the same order."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, max_model_len: int, shape: ModelShape):
+        self.shape, self.max_lora_rank = shape, config.max_lora_rank
+        self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters on the host, by name; the ranks get slot loads
         self.num_stages = config.pipeline_stages
         self.tp_size = config.tensor_parallel_size
         self.max_in_flight = self.num_stages
@@ -181,6 +187,29 @@ class PipelineExecutor:
         gone = [r for r in request_ids if r in self.known]
         self.known.difference_update(gone)
         self.released += gone
+
+    def add_lora(self, name: str, path: str) -> None:
+        adapter = read_adapter(path, self.shape.num_layers, self.max_lora_rank)
+        check_adapter(adapter, self.shape)
+        self.adapters[name] = adapter
+
+    def load_lora(self, slot: int, name: str) -> None:
+        """Each rank gets its layers' and its shard's part; frames to a rank keep their order, so every batch
+        submitted after this one runs under the new weights, and every one before under the old."""
+        adapter = self.adapters[name]
+        try:
+            for stage in range(self.num_stages):
+                span = stage_span(self.shape.num_layers, stage, self.num_stages)
+                for tp_rank in range(self.tp_size):
+                    part = adapter_part(adapter, span, TensorShard(tp_rank, self.tp_size))
+                    frame = StageLora(slot, adapter.rank, adapter.scale, adapter_bytes(part))
+                    send_frame(frame, rank_of(stage, tp_rank, self.tp_size), self.pending)
+        except RuntimeError as e:  # gloo: the peer's connection is gone
+            self.failed = True
+            raise StageFailedError(f"cannot reach pipeline stage {stage}: {e}") from e
+
+    def remove_lora(self, name: str) -> None:
+        self.adapters.pop(name, None)
 
     def close(self) -> None:
         if self.closing:

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from engine.model.loader import load_checkpoint
+from engine.model.lora import LoraSlots
+from engine.model.lora_shards import adapter_from_bytes
 from engine.model.sampling.sampler import Sampler
 from engine.model.sampling.state import SamplingState
 from engine.model.sharding import TensorShard
@@ -35,6 +37,7 @@ from engine.parallel.frames import (
     ACTIVATION_TAG,
     PendingSends,
     StageBatch,
+    StageLora,
     StageReady,
     StageResult,
     StageSetup,
@@ -100,8 +103,11 @@ class Stage:
         self.model = build_model(ckpt, setup.max_model_len, config, self.span, shard)
         tokenizer = ckpt.tokenizer  # the last stage's sampler needs it for grammars
         del ckpt
+        # LoRA: this rank's layers wrapped (their slots take memory) before the KV cache is sized.
+        self.lora = LoraSlots(self.model, config.max_loras, config.max_lora_rank) if config.lora_enabled else None
         self.num_blocks = num_kv_blocks(config, self.model.shape, len(self.span))
         self.runner = ModelRunner(config, self.model, self.num_blocks, setup.max_model_len)
+        self.runner.lora = self.lora
         self.samples = self.model.is_last and setup.tp_rank == 0
         self.sampler = Sampler(config.seed, self.runner.device, tokenizer) if self.samples else None
         # Activations go to and come from the same tensor-parallel rank of the next and previous stage.
@@ -114,6 +120,9 @@ class Stage:
             if isinstance(frame, StageShutdown):
                 self.pending.wait_all()
                 return
+            if isinstance(frame, StageLora):
+                self.lora.load(frame.slot, adapter_from_bytes(frame.weights, frame.rank, frame.scale))
+                continue
             assert isinstance(frame, StageBatch)
             self.step(frame)
 

@@ -43,6 +43,7 @@ async def load_lora_adapter(request: Request, state: ServerState) -> Response:
         if result.error is not None:
             raise errors.invalid_request(result.error, "lora_path")
         state.adapters[name] = path
+        state.metrics.add_model(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

@@ -12,6 +12,7 @@ from importlib import metadata
 import msgspec
 
 from gateway.api.embeddings import EmbeddingRequest, EmbeddingResponse
+from gateway.api.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from gateway.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -110,6 +111,10 @@ _RESPONSES_EXAMPLES = {
     "text": {"input": "Say hi.", "instructions": "Be brief.", "max_output_tokens": 6, "temperature": 0},
     "stream": {"input": [{"role": "user", "content": "Name a color."}], "max_output_tokens": 6, "stream": True},
 }
+_LORA_EXAMPLES = {
+    "load": {"lora_name": "sql", "lora_path": "/path/to/adapter"},
+    "unload": {"lora_name": "sql"},
+}
 _RETRY_AFTER = {"description": "Seconds to wait before retrying.", "schema": {"type": "integer", "minimum": 0}}
 
 
@@ -185,9 +190,53 @@ def _generate(summary: str, request: type, response: type, chunk: type | None, e
     return {"post": op}
 
 
-def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
-    """The OpenAPI 3.1 document (JSON Schema 2020-12, which msgspec emits)."""
-    _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
+def _lora_routes(api_key: bool) -> dict:
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (only where LoRA is on); plain-text successes."""
+
+    def op(summary: str, request: type, example: str, done: str, errors: dict) -> dict:
+        body = {"schema": _ref(request), "examples": {example: {"value": _LORA_EXAMPLES[example]}}}
+        text = {"text/plain": {"schema": {"type": "string"}, "example": done}}
+        statuses = {str(st): why for st, why in errors.items()}
+        statuses |= {str(st): _error(st) for st in (408, 413, 415, *((401,) if api_key else ()))}
+        operation = {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": body}},
+            "responses": {"200": {"description": done, "content": text}, **dict(sorted(statuses.items()))},
+        }
+        if api_key:
+            operation["security"] = [{"bearer": []}]
+        return {"post": operation}
+
+    def error(description: str) -> dict:
+        return {"description": description, "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+
+    load = op(
+        "Serve a LoRA adapter (a PEFT directory) under a model name",
+        LoadLoraAdapterRequest,
+        "load",
+        "Success: LoRA adapter 'sql' added successfully.",
+        {
+            400: error("A field is missing, the name is taken, or the files are not an adapter this model takes."),
+            503: _error(503),
+        },
+    )
+    unload = op(
+        "Stop serving a LoRA adapter (requests running under it finish)",
+        UnloadLoraAdapterRequest,
+        "unload",
+        "Success: LoRA adapter 'sql' removed successfully.",
+        {
+            400: error("`lora_name` is missing, or the engine could not unload the adapter."),
+            404: error("No adapter of that name is loaded."),
+        },
+    )
+    return {"/v1/load_lora_adapter": load, "/v1/unload_lora_adapter": unload}
+
+
+def openapi_document(api_key: bool, metrics_need_key: bool, lora: bool = False) -> dict:
+    """The OpenAPI 3.1 document (JSON Schema 2020-12, which msgspec emits); `lora`: with the adapter routes."""
+    structs = (*_STRUCTS, LoadLoraAdapterRequest, UnloadLoraAdapterRequest) if lora else _STRUCTS
+    _, schemas = msgspec.json.schema_components(structs, ref_template=_REF)
     unauthorized = {"401": _error(401)} if api_key else {}
     models = {
         "summary": "The served model",
@@ -332,6 +381,7 @@ def openapi_document(api_key: bool, metrics_need_key: bool) -> dict:
             "/tokenizer_info": {"get": info},
             "/health": {"get": health},
             "/metrics": {"get": metrics},
+            **(_lora_routes(api_key) if lora else {}),
         },
         "components": {"schemas": schemas},
     }

@@ -136,6 +136,7 @@ class ServerState:
     ) -> Generation:
         """Admit the request's sequences (429 past the queue's bound); the caller must `close()` the Generation."""
         ticket = self.in_flight.reserve(len(prompts) * n, n * sum(map(len, prompts)))
+        self.metrics.requests.labels(options.lora or self.model_name).inc()
         gen = Generation(self.client, self.metrics, self.tokenizer, prompts, params, n, stop, ticket, options)
         self.live.add(gen)
         return gen

@@ -18,6 +18,7 @@ import msgspec
 from engine.core.config import EngineConfig
 from engine.core.request import EngineRequest
 from engine.ipc.messages import AddRequest, EngineReady, LoadLora, LoraResult, UnloadLora
+from gateway.engines.adapter_routing import AdapterAware
 from gateway.engines.client import EngineClient, EngineUnavailableError
 from gateway.engines.process import EngineProcess
 from gateway.engines.routing import RoutingPolicy, make_router
@@ -65,6 +66,8 @@ class Replicas:
             routing = "least-loaded"  # no cache to be aware of
         self.routing = routing  # what routes, in effect
         self.router = make_router(routing if size > 1 else "round-robin", size, config.block_size)
+        if config.lora_enabled and size > 1:  # adapter requests to a replica with their adapter resident
+            self.router = AdapterAware(self.router, size, config.max_loras)
         on_cache = self.router.cache_events if size > 1 and routing == "cache-aware" else None
         each = replica_config(config, size)
         self.clients = [
@@ -137,6 +140,7 @@ class Replicas:
     async def unload_lora(self, name: str) -> LoraResult:
         for c in self.clients:  # whatever the answer: an engine restarted from now on does not get it again
             c.runtime_loras.pop(name, None)
+        self.router.unloaded(name)
         results = await asyncio.gather(*(c.update_lora(UnloadLora(0, name)) for c in self.clients))
         return next((r for r in results if r.error is not None), results[0])
 
@@ -148,7 +152,8 @@ class Replicas:
         if not candidates:
             raise EngineUnavailableError("the engine is not available")
         request_id, prompt, salt = request.request_id, request.prompt_token_ids, request.options.cache_salt
-        client, reason = self.router.route(request_id, candidates, prompt, salt)
+        lora = request.options.lora
+        client, reason = self.router.route(request_id, candidates, prompt, salt, lora)
         self.where[request_id] = client
         if grammar_id is not None:
             self.constrained[request_id] = self.grammars[grammar_id][0]
@@ -166,7 +171,7 @@ class Replicas:
                 self.router.done(request_id)
                 why = "unresponsive" if client.engine is not None and client.engine.alive else "exited"
                 self.metrics.rerouted.labels(str(client.index), why).inc()
-                client, reason = self.router.route(request_id, others, prompt, salt)
+                client, reason = self.router.route(request_id, others, prompt, salt, lora)
                 self.where[request_id] = client
                 self.moved.add(request_id)
                 await self._submit(client, request, queue, grammar_id)
@@ -193,7 +198,10 @@ class Replicas:
         if request_id in self.moved or not others or self.where.get(request_id) is not lost_on:
             return False
         self.router.done(request_id)
-        client, reason = self.router.route(request_id, others, request.prompt_token_ids, request.options.cache_salt)
+        options = request.options
+        client, reason = self.router.route(
+            request_id, others, request.prompt_token_ids, options.cache_salt, options.lora
+        )
         self.where[request_id] = client
         self.moved.add(request_id)
         self.metrics.rerouted.labels(str(lost_on.index), why).inc()

@@ -44,9 +44,10 @@ class RoundRobin:
         return replicas[next(self._turn) % len(replicas)], "turn"
 
     def route(
-        self, request_id: str, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes
+        self, request_id: str, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes, lora: str = ""
     ) -> tuple[Replica, str]:
-        """Choose `request_id`'s replica and remember it there until `done(request_id)`."""
+        """Choose `request_id`'s replica and remember it there until `done(request_id)`; `lora`: its adapter's name
+        (engines/adapter_routing.py routes by it; the policies here route every request alike)."""
         return self.choose(replicas, prompt, cache_salt)
 
     def done(self, request_id: str) -> None:
@@ -54,6 +55,9 @@ class RoundRobin:
 
     def cache_events(self, index: int, events: CacheEvents | None) -> None:
         """Blocks replica `index` cached and evicted; None: it restarted, its cache is empty."""
+
+    def unloaded(self, name: str) -> None:
+        """LoRA adapter `name` was unloaded from every replica."""
 
 
 class LeastLoaded(RoundRobin):
@@ -79,7 +83,7 @@ class CacheAware(LeastLoaded):
         return self._choose(replicas, len(prompt), self.keys(prompt, cache_salt))
 
     def route(
-        self, request_id: str, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes
+        self, request_id: str, replicas: Sequence[Replica], prompt: list[int], cache_salt: bytes, lora: str = ""
     ) -> tuple[Replica, str]:
         keys = self.keys(prompt, cache_salt)  # hashed once, for the choice and for the blocks it will hold
         replica, reason = self._choose(replicas, len(prompt), keys)

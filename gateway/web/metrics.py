@@ -77,11 +77,17 @@ class Metrics:
             "orcinus_sequences_admitted", "Deprecated: use orcinus_sequences_in_flight (the same gauge)", registry=r
         )
         self.rejected = Counter("orcinus_requests_rejected", "Requests refused with 429 at capacity", registry=r)
+        self.requests = Counter(
+            "orcinus_requests",
+            "Requests admitted, by the model they run under: the base model's name or a LoRA adapter's",
+            ["model"],
+            registry=r,
+        )
         self.routed = Counter(
             "orcinus_routed_requests",
             "Sequences sent to each replica, by why: the prompt's prefix "
             "cached there (cache), the fewest tokens in flight (load), the loads out of balance "
-            "(balance), or its turn",
+            "(balance), its LoRA adapter resident there (lora), or its turn",
             ["replica", "reason"],
             registry=r,
         )
@@ -201,6 +207,10 @@ class Metrics:
             self.spec_accepted,
         ):
             metric.labels(label)
+
+    def add_model(self, name: str) -> None:
+        """Show `name`'s series of orcinus_requests (at zero) before its first request: the base model, an adapter."""
+        self.requests.labels(name)
 
     def observe_stats(self, s: EngineStats, replica: int = 0) -> None:
         label = str(replica)
