@@ -27,7 +27,8 @@ def choose_dtype(asked: str, on_gpu: bool) -> Choice:
     if on_gpu:
         return Choice("bfloat16", "auto: a GPU's tensor cores run it at full rate")
     # bfloat16 activations flip greedy choices whose float32 margins are no near-ties (tests/test_fidelity.py); with
-    # the GGUF blocks the weights a decode step reads stay 4-8 bits either way, so float32 costs only the activations.
+    # the GGUF blocks the weights a step reads stay 4-8 bits either way, so bfloat16 saves only activation work
+    # (docs/performance.md, Defaults per model), which does not buy back the answers.
     return Choice("float32", "auto: the float32 model's greedy tokens; bfloat16 leaves the fidelity budget")
 
 
@@ -67,4 +68,6 @@ def choose_speculative(asked: str, on_gpu: bool, batch_invariant: bool) -> Choic
         return Choice("off", "auto: drafts would make a request's tokens depend on its batch")
     if on_gpu:
         return Choice("off", "auto: not measured on a GPU yet")
+    # A draft row costs about the same share of a step at every model shape measured, large vocabularies included,
+    # and the engine weighs that cost per step (engine/core/speculation.py): no shape needs another default.
     return Choice("ngram", "auto: prompt lookup pays on the CPU at every model shape measured")
