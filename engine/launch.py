@@ -7,6 +7,13 @@ from collections.abc import Callable
 import torch
 
 from engine.core.config import EngineConfig
+from engine.core.defaults import (
+    choose_block_activations,
+    choose_dtype,
+    choose_speculative,
+    choose_threads,
+    usable_cores,
+)
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
 from engine.core.queue_policy import Predicted, queue_policy
@@ -15,7 +22,7 @@ from engine.kernels.cpu_ops import ops_origin
 from engine.model.length_predictor import RidgeLengthPredictor
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.sharding import check_splittable
-from engine.runner.device import resolve_device
+from engine.runner.device import int16_isa, resolve_device
 from engine.runner.kv_dtype import describe_kv_dtype
 from engine.runner.local_executor import LocalExecutor
 
@@ -49,13 +56,9 @@ def resolve_async(config: EngineConfig) -> EngineConfig:
 
 
 def resolve_speculative(config: EngineConfig) -> EngineConfig:
-    """ "auto" speculation becomes prompt lookup on the CPU, where it was measured to pay (docs/performance.md), and off
-    on a GPU, where it has not been measured yet, and under --batch-invariant (whether a request drafts depends on the
-    batch's size, and its sampled draws on its drafts)."""
-    if config.speculative != "auto":
-        return config
-    on = torch.device(config.device).type == "cpu" and not config.batch_invariant
-    return config.with_(speculative="ngram" if on else "off")
+    """ "auto" speculation as engine/core/defaults.py's rule picks it, on a config whose device is resolved."""
+    on_gpu = torch.device(config.device).type == "cuda"
+    return config.with_(speculative=choose_speculative(config.speculative, on_gpu, config.batch_invariant).value)
 
 
 def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineCore:
@@ -86,6 +89,19 @@ def build_engine(config: EngineConfig, checkpoint: Checkpoint | None = None) -> 
 def cpp_ops_origin() -> str:
     """Where this process's C++ ops came from (prebuilt by the install, or built at run time), for the startup block."""
     return ops_origin()
+
+
+def default_choices(asked: EngineConfig, config: EngineConfig) -> tuple[str, ...]:
+    """Each setting an `auto` rule decides, with its value and why, for the startup block: `asked` is the config as
+    given (before serving's own defaults), `config` resolved."""
+    device = torch.device(config.device)
+    on_gpu = device.type == "cuda"
+    choices = [("dtype", choose_dtype(asked.dtype, on_gpu))]
+    if device.type == "cpu":
+        choices.append(("block activations", choose_block_activations(asked.block_activations, int16_isa(device))))
+        choices.append(("threads", choose_threads(asked.num_threads, usable_cores())))
+    choices.append(("speculation", choose_speculative(asked.speculative, on_gpu, config.batch_invariant)))
+    return tuple(f"{name} {choice}" for name, choice in choices)
 
 
 def kv_cache_summary(asked: str, config: EngineConfig) -> str:

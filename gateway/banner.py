@@ -31,6 +31,8 @@ def startup_block(
         f"  batch           up to {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens per iteration",
         f"  prefix caching  {'on' if s.prefix_caching else 'off'}",
     ]
+    for i, choice in enumerate(s.defaults):
+        lines.append(f"  {'defaults' if i == 0 else '':<16}{choice}")
     if s.kernels:
         lines.append(f"  kernels         {s.kernels}")
     if s.cpp_ops:

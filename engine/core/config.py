@@ -224,7 +224,8 @@ class EngineConfig:
     seed: int = 0
     """Seeds dummy weights and unseeded sampling."""
     num_threads: int | None = None
-    """Torch CPU threads (per stage process when pipelined); unset: torch's default."""
+    """Torch CPU threads (per stage process when pipelined); unset: every core the server may run on (shared out among
+    data-parallel replicas), torch's default offline."""
     lora: tuple[str, ...] = ()
     """Serve a LoRA adapter beside the base model, as NAME=PATH (a PEFT directory: adapter_config.json and
     adapter_model.safetensors; repeat for several); a request names one as its `model`."""

@@ -21,6 +21,7 @@ import time
 import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
+from engine.core.defaults import choose_threads, usable_cores
 from engine.core.lora_pool import AdapterError, AdapterNotFoundError
 from engine.core.request import EngineRequest, RequestStatus
 from engine.core.sampling_params import InvalidRequestError
@@ -74,16 +75,14 @@ class EngineLoopArgs(msgspec.Struct):
 def serving_config(config: EngineConfig) -> EngineConfig:
     """Every core by default, with a bounded OpenMP spin (gateway/engines/process.py): with OpenMP's sleeping
     default, two threads once stalled on each other under load (docs/performance.md, Pipeline stages)."""
-    if config.num_threads is not None:
-        return config
-    return config.with_(num_threads=os.cpu_count() or 1)
+    return config.with_(num_threads=choose_threads(config.num_threads, usable_cores()).value)
 
 
 class EngineLoop:
     """Glues an EngineCore to the two channels."""
 
     def __init__(self, args: EngineLoopArgs, parent: int):
-        from engine.launch import build_engine, cpp_ops_origin, grammar_compiler, kv_cache_summary
+        from engine.launch import build_engine, cpp_ops_origin, default_choices, grammar_compiler, kv_cache_summary
 
         self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(args.to_engine, ToEngine)
@@ -103,6 +102,7 @@ class EngineLoop:
             getattr(e.executor, "describe", lambda: "")(),
             cpp_ops_origin(),
             kv_cache_summary(args.config.kv_cache_dtype, c),
+            default_choices(args.config, c),
         )
         compile_grammar = grammar_compiler(e)  # before ready: it builds the token table
         self.grammars = None if compile_grammar is None else GrammarGate(compile_grammar, self.inbox.doorbell.ring)

@@ -72,6 +72,7 @@ class EngineSummary(msgspec.Struct, frozen=True, array_like=True):
         ""  # where the engine's C++ ops came from (prebuilt by the install, or built at run time); "" if none
     )
     kv_cache_dtype: str = ""  # what the KV cache stores and why ("float16, as asked"); "" when not known
+    defaults: tuple[str, ...] = ()  # each setting an `auto` rule decides: "threads 2 (as asked)"; () when not known
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.core.config import EngineConfig, ModelShape
+from engine.core.defaults import choose_block_activations, choose_dtype
 from engine.model.quantized import can_use_int16
 from engine.runner.decode_graphs import whole_step_rows
 from engine.runner.kv_dtype import kv_dtype, resolve_kv_cache_dtype
@@ -30,12 +33,7 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device {device!r} was asked for, but torch sees no CUDA GPU here; use --device cpu")
     on_gpu = torch.device(device).type == "cuda"
-    dtype = config.dtype
-    if dtype == "auto":
-        # float32 on the CPU: the model's own answers. bfloat16 activations flipped greedy choices whose float32
-        # margin was up to 0.31 nats (tests/test_fidelity.py), and with the GGUF blocks (weights="auto") the weights
-        # a decode step reads stay 4-8 bits; only the small activations are float32.
-        dtype = "bfloat16" if on_gpu else "float32"
+    dtype = choose_dtype(config.dtype, on_gpu).value
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise DeviceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     budget = config.max_num_batched_tokens or (GPU_TOKEN_BUDGET if on_gpu else CPU_TOKEN_BUDGET)
@@ -55,6 +53,26 @@ def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
     return config.with_(attention_backend="cpu-invariant")
 
 
+def int16_isa(device: torch.device) -> str | None:
+    """The instructions the int16-activation op runs on here (its build takes VNNI where the CPU has it), or None."""
+    if not can_use_int16(device):
+        return None
+    return "AVX-512 VNNI" if "avx512_vnni" in cpu_flags() else "AVX2"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def int16_activations(config: EngineConfig) -> bool:
     """Whether the block matmuls round their inputs to int16 (engine/model/quantized.py's Int16BlockLinear).
 
@@ -62,12 +80,12 @@ def int16_activations(config: EngineConfig) -> bool:
     """
     if config.block_activations == "float32":
         return False
-    usable = can_use_int16(torch.device(config.device))
-    if config.block_activations == "int16" and not usable:
+    isa = int16_isa(torch.device(config.device))
+    if config.block_activations == "int16" and isa is None:
         raise DeviceError(
             "--block-activations int16 needs a CPU with AVX-512 VNNI or AVX2 (engine/kernels/csrc/cpu/int16_matmul.cpp)"
         )
-    return usable
+    return choose_block_activations(config.block_activations, isa).value == "int16"
 
 
 def block_weights(config: EngineConfig, has_blocks: bool) -> bool:

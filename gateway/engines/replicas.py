@@ -16,6 +16,7 @@ import os
 import msgspec
 
 from engine.core.config import EngineConfig
+from engine.core.defaults import usable_cores
 from engine.core.request import EngineRequest
 from engine.ipc.messages import AddRequest, EngineReady, LoadLora, LoraResult, UnloadLora
 from gateway.engines.adapter_routing import AdapterAware
@@ -30,7 +31,7 @@ def replica_config(config: EngineConfig, size: int) -> EngineConfig:
     --num-threads (each replica's threads would otherwise fight the others' for every core)."""
     if size == 1 or config.num_threads is not None:
         return config
-    return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // size))
+    return dataclasses.replace(config, num_threads=max(1, usable_cores() // size))
 
 
 def replica_devices(config: EngineConfig, index: int, size: int) -> str | None:
