@@ -130,6 +130,7 @@ class NullEngine:
 
         self.engine.executor.submit = recording_submit
         self.ids = 0
+        self.prompt_tokens_computed = 0  # prefills, and recomputes after preemptions
 
     def add(self, at: float, row: dict, rng: random.Random) -> Request:
         from engine import SamplingParams
@@ -153,6 +154,7 @@ class NullEngine:
             decodes = sum(1 for s in self.last_batch.requests if len(s.token_ids) == 1)
             prompt = sum(len(s.token_ids) for s in self.last_batch.requests if len(s.token_ids) > 1)
             self.clock.now += self.cost.seconds(decodes, prompt)
+            self.prompt_tokens_computed += prompt
         return updated
 
     def close(self) -> None:
@@ -231,6 +233,10 @@ def open_loop(policy: str, arrivals, seed: int, num_blocks: int, cost: StepCost,
         "running_mean": running_area / elapsed,
         "preemptions": sched.num_preemptions,
         "requests_preempted": sum(r.num_preemptions > 0 for _, r in reqs),
+        # Tokens computed as prompt chunks over the prompts' own: above 1, recomputes (prefix cache hits excepted).
+        "prompt_tokens_computed_over_prompts": eng.prompt_tokens_computed
+        / sum(len(r.prompt_token_ids) for _, r in reqs),
+        "prompt_time_share": eng.prompt_tokens_computed * eng.cost.prompt_token_ms / 1e3 / elapsed,
         "host_s": time.perf_counter() - host,
     }
 
@@ -269,7 +275,8 @@ def main(args) -> int:
                     f"round {r} load {load} {name}: e2e mean {res['e2e_mean_s']:.2f} p50 {res['e2e_p50_s']:.2f} "
                     f"p99 {res['e2e_p99_s']:.2f} s; queue mean {res['queue_mean_s']:.2f} p99 {res['queue_p99_s']:.2f} s "
                     f"({res['share_passed_over']:.0%} passed over, {res['waiting_mean']:.1f} waiting on average, "
-                    f"{res['running_mean']:.1f} running); {res['preemptions']} preemptions; {res['requests']} requests",
+                    f"{res['running_mean']:.1f} running); {res['preemptions']} preemptions, prompt tokens computed "
+                    f"{res['prompt_tokens_computed_over_prompts']:.1f}x the prompts'; {res['requests']} requests",
                     flush=True,
                 )
     measures = [k for k, v in next(iter(runs.values()))["fcfs"][0].items() if isinstance(v, (int, float))]
