@@ -11,6 +11,10 @@ output tokens per second, latency by kind of answer, and preemptions. `--alone` 
 FCFS server one at a time: each request with the machine to itself, the floor under any order's mean end-to-end
 latency and TTFT (a request shares every step it runs in, and gets no more of it than alone).
 
+`--null-model REPORT` runs the engine in-process instead, with no model and a simulated clock, on a KV cache sized
+to hold a few requests' contexts, so that requests queue and the machine's noise cannot reach the figures
+(bench/serving/length_null.py).
+
     python -m bench.serving.eval_length_predictor --train 2000 --predictor /tmp/length.safetensors
     python -m bench.serving.bench_length_aware --length-predictor /tmp/length.safetensors \\
         --out benchmarks/results/length_aware/served.json
@@ -143,9 +147,7 @@ def poisson(rng: random.Random, rate: float, seconds: float) -> list[tuple[float
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--length-predictor", required=True, help="a trained predictor (bench/serving/eval_length_predictor.py)"
-    )
+    ap.add_argument("--length-predictor", help="a trained predictor (bench/serving/eval_length_predictor.py)")
     ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95], help="shares of the saturation rate")
     ap.add_argument("--seconds", type=float, default=90, help="arrivals per run")
     ap.add_argument("--rounds", type=int, default=1)
@@ -156,7 +158,6 @@ def main() -> int:
     ap.add_argument(
         "--mean-output-tokens",
         type=float,
-        required=True,
         help="the workload's mean output length (eval_length_predictor.py's held-out requests)",
     )
     ap.add_argument("--flags", default="", help="more `orcinus serve` flags for every policy")
@@ -171,7 +172,27 @@ def main() -> int:
         "--alone", action="store_true", help="also each run's requests one at a time (the floor no order reaches)"
     )
     ap.add_argument("--out", default=None)
+    null = ap.add_argument_group("--null-model: the engine in-process, no model, a simulated clock (length_null.py)")
+    null.add_argument("--null-model", metavar="REPORT", help="eval_length_predictor's report: its held-out rows")
+    null.add_argument("--kv-contexts", type=float, default=8, help="KV blocks for this many mean contexts")
+    null.add_argument(
+        "--step-cost-ms",
+        type=float,
+        nargs=3,
+        default=[6.0, 2.5, 1.4],
+        metavar=("FIXED", "DECODE_ROW", "PROMPT_TOKEN"),
+        help="a step's simulated cost",
+    )
+    null.add_argument("--max-num-seqs", type=int, default=64)
+    null.add_argument("--capacity-warmup", type=float, default=120, help="simulated seconds")
+    null.add_argument("--capacity-seconds", type=float, default=600, help="simulated seconds")
     args = ap.parse_args()
+    if args.null_model:
+        from bench.serving import length_null
+
+        return length_null.main(args)
+    if args.length_predictor is None or args.mean_output_tokens is None:
+        ap.error("--length-predictor and --mean-output-tokens are required (unless --null-model)")
     work = Path(tempfile.mkdtemp(prefix="length_aware_"))
     predictor = work / "length.safetensors"  # a copy: the server goes on learning into it
     shutil.copy(args.length_predictor, predictor)
