@@ -45,11 +45,18 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(path: str, num_layers: int, max_rank: int) -> LoraAdapter:
-    """A PEFT LoRA directory -> host tensors (float32); AdapterError for what this engine cannot serve."""
+def read_adapter(path: str, num_layers: int, max_rank: int, heads: tuple[int, int] | None = None) -> LoraAdapter:
+    """A PEFT LoRA directory, or llama.cpp's LoRA GGUF file (`heads`: the model's query and key/value head counts),
+    -> host tensors (float32); AdapterError for what this engine cannot serve."""
     root = Path(path)
+    if root.is_file():
+        from engine.model.lora_gguf import read_gguf_adapter
+
+        return read_gguf_adapter(path, num_layers, max_rank, heads)
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
-        raise AdapterError(f"no LoRA adapter at {path}: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise AdapterError(
+            f"no LoRA adapter at {path}: expected {CONFIG_FILE} and {WEIGHTS_FILE}, or a llama.cpp LoRA .gguf file"
+        )
     try:
         config = json.loads((root / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
