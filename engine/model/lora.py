@@ -52,7 +52,7 @@ def read_adapter(path: str, num_layers: int, max_rank: int, heads: tuple[int, in
     if root.is_file():
         from engine.model.lora_gguf import read_gguf_adapter
 
-        return read_gguf_adapter(path, num_layers, max_rank, heads)
+        return LoraAdapter(*read_gguf_adapter(path, num_layers, max_rank, heads))
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
         raise AdapterError(
             f"no LoRA adapter at {path}: expected {CONFIG_FILE} and {WEIGHTS_FILE}, or a llama.cpp LoRA .gguf file"

@@ -16,7 +16,6 @@ from gguf.quants import dequantize
 
 from engine.core.lora_pool import AdapterError
 from engine.model.loader import _unpermute
-from engine.model.lora import LoraAdapter
 from engine.model.model_files import GGUFReader
 
 # llama.cpp's tensor names -> PEFT's module names.
@@ -32,9 +31,11 @@ _MODULES = {
 _NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
 
 
-def read_gguf_adapter(path: str, num_layers: int, max_rank: int, heads: tuple[int, int] | None) -> LoraAdapter:
-    """A llama.cpp LoRA GGUF file -> a LoraAdapter (float32); `heads`: the model's (query, key/value) head counts,
-    needed to restore a Llama adapter's Q/K row order. AdapterError for what this engine cannot serve."""
+def read_gguf_adapter(
+    path: str, num_layers: int, max_rank: int, heads: tuple[int, int] | None
+) -> tuple[int, float, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]:
+    """A llama.cpp LoRA GGUF file -> its rank, scale and float32 (A, B) by (layer, PEFT module); `heads`: the model's
+    (query, key/value) head counts, to restore a Llama adapter's Q/K rows. AdapterError for what cannot be served."""
     try:
         reader = GGUFReader(path)
     except Exception as e:
@@ -87,4 +88,4 @@ def read_gguf_adapter(path: str, num_layers: int, max_rank: int, heads: tuple[in
         weights[layer, module] = tuple(
             torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])) for w in (ab["a"], b)
         )
-    return LoraAdapter(rank, scale, weights)
+    return rank, scale, weights
