@@ -206,3 +206,34 @@ def test_a_waiting_adapter_gets_a_slot_though_others_keep_coming():
     gate.admit_held(entered.append)
     assert [r.request_id for r in entered] == ["a1", "b1", "a2", "b2"]
     assert loads == [(0, "a"), (0, "b"), (0, "a"), (0, "b")] and not gate.held
+
+
+def test_an_adapter_unloaded_while_it_runs_finishes_and_gives_its_memory_back(tmp_path):
+    """Unloading an adapter mid-run: its running request finishes with its own tokens, the requests waiting for its
+    slot are handed back (the server fails them with a 404), and once the last is done the slot is free and the
+    adapter's host tensors are gone."""
+    import gc
+    import weakref
+
+    build("llama", tmp_path / "base")
+    for i, name in enumerate("ab"):
+        make_adapter(tmp_path / "base", tmp_path / name, "llama", 8, 16, ALL, False, seed=i + 1)
+    llm = LLM(str(tmp_path / "base"), dtype="float32", lora=(f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"), max_loras=1)
+    engine = llm.engine
+    want = llm.generate([PROMPTS[0]], GREEDY, lora=["a"])[0].token_ids
+    host = weakref.ref(engine.executor.adapters["a"].weights[0, "q_proj"][0])
+    running = engine.add_request(PROMPTS[0], GREEDY, RequestOptions(lora="a"))
+    waiting = engine.add_request(PROMPTS[1], GREEDY, RequestOptions(lora="b"))  # the only slot is a's
+    for _ in range(3):
+        engine.step()
+    assert engine.unload_lora("b") == [waiting]
+    assert engine.unload_lora("a") == []
+    pool = engine.adapters.pool
+    assert pool.free_slots == [] and list(pool.slot_of.values()) == [0]  # a's slot stays a's while its request runs
+    while engine.has_unfinished():
+        engine.step()
+    assert running.output_token_ids == want
+    assert pool.slot_of == {} and pool.free_slots == [0] and not pool.users and pool.ids == {}
+    assert not engine.adapters.held and not engine.adapters.holding
+    gc.collect()
+    assert engine.executor.adapters == {} and host() is None

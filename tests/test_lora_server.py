@@ -4,6 +4,7 @@ adapters load and unload at run time behind the API key (vLLM's routes, bodies a
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -182,3 +183,101 @@ def test_the_adapter_routes_exist_only_where_lora_is_on():
     routes = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     assert not routes & {r.path for r in build_app(GatewayConfig()).routes}
     assert routes <= {r.path for r in build_app(GatewayConfig(EngineConfig(enable_lora=True))).routes}
+
+
+def stream(url: str, model: str | None, max_tokens: int, started=None) -> dict:
+    """One streamed completion: its status, finish reason, completion tokens (usage) and error body, if any;
+    `started` is set at its first token."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body |= {"stream_options": {"include_usage": True}} | ({"model": model} if model else {})
+    out = {"finish_reason": None, "tokens": None, "error": None}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+        out["status"] = r.status_code
+        if r.status_code != 200:
+            out["error"] = json.loads(r.read())
+            return out
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event
+            elif event.get("usage"):
+                out["tokens"] = event["usage"]["completion_tokens"]
+            elif event["choices"]:
+                out["finish_reason"] = event["choices"][0]["finish_reason"] or out["finish_reason"]
+                if started is not None:
+                    started.set()
+    return out
+
+
+def read_tokens(lines, k: int) -> None:
+    """Read `k` more token events of an open completion stream; none may be an error."""
+    for line in lines:
+        if line.startswith("data: "):
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event["choices"] and event["choices"][0]["text"] is not None:
+                k -= 1
+                if k == 0:
+                    return
+    raise AssertionError("the stream ended")
+
+
+def test_adapters_load_and_unload_while_others_stream(server_factory, adapters, tmp_path):
+    """Streams under a and e hold both slots, so b's requests wait for one. Meanwhile a is unloaded (its stream goes
+    on: a request running under an adapter runs to its end; new ones get the 404), b is unloaded (its waiting
+    requests get the 404, as a response or as the stream's error event), c is loaded; the streams of a, e and the base
+    model go on without an error, and c gets a slot once a's stream is done."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    c, e = write_adapter(tmp_path / "c", 3), write_adapter(tmp_path / "e", 5)
+    flags = ("--lora", f"a={adapters['a']}", "--lora", f"b={adapters['b']}", "--lora", f"e={e}", "--max-loras", "2")
+    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+
+    def gone(name: str) -> dict:
+        return {
+            "error": {
+                "message": f"The model `{name}` does not exist.",
+                "type": "not_found_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+        }
+
+    with server_factory(*flags, "--api-key", KEY) as url, ThreadPoolExecutor(4) as pool, contextlib.ExitStack() as st:
+
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=60)
+
+        def open_stream(model: str):
+            """An endless stream under `model` (closed by the test), its lines once its first token came."""
+            body = {"model": model, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            r = st.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120))
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            read_tokens(lines, 1)
+            return r, lines
+
+        base = pool.submit(stream, url, None, 24)
+        (a_resp, a_lines), (_, e_lines) = open_stream("a"), open_stream("e")
+        b1, b2 = pool.submit(complete, url, "b"), pool.submit(stream, url, "b", 8)
+        time.sleep(0.5)  # both at the engine, waiting for a slot
+        assert post(unload, {"lora_name": "a"}).status_code == 200  # while a's stream runs
+        r = complete(url, "a")
+        assert (r.status_code, r.json()) == (404, gone("a"))
+        assert post(unload, {"lora_name": "b"}).status_code == 200
+        r = b1.result()
+        assert (r.status_code, r.json()) == (404, gone("b"))
+        assert b2.result()["error"] == gone("b")
+        assert post(load, {"lora_name": "c", "lora_path": c}).status_code == 200
+        read_tokens(a_lines, 4)
+        read_tokens(e_lines, 4)
+        a_resp.close()  # a's request is aborted: its slot frees for c
+        r = complete(url, "c")
+        assert r.status_code == 200, r.text
+        read_tokens(e_lines, 2)
+        assert base.result() == {"status": 200, "finish_reason": "length", "tokens": 24, "error": None}
+        models = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+        assert [m["id"] for m in models][1:] == ["e", "c"]

@@ -8,7 +8,7 @@ from collections import deque
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import Executor
-from engine.core.lora_pool import AdapterError, AdapterGate, parse_lora
+from engine.core.lora_pool import AdapterError, AdapterGate, UnknownModelError, parse_lora
 from engine.core.queue_policy import QueuePolicy
 from engine.core.request import NO_OPTIONS, EngineRequest, Request, RequestOptions
 from engine.core.request_limits import RequestLimits
@@ -99,7 +99,7 @@ class EngineCore:
         )
         if self.adapters is None:
             if request.options.lora:
-                raise InvalidRequestError(f"The model `{request.options.lora}` does not exist.", "model")
+                raise UnknownModelError(request.options.lora)
             self.scheduler.add(req)
         else:
             self.adapters.add(req, self.scheduler.add)

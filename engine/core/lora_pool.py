@@ -26,6 +26,14 @@ class AdapterNotFoundError(AdapterError):
     """No adapter of that name is loaded."""
 
 
+class UnknownModelError(InvalidRequestError):
+    """A request names an adapter that is not loaded (or was unloaded before it could run): a 404, as the gateway
+    answers a model name it does not serve."""
+
+    def __init__(self, name: str):
+        super().__init__(f"The model `{name}` does not exist.", "model")
+
+
 class LoraPool:
     """Loaded adapters by name (each with an id never reused, so a name loaded again is another adapter to the prefix
     cache) and the slots they are resident in."""
@@ -114,7 +122,7 @@ class AdapterGate:
             return
         adapter_id = self.pool.ids.get(name)
         if adapter_id is None:
-            raise InvalidRequestError(f"The model `{name}` does not exist.", "model")
+            raise UnknownModelError(name)
         req.lora_id = adapter_id
         if self._take(req):
             enter(req)

@@ -22,7 +22,7 @@ import msgspec
 
 from engine.core.config import EngineConfig, FaultPlan
 from engine.core.defaults import choose_threads, usable_cores
-from engine.core.lora_pool import AdapterError, AdapterNotFoundError
+from engine.core.lora_pool import AdapterError, AdapterNotFoundError, UnknownModelError
 from engine.core.request import EngineRequest, RequestStatus
 from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.channel import Channel, ChannelHandle
@@ -161,7 +161,8 @@ class EngineLoop:
                 self.engine.load_lora(msg.name, msg.path)
             else:
                 for req in self.engine.unload_lora(msg.name):  # waiting for its slot: they can no longer run
-                    self.outbox.send(RequestError(req.request_id, f"The model `{msg.name}` does not exist.", "model"))
+                    gone = UnknownModelError(msg.name)
+                    self.outbox.send(RequestError(req.request_id, str(gone), gone.param, not_found=True))
         except AdapterError as e:
             result = LoraResult(msg.op_id, str(e), isinstance(e, AdapterNotFoundError))
         except Exception as e:  # files that broke the reader in a way it did not foresee: still the caller's
@@ -186,7 +187,9 @@ class EngineLoop:
         try:
             req = self.engine.add_request(request)
         except InvalidRequestError as e:
-            self.outbox.send(RequestError(request.request_id, str(e), e.param))
+            self.outbox.send(
+                RequestError(request.request_id, str(e), e.param, not_found=isinstance(e, UnknownModelError))
+            )
             return None
         self.prompt_tokens_total += len(request.prompt_token_ids)
         return req

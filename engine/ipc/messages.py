@@ -115,6 +115,7 @@ class RequestError(msgspec.Struct, tag=True, array_like=True):
     message: str
     param: str | None = None
     internal: bool = False  # the engine failed it (a 500), rather than the request being invalid (a 400)
+    not_found: bool = False  # it names a model (a LoRA adapter) the engine does not serve: a 404
 
 
 class LoraResult(msgspec.Struct, tag=True, array_like=True):

@@ -1,12 +1,11 @@
 """LoRA adapters: PEFT files read to host tensors, and the projections that add each row's adapter delta.
 
 Every targeted projection of the model is wrapped once (`LoraLinear`); it holds the A and B matrices of all
-`max_loras` slots stacked, each padded to `max_lora_rank`. A step's rows of several adapters and of the base model
-go through one shrink (x @ [A_0 ... A_n], all slots at once), a mask that keeps each row's own slot's columns scaled
-by its adapter's scale (zero for a base row), and one expand per output slice (q/k/v of the fused QKV, gate/up of
-the fused MLP input): the same ops whatever the mix, no loop over adapters or requests. The shrink computes the
-columns of every slot up to the highest one the step uses for every row, at most max_loras * max_lora_rank columns
-per projection: small beside the projection itself at the ranks adapters use.
+`max_loras` slots stacked, each padded to `max_lora_rank`. A step groups its adapter rows by slot once (segments of
+equal length, padded): each projection then runs one batched shrink (each slot's rows @ its A, every slice at once),
+scales it, and one batched expand per output slice (q/k/v of the fused QKV, gate/up of the fused MLP input), then
+gathers each row's delta back into place (a base row reads a pad's, zero): the same ops whatever the mix, no loop
+over adapters or requests, and a row computes only its own adapter's columns.
 """
 
 from __future__ import annotations
@@ -46,11 +45,18 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(path: str, num_layers: int, max_rank: int) -> LoraAdapter:
-    """A PEFT LoRA directory -> host tensors (float32); AdapterError for what this engine cannot serve."""
+def read_adapter(path: str, num_layers: int, max_rank: int, heads: tuple[int, int] | None = None) -> LoraAdapter:
+    """A PEFT LoRA directory, or llama.cpp's LoRA GGUF file (`heads`: the model's query and key/value head counts),
+    -> host tensors (float32); AdapterError for what this engine cannot serve."""
     root = Path(path)
+    if root.is_file():
+        from engine.model.lora_gguf import read_gguf_adapter
+
+        return LoraAdapter(*read_gguf_adapter(path, num_layers, max_rank, heads))
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
-        raise AdapterError(f"no LoRA adapter at {path}: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise AdapterError(
+            f"no LoRA adapter at {path}: expected {CONFIG_FILE} and {WEIGHTS_FILE}, or a llama.cpp LoRA .gguf file"
+        )
     try:
         config = json.loads((root / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
@@ -93,12 +99,14 @@ def read_adapter(path: str, num_layers: int, max_rank: int) -> LoraAdapter:
 
 
 class RowAdapters:
-    """This step's scale mask [rows, num_slots * max_rank]: each row's slot's columns hold its adapter's scale; None
-    when no row uses an adapter (the projections then run as without LoRA, bit for bit). Only the slots up to the
-    highest one a row uses are computed (the pool fills the lowest free slot first)."""
+    """This step's adapter rows grouped by slot: `order` [num_slots * seg_len] names the row at each segment position
+    (row 0 at a pad), `scale` [num_slots, seg_len, 1] its adapter's scale, `pad` where a position is a pad, and
+    `inverse` [rows] each row's position (a base row's: a pad). `order` is None when no row uses an adapter (the
+    projections then run as without LoRA, bit for bit)."""
 
     def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None
+        self.order: torch.Tensor | None = None
+        self.inverse = self.scale = self.pad = None
         self.num_slots = 0
 
 
@@ -109,28 +117,31 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Module, slices: list[int], in_features: int, rows: RowAdapters, slots: int, rank: int):
         super().__init__()
         self.base, self.rows = base, rows
-        self.sizes, self.rank = slices, rank
+        self.sizes, self.rank, self.in_features = slices, rank, in_features
         self.offsets = [sum(slices[:i]) for i in range(len(slices))]
         p = next(base.parameters(), None)
         p = p if p is not None else next(base.buffers())
         dtype = p.dtype if p.is_floating_point() else torch.float32
-        # A [in, slots x slices x rank], slot-major: one shrink for every slice of the slots in use (a leading run of
-        # columns); B per slice [slots x rank, out_slice].
+        # A [slots, in, slices x rank]: one batched shrink for every slice of each slot's rows; B per slice
+        # [slots, rank, out_slice].
         self.register_buffer(
-            "a", torch.zeros(in_features, slots * len(slices) * rank, dtype=dtype, device=p.device), False
+            "a", torch.zeros(slots, in_features, len(slices) * rank, dtype=dtype, device=p.device), False
         )
         for i, size in enumerate(slices):
-            self.register_buffer(f"b{i}", torch.zeros(slots * rank, size, dtype=dtype, device=p.device), False)
+            self.register_buffer(f"b{i}", torch.zeros(slots, rank, size, dtype=dtype, device=p.device), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mask = self.rows.mask
-        if mask is None:
+        rows = self.rows
+        if rows.order is None:
             return y
-        n, k, num, r = x.shape[0], len(self.sizes), self.rows.num_slots, self.rank
-        xa = (x @ self.a[:, : num * k * r]).view(n, num, k, r) * mask.view(n, num, 1, r)
+        num, r = rows.num_slots, self.rank
+        xs = x.index_select(0, rows.order).view(num, -1, x.shape[1])
+        # A pad reads row 0: zeroed after the shrink, so no value of row 0's (inf or nan) reaches a base row.
+        xa = torch.bmm(xs, self.a[:num]).mul_(rows.scale).masked_fill_(rows.pad, 0)
         for i, (off, size) in enumerate(zip(self.offsets, self.sizes)):
-            y[:, off : off + size] += xa[:, :, i].reshape(n, num * r) @ getattr(self, f"b{i}")[: num * r]
+            delta = torch.bmm(xa[:, :, i * r : (i + 1) * r], getattr(self, f"b{i}")[:num])
+            y[:, off : off + size] += delta.view(-1, size).index_select(0, rows.inverse)
         return y
 
 
@@ -154,32 +165,24 @@ class LoraSlots:
                 wrapped[name] = LoraLinear(getattr(layer, name), slices, fan_in, self.rows, max_loras, max_rank)
                 setattr(layer, name, wrapped[name])
             self.layers.append(wrapped)
-        dev = self.layers[0]["o_proj"].a
-        # Row max_loras is the base model's: all zero.
-        self.scales = torch.zeros(max_loras + 1, max_loras * max_rank, dtype=dev.dtype, device=dev.device)
+        self.slot_scales = np.zeros(max_loras, np.float32)  # each slot's adapter's scale
 
     @torch.no_grad()
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into `slot`, over whatever was there (its untargeted projections zeroed)."""
         self.check(adapter)
-        r, cols = adapter.rank, slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        used = slice(slot * self.max_rank, slot * self.max_rank + r)
-
-        def a_of(proj: LoraLinear) -> torch.Tensor:  # [in, slots, slices, rank]
-            return proj.a.view(proj.a.shape[0], self.max_loras, len(proj.sizes), self.max_rank)
-
+        r = adapter.rank
         for wrapped in self.layers:
             for proj in wrapped.values():
-                a_of(proj)[:, slot] = 0
+                proj.a[slot] = 0
                 for j in range(len(proj.sizes)):
-                    getattr(proj, f"b{j}")[cols] = 0
+                    getattr(proj, f"b{j}")[slot] = 0
         for (layer, module), (a_host, b_host) in adapter.weights.items():
             name, j = TARGETS[module]
             proj = self.layers[layer][name]
-            a_of(proj)[:, slot, j, :r] = a_host.T.to(proj.a)
-            getattr(proj, f"b{j}")[used] = b_host.T.to(proj.a)
-        self.scales[slot] = 0
-        self.scales[slot, cols] = adapter.scale
+            proj.a[slot].view(proj.in_features, len(proj.sizes), self.max_rank)[:, j, :r] = a_host.T.to(proj.a)
+            getattr(proj, f"b{j}")[slot, :r] = b_host.T.to(proj.a)
+        self.slot_scales[slot] = adapter.scale
 
     def check(self, adapter: LoraAdapter) -> None:
         """AdapterError if the adapter's matrices do not fit this model's projections."""
@@ -188,18 +191,38 @@ class LoraSlots:
                 raise AdapterError(f"the adapter has layer {layer}; the model has {len(self.layers)}")
             name, j = TARGETS[module]
             proj = self.layers[layer][name]
-            if a_host.shape[1] != proj.a.shape[0] or b_host.shape[0] != proj.sizes[j]:
+            if a_host.shape[1] != proj.in_features or b_host.shape[0] != proj.sizes[j]:
                 raise AdapterError(
                     f"the adapter's {module} of layer {layer} is ({b_host.shape[0]}, {a_host.shape[1]}) (out, in);"
-                    f" the model's is ({proj.sizes[j]}, {proj.a.shape[0]})"
+                    f" the model's is ({proj.sizes[j]}, {proj.in_features})"
                 )
 
     def set_rows(self, slots: list[int] | None, rows_per_request: list[int]) -> None:
         """This step's rows: request i's `rows_per_request[i]` rows use slot `slots[i]` (-1: the base model)."""
+        rows = self.rows
         if not slots or max(slots) < 0:
-            self.rows.mask = None
+            rows.order = None
             return
-        num = max(slots) + 1
-        index = np.repeat(np.where(np.asarray(slots) < 0, self.max_loras, slots), rows_per_request)
-        self.rows.num_slots = num
-        self.rows.mask = self.scales[:, : num * self.max_rank][torch.from_numpy(index).to(self.scales.device)]
+        row_slot = np.repeat(np.asarray(slots), rows_per_request)
+        num = int(row_slot.max()) + 1
+        counts = np.bincount(row_slot[row_slot >= 0], minlength=num)
+        seg = int(counts.max())
+        if (row_slot < 0).any() and (counts == seg).all():
+            seg += 1  # a pad for the base rows to read their (zero) delta from
+        mine = np.flatnonzero(row_slot >= 0)
+        mine = mine[np.argsort(row_slot[mine], kind="stable")]  # by slot, in row order within one
+        slot = row_slot[mine]
+        starts = np.cumsum(counts) - counts
+        pos = slot * seg + np.arange(len(mine)) - starts[slot]
+        order = np.zeros(num * seg, np.int64)
+        scale = np.zeros(num * seg, np.float32)
+        pad = np.ones(num * seg, bool)
+        order[pos], scale[pos], pad[pos] = mine, self.slot_scales[slot], False
+        inverse = np.full(len(row_slot), int(np.argmax(pad)), np.int64)
+        inverse[mine] = pos
+        like = self.layers[0]["o_proj"].a
+        rows.num_slots = num
+        rows.order = torch.from_numpy(order).to(like.device)
+        rows.inverse = torch.from_numpy(inverse).to(like.device)
+        rows.scale = torch.from_numpy(scale).to(like).view(num, seg, 1)
+        rows.pad = torch.from_numpy(pad).to(like.device).view(num, seg, 1)

@@ -212,7 +212,8 @@ class LocalExecutor:
         return self.runner.describe()
 
     def add_lora(self, name: str, path: str) -> None:
-        adapter = read_adapter(path, len(self.model.layers), self.config.max_lora_rank)
+        heads = self.model.layers[0].shape.num_heads, self.model.layers[0].shape.num_kv_heads
+        adapter = read_adapter(path, len(self.model.layers), self.config.max_lora_rank, heads)
         self.lora.check(adapter)
         self.adapters[name] = adapter
 

@@ -396,11 +396,12 @@ class EngineClient:
             if msg.internal:
                 self.metrics.failed.inc()
             if route is not None:
-                error = (
-                    errors.internal_error(f"The engine failed this request: {msg.message}")
-                    if msg.internal
-                    else InvalidRequestError(msg.message, msg.param)
-                )
+                if msg.internal:
+                    error = errors.internal_error(f"The engine failed this request: {msg.message}")
+                elif msg.not_found:  # an adapter unloaded before the request could run under it
+                    error = errors.not_found(msg.message, msg.param)
+                else:
+                    error = InvalidRequestError(msg.message, msg.param)
                 route.queue.put_nowait((msg.request_id, error))
         elif isinstance(msg, LoraResult):
             future = self._lora_ops.get(msg.op_id)

@@ -76,7 +76,12 @@ def unsupported_media_type() -> APIError:
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
+    return not_found(f"The model `{model}` does not exist.", "model")
+
+
+def not_found(message: str, param: str | None) -> APIError:
+    """The engine's word that a request names a model it does not serve."""
+    return APIError(404, message, "not_found_error", param, "model_not_found")
 
 
 def lora_not_found(name: str) -> APIError:
