@@ -161,6 +161,53 @@ def test_an_adapter_of_too_high_a_rank_or_another_model_is_refused(tmp_path):
         LLM(str(root / "base"), dtype="float32", lora=(f"x={root / 'wider'}",))
 
 
+def test_the_cpu_op_gives_pytorchs_delta_and_each_row_its_value_alone():
+    """The C++ op of a float32 step: the PyTorch path's deltas (to rounding), base rows untouched (a NaN there stays
+    its own), and a row's value the same bit for bit alone or in a mix of slots."""
+    from types import SimpleNamespace
+
+    from engine.model.lora import LoraSlots
+
+    class RowWise(torch.nn.Module):  # a base whose rows come out the same whatever the batch (a GEMM's need not)
+        def __init__(self, out: int):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.linspace(-1, 1, out))
+
+        def forward(self, x):
+            return x.sum(1, keepdim=True) * self.w
+
+    hidden, inter, q, kv = 40, 72, 40, 24
+    layer = SimpleNamespace(
+        shape=SimpleNamespace(hidden_size=hidden, intermediate_size=inter),
+        q_size=q,
+        kv_size=kv,
+        qkv_proj=RowWise(q + 2 * kv),
+        o_proj=RowWise(hidden),
+        gate_up_proj=RowWise(2 * inter),
+        down_proj=RowWise(hidden),
+    )
+    slots = LoraSlots(SimpleNamespace(layers=[layer]), max_loras=3, max_rank=8)
+    g = torch.Generator().manual_seed(0)
+    for proj in slots.layers[0].values():
+        for buf in proj.buffers():
+            buf.copy_(torch.randn(buf.shape, generator=g))
+    slots.slot_scales[:] = [0.5, 2.0, 1.25]
+    x = torch.randn(12, inter, generator=g)
+    x[3:5] = float("nan")  # the base rows of the mix below
+    for name, proj in slots.layers[0].items():
+        xi = x[:, : proj.in_features].contiguous()
+        slots.set_rows([2, -1, 0, 2, 1], [3, 2, 1, 4, 2])
+        assert slots.rows.mine is not None  # the C++ op runs
+        mixed = proj(xi)
+        mine, slots.rows.mine = slots.rows.mine, None
+        torch.testing.assert_close(mixed, proj(xi), equal_nan=True, rtol=1e-5, atol=1e-4, msg=name)
+        slots.rows.mine = mine
+        assert torch.equal(mixed[3:5].isnan(), proj.base(xi)[3:5].isnan()), name
+        for row, slot in [(0, 2), (5, 0), (7, 2), (11, 1)]:
+            slots.set_rows([slot], [1])
+            assert torch.equal(proj(xi[row : row + 1]), mixed[row : row + 1]), (name, row)
+
+
 def test_the_pool_evicts_the_least_recently_used_unheld_adapter_only():
     pool = LoraPool(2)
     a, b, c = (pool.register(n) for n in "abc")

@@ -44,6 +44,7 @@ CPU_EXTENSIONS = {
     "orcinus_cpu_family_ops": ("family_ops.cpp", False),
     "orcinus_cpu_attention": ("paged_decode_attention.cpp", False),
     "orcinus_cpu_sampling": ("sampling.cpp", False),
+    "orcinus_cpu_lora": ("lora_ops.cpp", True),
 }
 
 _ORIGINS: dict[str, str] = {}  # op -> where this process got it, for the startup block

@@ -5,11 +5,13 @@ Every targeted projection of the model is wrapped once (`LoraLinear`); it holds 
 equal length, padded): each projection then runs one batched shrink (each slot's rows @ its A, every slice at once),
 scales it, and one batched expand per output slice (q/k/v of the fused QKV, gate/up of the fused MLP input), then
 gathers each row's delta back into place (a base row reads a pad's, zero): the same ops whatever the mix, no loop
-over adapters or requests, and a row computes only its own adapter's columns.
+over adapters or requests, and a row computes only its own adapter's columns. On the CPU in float32 one C++ call per
+projection does all of it instead (engine/kernels/csrc/cpu/lora_ops.cpp), with no padding and base rows untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -21,6 +23,8 @@ import torch
 from torch import nn
 
 from engine.core.lora_pool import AdapterError
+from engine.kernels.availability import builds
+from engine.kernels.cpu_ops import load_cpu_extension
 
 # PEFT's module names -> (the fused projection of ours that holds it, its slice index there).
 TARGETS = {
@@ -102,12 +106,21 @@ class RowAdapters:
     """This step's adapter rows grouped by slot: `order` [num_slots * seg_len] names the row at each segment position
     (row 0 at a pad), `scale` [num_slots, seg_len, 1] its adapter's scale, `pad` where a position is a pad, and
     `inverse` [rows] each row's position (a base row's: a pad). `order` is None when no row uses an adapter (the
-    projections then run as without LoRA, bit for bit)."""
+    projections then run as without LoRA, bit for bit). The C++ op's view of the same: `mine` [M] the adapter rows
+    by slot, `starts` [segments + 1] where each slot's begin there, `slots` [segments] which, `row_scale` [M]."""
 
     def __init__(self) -> None:
         self.order: torch.Tensor | None = None
         self.inverse = self.scale = self.pad = None
+        self.mine = self.starts = self.slots = self.row_scale = None
         self.num_slots = 0
+
+
+@functools.cache
+def _kernel():
+    """The C++ op, or None where it does not build here."""
+    load = functools.partial(load_cpu_extension, "orcinus_cpu_lora")
+    return load() if builds(load, "the CPU LoRA op is unusable here, using PyTorch's") else None
 
 
 class LoraLinear(nn.Module):
@@ -134,6 +147,19 @@ class LoraLinear(nn.Module):
         y = self.base(x)
         rows = self.rows
         if rows.order is None:
+            return y
+        if (
+            rows.mine is not None
+            and y.dtype == torch.float32
+            and x.dtype == torch.float32
+            and x.dim() == y.dim() == 2
+            and y.stride(1) == 1
+            and not torch.compiler.is_compiling()
+        ):
+            bs = [getattr(self, f"b{i}") for i in range(len(self.sizes))]
+            _kernel().lora_add(
+                x.contiguous(), y, self.a, bs, self.offsets, rows.mine, rows.starts, rows.slots, rows.row_scale
+            )
             return y
         num, r = rows.num_slots, self.rank
         xs = x.index_select(0, rows.order).view(num, -1, x.shape[1])
@@ -226,3 +252,10 @@ class LoraSlots:
         rows.inverse = torch.from_numpy(inverse).to(like.device)
         rows.scale = torch.from_numpy(scale).to(like).view(num, seg, 1)
         rows.pad = torch.from_numpy(pad).to(like.device).view(num, seg, 1)
+        rows.mine = rows.starts = rows.slots = rows.row_scale = None
+        if like.device.type == "cpu" and like.dtype == torch.float32 and _kernel() is not None:
+            present = np.flatnonzero(counts)
+            rows.mine = torch.from_numpy(mine)
+            rows.slots = torch.from_numpy(present.astype(np.int64))
+            rows.starts = torch.from_numpy(np.concatenate([[0], np.cumsum(counts[present])]).astype(np.int64))
+            rows.row_scale = torch.from_numpy(np.ascontiguousarray(self.slot_scales[slot]))
