@@ -73,11 +73,12 @@ def measure(batch: int, rounds: int, steps: int) -> dict[str, float]:
             runner.prepare(batch_)
             totals["schedule"] += t1 - t0
             totals["prepare"] += time.perf_counter() - t1
-            assert len(batch_.requests) == batch
+            assert len(batch_) == batch
             in_flight.append(batch_)
             if len(in_flight) == 2:
                 done = in_flight.popleft()
-                sampled = {sr.request_id: SampledTokens([5]) for sr in done.requests if sr.sample}
+                ids = getattr(done, "sampling_ids", None) or [sr.request_id for sr in done.requests if sr.sample]
+                sampled = {rid: SampledTokens([5]) for rid in ids}
                 t2 = time.perf_counter()
                 updated = sched.update(done, sampled)
                 t3 = time.perf_counter()
