@@ -56,13 +56,14 @@ class StepInputs:
 
     def put(self, name: str, values: list[int], shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Stage a flat list of `values` and start their copy to the device; returns the device tensor."""
+        if self.device.type == "cpu":  # a tensor of its own (a caller may keep it): no staging, no copy after it
+            host = torch.from_numpy(np.array(values, dtype=self.arrays[name].dtype))
+            return host if shape is None else host.view(shape)
         n = len(values)
         self.arrays[name][:n] = values  # numpy converts the list in C: no array in between
         host = self.bufs[name][:n]
         if shape is not None:
             host = host.view(shape)
-        if self.device.type == "cpu":
-            return host.clone()  # the buffer is refilled next iteration; a caller may keep this one
         return host.to(self.device, non_blocking=True)
 
 
