@@ -125,7 +125,8 @@ def run(checkpoint, prompt_ids, params, **config):
 
     def spy(*a, **kw):
         batch = schedule(*a, **kw)
-        placeholders.append(sum(r.token_ids[-1] == PLACEHOLDER for r in batch.requests))
+        rows = [r.token_ids[-1] for r in batch.requests] + batch.decode.token_ids
+        placeholders.append(rows.count(PLACEHOLDER))
         return batch
 
     engine.scheduler.schedule = spy

@@ -31,6 +31,17 @@ def whole(batch: Batch, s: Scheduler) -> Batch:
             )
             for sr in batch.requests
         ]
+        + [
+            # A decode row's position, right after the scheduler counted it in flight: the tokens before it.
+            ScheduledRequest(
+                rid,
+                [token],
+                s.requests[rid].num_computed_tokens + s.requests[rid].num_in_flight_tokens - 1,
+                list(s.requests[rid].block_table),
+                True,
+            )
+            for rid, token in zip(batch.decode.request_ids, batch.decode.token_ids)
+        ]
     )
 
 
@@ -38,6 +49,8 @@ def drive(s: Scheduler, rng: random.Random, on_batch, num_steps: int = 300) -> d
     """Random arrivals, stops, aborts and (with few blocks) preemptions, two batches in flight; `on_batch` sees each
     batch as it is scheduled. Returns how often each kind of event happened."""
     seen = {"preempted": 0, "aborted": 0, "finished": 0, "grew": 0, "mixed": 0}
+    if s.columnar_decode:
+        seen.update(columns=0, moved=0)
     in_flight: list[Batch] = []
     depth = 2 if s.run_ahead else 1
     n = 0
@@ -53,14 +66,19 @@ def drive(s: Scheduler, rng: random.Random, on_batch, num_steps: int = 300) -> d
         preemptions = s.num_preemptions
         batch = s.schedule()
         seen["preempted"] += s.num_preemptions - preemptions
-        if batch.requests:
+        if len(batch):
             seen["grew"] += sum(bool(sr.block_table) and sr.block_offset > 0 for sr in batch.requests)
             seen["mixed"] += len({len(sr.token_ids) == 1 for sr in batch.requests}) == 2
+            if s.columnar_decode:
+                seen["mixed"] += bool(batch.requests and batch.decode.request_ids)
+                seen["columns"] += len(batch.decode)
+                seen["moved"] += len(batch.decode.moved)
+                seen["grew"] += sum(offset > 0 for offset in batch.decode.block_offsets)
             on_batch(batch)
             in_flight.append(batch)
-        if in_flight and (len(in_flight) == depth or not batch.requests):
+        if in_flight and (len(in_flight) == depth or not len(batch)):
             done = in_flight.pop(0)
-            tokens = {sr.request_id: SampledTokens([rng.choice([3, 5, 8, 13])]) for sr in done.requests if sr.sample}
+            tokens = {rid: SampledTokens([rng.choice([3, 5, 8, 13])]) for rid in done.sampling_ids}
             seen["finished"] += sum(r.status.finished for r in s.update(done, tokens))
     return seen
 
@@ -141,4 +159,42 @@ def test_prepare_from_kept_rows_equals_a_fresh_prepare_of_whole_tables(engine, a
         assert got[2].context_lens_cpu == want[2].context_lens_cpu
 
     seen = drive(s, random.Random(0), check)
+    assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("async_scheduling", ["on", "off"])
+def test_decode_columns_and_kept_positions_equal_a_fresh_prepare(engine, async_scheduling):
+    """With plain decode rows as columns (Batch.decode: positions only where they moved, blocks only where new), the
+    runner's kept rows, positions and tokens prepare exactly what a runner that kept nothing prepares from every row's
+    whole state, through arrivals, prefills mixed with decodes, stops, aborts and preemptions."""
+    from engine.runner.model_runner import ModelRunner
+
+    s = Scheduler(engine.config.with_(async_scheduling=async_scheduling), num_blocks=24, max_model_len=128)
+    s.columnar_decode = True
+    kept = ModelRunner(engine.config, engine.runner.model, 24, 128)
+    kept.input_batch = InputBatch(kept.input_batch.max_blocks, capacity=2)  # it grows as it must
+    fresh = ModelRunner(engine.config, engine.runner.model, 24, 128)
+    previous = torch.arange(100, 100 + engine.config.max_num_seqs)
+
+    def check(batch: Batch) -> None:
+        sources = {rid: i for i, rid in enumerate(batch.request_ids)}
+        want_batch = whole(batch, s)  # before prepare: read from the scheduler as it scheduled the batch
+        got = kept.prepare(batch, (previous, sources))
+        fresh.input_batch = InputBatch(fresh.input_batch.max_blocks)
+        want = fresh.prepare(want_batch, (previous, sources))
+        for name, a, b in zip(("input_ids", "positions", "logits_indices"), got[:2] + got[3:], want[:2] + want[3:]):
+            assert torch.equal(a, b), name
+        for field in ("query_start_loc", "context_lens", "block_tables", "slot_mapping"):
+            assert torch.equal(getattr(got[2], field), getattr(want[2], field)), field
+        assert got[2].query_lens_cpu == want[2].query_lens_cpu
+        assert got[2].context_lens_cpu == want[2].context_lens_cpu
+        # Every live row's next position is right after the row it last had; a free row holds none.
+        rows = kept.input_batch
+        for sr in want_batch.requests:
+            assert rows.next_positions[rows.rows[sr.request_id]] == sr.num_computed_tokens + len(sr.token_ids)
+        free = np.ones(len(rows.lengths), dtype=bool)
+        free[list(rows.rows.values())] = False
+        assert (rows.next_positions[free] == -1).all()
+
+    seen = drive(s, random.Random(3), check)  # a seed whose run moves a row (a preempted request back)
     assert all(seen.values()), seen

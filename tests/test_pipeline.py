@@ -70,8 +70,8 @@ def run_staggered(llm: LLM, tokenizer, check_in_flight: bool = False) -> list[li
     submit = executor.submit
 
     def checked_submit(batch, sampling):
-        in_flight = {r.request_id for _, b, _ in executor.in_flight for r in b.requests}
-        assert not in_flight & {r.request_id for r in batch.requests}
+        in_flight = {rid for _, b, _ in executor.in_flight for rid in b.request_ids}
+        assert not in_flight & set(batch.request_ids)
         submit(batch, sampling)
 
     if check_in_flight:

@@ -94,7 +94,7 @@ def test_tensor_parallel_ranks_give_the_same_tokens(grid, tiny_reference, monkey
     assert got == tiny_reference
     # Per-request sampling state goes to the sampling rank alone, every request once.
     sampler = [f for rank, f in sent if rank == executor.last_rank]
-    sampled = {r.request_id for f in sampler for r in f.batch.requests if r.sample}
+    sampled = {rid for f in sampler for rid in f.batch.sampling_ids}
     assert sorted(s.request_id for f in sampler for s in f.new_requests) == sorted(sampled)
     assert len(sampled) == len(TINY_PROMPTS)
     assert all(not f.new_requests and not f.released for rank, f in sent if rank != executor.last_rank)

@@ -19,68 +19,21 @@ import time
 
 import torch
 
-NULL_VOCAB = 256
-
-
-class NullModel(torch.nn.Module):
-    """Fixed logits (token 5 the most likely) for the rows asked: no compute but the output's slice."""
-
-    is_last = True
-    is_whole = True
-
-    def __init__(self, rows: int):
-        super().__init__()
-        self.table = torch.zeros(rows, NULL_VOCAB)
-        self.table[:, 5] = 1.0
-
-    def forward(self, input_ids, positions, kv_caches, meta, attention, logits_indices, hidden=None):
-        return self.table[: len(logits_indices)]
-
 
 def host_per_token(steps: int, batch: int, tokens: int) -> dict[str, float]:
     """Microseconds of host time per generated token, decoding `batch` requests for `tokens` tokens each."""
-    from engine import SamplingParams
-    from engine.core.config import EngineConfig, FaultPlan
-    from engine.ipc.channel import Channel
-    from engine.ipc.engine_loop import EngineLoop
-    from engine.ipc.messages import FromEngine, StepDeltas
-    from engine.launch import build_engine
+    from bench.offline.null_engine import Output, decoding_engine
 
-    class Publisher:  # what EngineLoop.delta reads of its loop
-        faults = FaultPlan()
-
-    outbox = Channel.create(FromEngine)
-    consumer = Channel.attach(outbox.handle(), FromEngine)
-    config = EngineConfig(
-        model="dummy:tiny",
-        device="cpu",
-        max_num_seqs=batch,
-        speculative="off",
-        kv_cache_memory=2**30,
-        check_in_steps=steps,
-    )
-    engine = build_engine(config)
-    engine.executor.runner.model = NullModel(config.max_num_batched_tokens or 512)
-    for i in range(batch):
-        engine.add_request(
-            [(7 * i + j) % 40000 for j in range(32)],
-            SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True),
-        )
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()  # the prompts, untimed
-    publisher, generated, iterations = Publisher(), 0, 0
+    engine = decoding_engine(batch, 32, tokens + 1, null_model=True, check_in_steps=steps)
+    output = Output()
+    generated, iterations = 0, 0
     t, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
-        updated = engine.step()
-        deltas = [EngineLoop.delta(publisher, r) for r in updated]
-        outbox.send(StepDeltas(deltas))
-        generated += sum(len(d.token_ids) for d in deltas)
+        generated += sum(len(d.token_ids) for d in output.publish(engine.step()))
         iterations += 1
-        consumer.recv_all()
+        output.drain()
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
-    consumer.close()
-    outbox.close()
-    outbox.unlink()
+    output.close()
     return {
         "us_per_token": seconds / generated * 1e6,
         "cpu_us_per_token": cpu / generated * 1e6,

@@ -59,8 +59,8 @@ def phases(engine: EngineCore, steps: int, clock=time.perf_counter) -> dict[str,
         t1 = clock()
         logits = engine.runner.run(batch)
         t2 = clock()
-        rows = [r for r in batch.requests if r.sample]  # their sampling states were added by the prefill
-        sampled = engine.executor.sampler(logits, [r.request_id for r in rows], [r.draft_token_ids for r in rows])
+        # Their sampling states were added by the prefill.
+        sampled = engine.executor.sampler(logits, batch.sampling_ids, batch.sampling_drafts)
         t3 = clock()
         engine.scheduler.update(batch, sampled)
         t4 = clock()

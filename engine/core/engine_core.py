@@ -50,6 +50,7 @@ class EngineCore:
         # `policy`: who runs first (None: the config's, as named); launch builds the `predicted` one with its predictor.
         self.scheduler = Scheduler(config, num_blocks, max_model_len, shape.kv_window, speculation, policy)
         self.scheduler.check_in_steps = min(config.check_in_steps, getattr(executor, "max_steps", 1))
+        self.scheduler.columnar_decode = True  # every executor reads Batch.decode
         # A windowed request holds its window, the chunk being computed, and a partial block at each end.
         held = shape.kv_window + config.max_num_batched_tokens + 2 * config.block_size if shape.kv_window else 0
         self.limits = RequestLimits(max_model_len, shape.vocab_size, num_blocks, config.block_size, held)
@@ -144,12 +145,13 @@ class EngineCore:
             self.adapters.admit_held(self.scheduler.add)
         while (free := self.executor.max_in_flight - self.executor.num_in_flight) > 0:
             batch = self.scheduler.schedule(num_batches=free)
-            if not batch.requests:
+            if not len(batch):
                 break
             if self.adapters is not None:
-                batch.lora_slots = self.adapters.slots([r.request_id for r in batch.requests])
+                batch.lora_slots = self.adapters.slots(batch.request_ids)
             started = time.monotonic()  # a local executor runs the batch in submit, others in the background
-            self.executor.submit(batch, [self.scheduler.requests[r.request_id] for r in batch.requests if r.sample])
+            requests = self.scheduler.requests
+            self.executor.submit(batch, [requests[request_id] for request_id in batch.sampling_ids])
             self._submitted_at.append(started)
             self.last_batch_size, self.last_batch_tokens = len(batch), batch.num_tokens
             self.max_batches_in_flight = max(self.max_batches_in_flight, self.executor.num_in_flight)

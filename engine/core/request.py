@@ -101,6 +101,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows
     num_released_blocks: int = 0  # leading blocks of block_table given back: before every layer's sliding window
     num_sent_blocks: int = 0  # leading blocks of block_table that batches carried to the runners, which keep them
+    num_sent_tokens: int = -1  # where the runners place its next decode row unless told (-1: they cannot know)
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission (usage reports them)
     queue_seconds: float | None = None  # from arrival to its first admission (the queue-time histogram)

@@ -55,8 +55,27 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
         return self.token_ids[len(self.token_ids) - self.num_draft :]
 
 
+class DecodeRows(msgspec.Struct, array_like=True):
+    """A batch's plain decode rows as columns: each computes one token (known, or PLACEHOLDER) and samples the next;
+    none drafts, probes, pools or asks for prompt logprobs. Only what changed travels: a row's position where it is not
+    the one after its request's last row the runners saw, and the blocks no batch before carried."""
+
+    request_ids: list[str] = []
+    token_ids: list[int] = []
+    # Rows (indices into request_ids) whose position is given, and those positions: the runners keep the others'.
+    moved: list[int] = []
+    positions: list[int] = []
+    # Rows that bring blocks, where in their request's table those start, and the blocks.
+    grown: list[int] = []
+    block_offsets: list[int] = []
+    blocks: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
 class Batch(msgspec.Struct):
-    """The scheduler -> runner contract for one iteration."""
+    """The scheduler -> runner contract for one iteration: the rows of `requests`, then those of `decode`."""
 
     requests: list[ScheduledRequest]
     lora_slots: list[int] | None = None  # each request's LoRA slot (-1: the base model); None: no adapters served
@@ -65,13 +84,29 @@ class Batch(msgspec.Struct):
     num_steps: int = 1
     # Requests finished, aborted or preempted since the batch before: their rows in the runners' persistent batch go.
     dropped: list[str] = []
+    decode: DecodeRows = msgspec.field(default_factory=DecodeRows)  # plain decode rows, after those of `requests`
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        return sum(len(r.token_ids) for r in self.requests) + len(self.decode.request_ids)
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self.decode.request_ids)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every row's request, in row order."""
+        return [r.request_id for r in self.requests] + self.decode.request_ids
+
+    @property
+    def sampling_ids(self) -> list[str]:
+        """The requests that sample, in the order of their logits rows."""
+        return [r.request_id for r in self.requests if r.sample] + self.decode.request_ids
+
+    @property
+    def sampling_drafts(self) -> list[list[int]]:
+        """Each sampling request's draft tokens, as `sampling_ids` orders them."""
+        return [r.draft_token_ids for r in self.requests if r.sample] + [[] for _ in self.decode.request_ids]
 
 
 class IterationLevel:
@@ -128,6 +163,9 @@ class Scheduler:
         # Requests whose batch in flight may give several tokens (drafts to verify, several steps): none runs ahead.
         self.drafting: set[str] = set()
         self.check_in_steps = config.check_in_steps  # most steps a batch runs between check-ins (EngineCore may lower)
+        # Plain decode rows go as Batch.decode's columns (EngineCore sets it; a batch of ScheduledRequests alone is
+        # what tests of the scheduler read).
+        self.columnar_decode = False
         self.num_preemptions = 0
         self.dropped: list[str] = []  # requests gone from the running since the last batch (Batch.dropped)
         self.newcomers_ran_alone = False  # the last batch took new prompts only (`_newcomers_alone`)
@@ -192,7 +230,11 @@ class Scheduler:
         self.newcomers_ran_alone = alone and bool(scheduled)
 
         idle = not self.in_flight  # before this batch's requests count in flight
-        batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
+        # A batch that may run several steps (check-ins) goes as ScheduledRequests: engine/runner/check_in_steps.py.
+        if self.columnar_decode and not (self.check_in_steps > 1 and idle):
+            batch = self._columnar(scheduled)
+        else:
+            batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
         if scheduled and self.dropped:  # an empty batch is never submitted: they go with the next one
             batch.dropped, self.dropped = self.dropped, []
         if self.check_in_steps > 1 and idle and batch.requests:
@@ -382,6 +424,7 @@ class Scheduler:
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         req.num_in_flight_tokens += len(token_ids)
         req.num_pending_outputs += sample
+        req.num_sent_tokens = start + len(token_ids)
         # Only the blocks no batch carried yet: the runners hold the others (engine/runner/input_batch.py).
         table, sent = req.block_table, req.num_sent_blocks
         if len(table) != sent:
@@ -401,6 +444,45 @@ class Scheduler:
             sent,
             req.params.pooling if start < num_prompt else "",
         )
+
+    def _columnar(self, scheduled: list[tuple[Request, int, list[int]]]) -> Batch:
+        """The batch with its plain decode rows as columns (Batch.decode), the others as ScheduledRequests."""
+        batch = Batch([])
+        structs, d = batch.requests, batch.decode
+        ids, tokens, moved, positions = d.request_ids, d.token_ids, d.moved, d.positions
+        in_flight, probing, probes = self.in_flight, self.policy.probing, self.policy.probes
+        # Per request per step: the test and the bookkeeping of _to_scheduled for one token, inlined.
+        for req, num_new, draft in scheduled:
+            start = req.num_computed_tokens + req.num_in_flight_tokens
+            num_prompt = len(req.prompt_token_ids)
+            known = num_prompt + len(req.output_token_ids)
+            if (
+                num_new != 1
+                or draft
+                or start < num_prompt
+                or start + 1 != known + req.num_pending_outputs  # it does not sample
+                or (probing and probes(req))
+            ):
+                structs.append(self._to_scheduled(req, num_new, draft))
+                continue
+            rid = req.request_id
+            i = len(ids)
+            ids.append(rid)
+            tokens.append(req.output_token_ids[start - num_prompt] if start < known else PLACEHOLDER)
+            if start != req.num_sent_tokens:
+                moved.append(i)
+                positions.append(start)
+            req.num_sent_tokens = start + 1
+            in_flight[rid] = in_flight.get(rid, 0) + 1
+            req.num_in_flight_tokens += 1
+            req.num_pending_outputs += 1
+            table, sent = req.block_table, req.num_sent_blocks
+            if len(table) != sent:
+                d.grown.append(i)
+                d.block_offsets.append(sent)
+                d.blocks.append(table[sent:])
+                req.num_sent_blocks = len(table)
+        return batch
 
     @staticmethod
     def _prompt_logprob_rows(req: Request, start: int, end: int) -> PromptLogprobRows | None:
@@ -455,6 +537,7 @@ class Scheduler:
         self.kv.free(victim)
         self.dropped.append(victim.request_id)
         victim.num_computed_tokens = 0
+        victim.num_sent_tokens = -1  # its row goes: the runners keep no position of it
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -527,7 +610,64 @@ class Scheduler:
                 self._finish(req, status)
             if sr.sample:
                 updated.append(req)
+        if batch.decode.request_ids:
+            self._update_decode(batch.decode.request_ids, sampled, updated)
         return updated
+
+    def _update_decode(
+        self, request_ids: list[str], sampled: dict[str, SampledTokens | Failure], updated: list
+    ) -> None:
+        """update() for the plain decode rows: one token computed and one sampled each (no drafts, probes or pooling)."""
+        in_flight, drafting, requests, kv = self.in_flight, self.drafting, self.requests, self.kv
+        names_blocks, block_size, window, max_model_len = (
+            kv.prefix_caching,
+            kv.block_size,
+            self.kv_window,
+            self.max_model_len,
+        )
+        stopped, too_long = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+        # Per request per step: update()'s loop, _append and _check_stop for one token, inlined.
+        for rid in request_ids:
+            left = in_flight[rid] - 1
+            if left:
+                in_flight[rid] = left
+            else:
+                del in_flight[rid]
+            if drafting:
+                drafting.discard(rid)
+            req = requests.get(rid)
+            if req is None:  # aborted, or finished by the batch before (a row scheduled ahead): its token is dropped
+                continue
+            req.num_in_flight_tokens -= 1
+            req.num_pending_outputs -= 1
+            result = sampled[rid]
+            if type(result) is not SampledTokens:  # a Failure: only this request goes; its blocks are freed
+                req.error = result.message
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                updated.append(req)
+                continue
+            computed = req.num_computed_tokens = req.num_computed_tokens + 1
+            outputs, params = req.output_token_ids, req.params
+            token_id = result.token_ids[0]
+            outputs.append(token_id)
+            if result.logprobs is not None:
+                req.output_logprobs.append(result.logprobs[0])
+            n = len(outputs)
+            if token_id in req.stop_token_ids and n >= params.min_tokens:
+                status = stopped
+            elif n >= params.max_tokens or len(req.prompt_token_ids) + n >= max_model_len:
+                status = too_long
+            else:
+                status = None
+            if status is not None:
+                computed = req.num_computed_tokens = min(computed, len(req.prompt_token_ids) + n - 1)
+            if names_blocks and computed // block_size > req.num_registered_blocks:
+                kv.cache_full_blocks(req)
+            if window:  # the next query (at num_computed_tokens) sees keys from here on
+                kv.release_before(req, computed - window + 1)
+            if status is not None:
+                self._finish(req, status)
+            updated.append(req)
 
     def _append(self, req: Request, result: SampledTokens) -> RequestStatus | None:
         """Append a step's tokens up to the first that ends the request (those after it are dropped)."""

@@ -164,8 +164,8 @@ class Stage:
             return
         if not self.samples:
             return  # its logits went into the gather; tensor-parallel rank 0 samples
-        sampling = [r.request_id for r in batch.requests if r.sample]
-        sampled = self.sampler(out, sampling, [r.draft_token_ids for r in batch.requests if r.sample])
+        sampling = batch.sampling_ids
+        sampled = self.sampler(out, sampling, batch.sampling_drafts)
         attach_hidden(sampled, self.runner.probed_hidden)
         attach_embeddings(sampled, self.runner.pooled)
         prompt = self.runner.prompt_logprobs

@@ -135,11 +135,11 @@ class LocalExecutor:
         except Exception as e:
             if self.runner.device.type == "cuda":
                 raise  # a failed kernel may leave the device or the KV cache in doubt: the engine restarts
-            failed = {r.request_id: Failure(f"the forward pass failed: {e!r}") for r in batch.requests}
+            failed = {request_id: Failure(f"the forward pass failed: {e!r}") for request_id in batch.request_ids}
             self.runner.pooler.forget(failed)
             self.done.append((batch, failed, None, {}, {}))
             return
-        drafts = [r.draft_token_ids for r in batch.requests if r.sample]
+        drafts = batch.sampling_drafts
         result = self._sample_isolated(logits, ids, drafts)
         if isinstance(result, DeviceSample):
             # A row scheduled ahead reads its request's token, from a step that drafted nothing for it.

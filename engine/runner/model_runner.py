@@ -56,13 +56,14 @@ class StepInputs:
 
     def put(self, name: str, values: list[int], shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Stage a flat list of `values` and start their copy to the device; returns the device tensor."""
+        if self.device.type == "cpu":  # a tensor of its own (a caller may keep it): no staging, no copy after it
+            host = torch.from_numpy(np.array(values, dtype=self.arrays[name].dtype))
+            return host if shape is None else host.view(shape)
         n = len(values)
         self.arrays[name][:n] = values  # numpy converts the list in C: no array in between
         host = self.bufs[name][:n]
         if shape is not None:
             host = host.view(shape)
-        if self.device.type == "cpu":
-            return host.clone()  # the buffer is refilled next iteration; a caller may keep this one
         return host.to(self.device, non_blocking=True)
 
 
@@ -243,8 +244,16 @@ class ModelRunner:
         The batch's block-table changes go into the persistent batch first; its tables are a gather of those rows.
         """
         rows = self.input_batch.apply(batch)
-        if all(len(r.token_ids) == 1 for r in batch.requests):
-            return self._prepare_decode(batch, rows, previous)
+        reqs, d = batch.requests, batch.decode
+        if not reqs:  # plain decode rows alone: columns in, arrays out
+            return self._prepare_decode(
+                rows, d.request_ids, d.token_ids, self.input_batch.decode_positions, None, previous
+            )
+        if not d.request_ids and all(len(r.token_ids) == 1 for r in reqs):
+            positions = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+            sampling = [i for i, r in enumerate(reqs) if r.sample]
+            ids = [r.token_ids[0] for r in reqs]
+            return self._prepare_decode(rows, [r.request_id for r in reqs], ids, positions, sampling, previous)
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -271,17 +280,39 @@ class ModelRunner:
             query_start.append(end)
             if r.sample:  # its last known token's row, then each draft token's
                 logits_indices += range(end - r.num_logits_rows, end)
+        decode_positions = None
+        if d.request_ids:  # the plain decode rows' columns, after the others
+            n, first = len(d.request_ids), len(reqs)
+            decode_positions = self.input_batch.decode_positions
+            ids = d.token_ids
+            if PLACEHOLDER in ids:
+                ids = list(ids)
+                for i, token in enumerate(ids):
+                    if token == PLACEHOLDER:
+                        ids[i] = 0  # as above
+                        if previous is not None and d.request_ids[i] in previous[1]:
+                            ahead_rows.append(end + i)
+                            ahead_sources.append(previous[1][d.request_ids[i]])
+            input_ids += ids
+            owners += range(first, first + n)
+            query_lens += [1] * n
+            context_lens += (decode_positions + 1).tolist()
+            query_start += range(end + 1, end + n + 1)
+            logits_indices += range(end, end + n)
+            end += n
 
         inputs = self.inputs[self.num_steps % 2]
         self.num_steps += 1
         put = inputs.put
         tables, max_blocks = self.input_batch.gather(rows)
         pos = np.array(positions, dtype=np.int64)
+        if decode_positions is not None:
+            pos = np.concatenate([pos, decode_positions])
         slots = tables[np.array(owners, dtype=np.intp), pos // bs].astype(np.int64) * bs + pos % bs
         meta = AttentionMetadata(
             query_start_loc=put("query_start_loc", query_start),
             context_lens=put("context_lens", context_lens),
-            block_tables=put("block_tables", tables.ravel(), (len(batch.requests), max_blocks)),
+            block_tables=put("block_tables", tables.ravel(), (len(rows), max_blocks)),
             slot_mapping=put("slot_mapping", slots),
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
@@ -292,19 +323,26 @@ class ModelRunner:
             ids.index_copy_(0, ahead, previous[0].index_select(0, sources))
         return ids, put("positions", pos), meta, put("logits_indices", logits_indices)
 
-    def _prepare_decode(self, batch: Batch, rows: list[int], previous: tuple[torch.Tensor, dict[str, int]] | None):
-        """prepare() for a batch of one token per request (no prompt chunk, no drafts): the per-request Python is a
-        few list comprehensions over the batch; tables, slots, context lengths and offsets are numpy over all of it."""
-        reqs = batch.requests
-        n, bs = len(reqs), self.config.block_size
-        input_ids = [r.token_ids[0] for r in reqs]
+    def _prepare_decode(
+        self,
+        rows: list[int],
+        request_ids: list[str],
+        input_ids: list[int],
+        positions: np.ndarray,
+        sampling: list[int] | None,
+        previous: tuple[torch.Tensor, dict[str, int]] | None,
+    ):
+        """prepare() for a batch of one token per row (no prompt chunk, no drafts) at `positions`, the rows `sampling`
+        sampling (None: all): tables, slots, context lengths and offsets are numpy over all of it."""
+        n, bs = len(request_ids), self.config.block_size
         ahead_rows, ahead_sources = [], []  # placeholder rows, and where in `previous` their ids are
         if PLACEHOLDER in input_ids:
+            input_ids = list(input_ids)  # the batch's own stays as sent
             sources = previous[1] if previous is not None else {}
             for i, token in enumerate(input_ids):
                 if token == PLACEHOLDER:
                     input_ids[i] = 0  # any valid id until the device's own arrives (a failed batch before sends none)
-                    source = sources.get(reqs[i].request_id)
+                    source = sources.get(request_ids[i])
                     if source is not None:
                         ahead_rows.append(i)
                         ahead_sources.append(source)
@@ -312,7 +350,6 @@ class ModelRunner:
         inputs = self.inputs[self.num_steps % 2]
         self.num_steps += 1
         put = inputs.put
-        positions = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
         tables, max_blocks = self.input_batch.gather(rows)
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         context_lens = positions + 1
@@ -328,7 +365,7 @@ class ModelRunner:
         if ahead_rows:
             ahead, sources = put("ahead_rows", ahead_rows), put("ahead_sources", ahead_sources)
             ids.index_copy_(0, ahead, previous[0].index_select(0, sources))
-        logits_indices = [i for i, r in enumerate(reqs) if r.sample]
+        logits_indices = np.arange(n) if sampling is None else sampling
         return ids, put("positions", positions), meta, put("logits_indices", logits_indices)
 
 
