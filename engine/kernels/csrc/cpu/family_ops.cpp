@@ -11,6 +11,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,30 +21,9 @@
 
 namespace {
 
-constexpr int64_t kGrainElements = 16384;  // below this many elements per thread, threads cost more than they save
-constexpr int64_t kMaxHeadDim = 512;       // a head's normed row is kept on the stack
+using namespace orcinus_cpu;
 
-inline float load(float x) { return x; }
-inline float load(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {
-  // Round to nearest even as at::BFloat16 does, branch-free so the loops vectorize (values are finite here).
-  uint32_t u = __builtin_bit_cast(uint32_t, x);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
-
-inline float rounded(float x, float) { return x; }
-inline float rounded(float x, uint16_t) {  // x as bfloat16 would hold it
-  uint16_t b;
-  store(&b, x);
-  return load(b);
-}
-
-int64_t grain(int64_t row_elements) {
-  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
-}
+constexpr int64_t kMaxHeadDim = 512;  // a head's normed row is kept on the stack
 
 // PyTorch's formula, 0.5 x (1 + tanh(u)), with tanh through exp (which vectorizes where tanh does not) on |u|: then
 // 1 - 2 / (exp(2|u|) + 1) rounds near 1 as tanh does, so 1 + tanh(u) flushes to 0 where PyTorch's does (a large
@@ -117,15 +98,6 @@ void qk_norm_rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positio
   });
 }
 #pragma GCC pop_options
-
-template <typename Fn>
-void dispatch(const at::Tensor& x, Fn fn) {
-  if (x.scalar_type() == at::kBFloat16) fn(static_cast<uint16_t*>(nullptr));
-  else fn(static_cast<float*>(nullptr));
-}
-
-template <typename T>
-T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
 }  // namespace
 
