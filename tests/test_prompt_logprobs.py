@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP)
 # With float32 inputs to the block matmuls (EXACT) the largest difference from the float32 reference seen is 2e-5; the
 # served defaults round those inputs to int16 per 32 (engine/kernels/csrc/cpu/int16_matmul.cpp): up to 2.6e-3 here. A
 # wrong position or token is off by far more.
-EXACT = {"block_activations": "float32"}
+EXACT = {"block_activations": "float32", "kv_cache_dtype": "float32"}
 TOLERANCE = 1e-4
 DEFAULTS_TOLERANCE = 5e-3
 SHARED = "You are a helpful assistant. Answer briefly and precisely, in one sentence. "  # > 1 block of 16 tokens
