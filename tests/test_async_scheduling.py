@@ -118,7 +118,7 @@ def mixed_params(n: int) -> list[SamplingParams]:
 
 def run(checkpoint, prompt_ids, params, **config):
     """Staggered arrivals; returns (token ids, finish reasons, logprobs, engine)."""
-    llm = LLM(checkpoint=checkpoint, dtype="float32", max_num_seqs=8, **config)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", max_num_seqs=8, **config)
     engine = llm.engine
     placeholders = []
     schedule = engine.scheduler.schedule
@@ -170,8 +170,8 @@ def test_async_under_preemption_gives_the_synchronous_tokens(checkpoint, prompt_
 
 def test_an_abort_while_two_batches_are_in_flight(checkpoint, prompt_ids):
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    reference = LLM(checkpoint=checkpoint, dtype="float32").generate(prompt_ids[:3], greedy)
-    engine = LLM(checkpoint=checkpoint, dtype="float32", async_scheduling="on").engine
+    reference = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32").generate(prompt_ids[:3], greedy)
+    engine = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", async_scheduling="on").engine
     reqs = [engine.add_request(p, greedy) for p in prompt_ids[:3]]
     engine.step()
     engine.step()
@@ -187,9 +187,15 @@ def test_a_request_whose_sampling_raises_fails_alone_and_seeded_survivors_draw_o
     """The fault is raised after the batch's generators moved: resampling request by request must restore them,
     so seeded survivors draw exactly the tokens of a fault-free run."""
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=10 + i) for i in range(4)]
-    clean = LLM(checkpoint=checkpoint, dtype="float32").generate(prompt_ids[:4], params)
+    clean = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32").generate(prompt_ids[:4], params)
     for mode in ("off", "on"):
-        llm = LLM(checkpoint=checkpoint, dtype="float32", async_scheduling=mode, faults=FaultPlan(sampler_token=MARK))
+        llm = LLM(
+            checkpoint=checkpoint,
+            dtype="float32",
+            kv_cache_dtype="float32",
+            async_scheduling=mode,
+            faults=FaultPlan(sampler_token=MARK),
+        )
         bad = prompt_ids[1][:3] + [MARK] + prompt_ids[1][3:]
         outs = llm.generate([prompt_ids[0], bad, *prompt_ids[2:4]], params)
         assert outs[1].finish_reason == "error"
@@ -199,10 +205,10 @@ def test_a_request_whose_sampling_raises_fails_alone_and_seeded_survivors_draw_o
 
 
 def test_async_is_on_only_where_it_can_overlap(checkpoint):
-    llm = LLM(checkpoint=checkpoint, dtype="float32")
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32")
     assert llm.engine.config.async_scheduling == "off"  # the CPU: nothing runs beside the host
     with pytest.raises(ValueError, match="async scheduling"):
-        LLM(checkpoint=checkpoint, dtype="float32", async_scheduling="on", pipeline_stages=2)
+        LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", async_scheduling="on", pipeline_stages=2)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from engine.core.scheduler import Scheduler
 from engine.launch import build_engine
 from engine.model.loader import load_checkpoint
 from engine.runner.device import kv_bytes_per_block
+from engine.runner.kv_dtype import CPU_AUTO_KV_DTYPE
 from gateway.api.detokenizer import IncrementalDetokenizer
 
 PROMPTS = [[5, 17, 300, 42], [7, 8, 9], [1000, 2000, 3000, 4000, 5000, 6], [11, 12]]
@@ -114,7 +115,7 @@ def test_preemption_keeps_the_tokens(tiny):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     want = [r.output_token_ids for r in run(engine(tiny, 1), PROMPTS[:3], params)]
     # Few blocks: the requests preempt one another, and runs take fewer steps where slots are short.
-    block_bytes = kv_bytes_per_block(tiny.shape, 4, torch.float32, tiny.shape.num_layers)
+    block_bytes = kv_bytes_per_block(tiny.shape, 4, getattr(torch, CPU_AUTO_KV_DTYPE), tiny.shape.num_layers)
     e = engine(tiny, 8, block_size=4, kv_cache_memory=block_bytes * 12)
     assert e.scheduler.kv.num_blocks == 12
     got = [r.output_token_ids for r in run(e, PROMPTS[:3], params)]

@@ -154,6 +154,17 @@ def test_a_prebuilt_op_is_used_while_its_stamp_matches_and_built_at_run_time_onc
     assert not caplog.records  # nothing was built: nothing to say
 
 
+def test_a_prebuilt_op_is_out_of_date_once_a_header_beside_its_source_changes(tmp_path, caplog):
+    """The sources share headers (csrc/cpu/cpu_common.h): an edited header must rebuild every op, not run it stale."""
+    source = dummy_source(tmp_path)
+    so = compile_prebuilt(tmp_path, "orcinus_test_header", source)
+    (tmp_path / "held.h").write_text("// edited\n")
+    assert ops.load_prebuilt(so, source, ["-O0"]) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the prebuilt C++ op {so} is out of date (its headers changed since it was built); building it at run time"
+    ]
+
+
 @pytest.mark.skipif(
     not os.environ.get("CI") and not any(ops.prebuilt_path(n).exists() for n in ops.CPU_EXTENSIONS),
     reason="this checkout's ops were not built by an install (`make install` builds them)",

@@ -63,7 +63,12 @@ def engines(checkpoint):
     """An eager engine and one whose runner replays (CPU stand-in) graphs up to 16 tokens, on the same weights."""
     # One token per request per step: the bucket checks count decode rows.
     config = EngineConfig(
-        device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=64 * 737_280, speculative="off"
+        device="cpu",
+        dtype="float32",
+        kv_cache_dtype="float32",  # a GPU's cache holds the compute dtype: the stand-in's too
+        max_num_batched_tokens=64,
+        kv_cache_memory=64 * 737_280,
+        speculative="off",
     )
     eager, graphed = build_engine(config, checkpoint), build_engine(config, checkpoint)
     r = graphed.runner
@@ -161,6 +166,7 @@ def decode_engines(checkpoint):
     config = EngineConfig(
         device="cpu",
         dtype="float32",
+        kv_cache_dtype="float32",  # a GPU's cache holds the compute dtype: the stand-in's too
         max_num_seqs=8,
         max_num_batched_tokens=64,
         kv_cache_memory=64 * 737_280,

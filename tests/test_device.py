@@ -152,7 +152,7 @@ def test_a_16_bit_kv_cache_holds_twice_the_blocks_in_the_same_memory(monkeypatch
 
 def test_the_kv_cache_dtype_resolves_per_device_and_compute_dtype(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_device(EngineConfig(device="cpu")).kv_cache_dtype == CPU_AUTO_KV_DTYPE
+    assert resolve_device(EngineConfig(device="cpu")).kv_cache_dtype == CPU_AUTO_KV_DTYPE == "float16"
     assert resolve_device(EngineConfig(device="cpu", dtype="bfloat16")).kv_cache_dtype == "bfloat16"
     assert resolve_device(EngineConfig(device="cuda")).kv_cache_dtype == "bfloat16"
     assert resolve_device(EngineConfig(device="cpu", kv_cache_dtype="float16")).kv_cache_dtype == "float16"
@@ -178,6 +178,6 @@ def test_the_startup_block_says_why_the_kv_cache_has_its_dtype():
     cpu = EngineConfig(device="cpu", dtype="float32")
     assert describe_kv_dtype("float16", resolve_device(cpu.with_(kv_cache_dtype="float16"))) == "float16, as asked"
     auto = resolve_device(cpu)
-    assert describe_kv_dtype("auto", auto).startswith(f"{CPU_AUTO_KV_DTYPE}")
+    assert describe_kv_dtype("auto", auto).startswith("float16 (auto: half float32's bytes")
     bf16 = resolve_device(EngineConfig(device="cpu", dtype="bfloat16"))
     assert describe_kv_dtype("auto", bf16) == "bfloat16, the compute dtype (auto)"

@@ -11,7 +11,8 @@ from engine.core.sampling_params import InvalidRequestError
 from engine.core.scheduler import Batch, ScheduledRequest
 from engine.runner.pooling import Pooler
 
-EXACT = {"block_activations": "float32"}  # float32 inputs to the block matmuls, as the reference computes
+# float32 inputs to the block matmuls and a float32 KV cache, as the reference computes
+EXACT = {"block_activations": "float32", "kv_cache_dtype": "float32"}
 TOLERANCE = 1e-5
 
 

@@ -1,6 +1,7 @@
 """The fused CPU ops some families choose (engine/kernels/csrc/cpu/family_ops.cpp): GeGLU's GELU(tanh)-and-multiply,
-and Gemma 3's per-head query/key RMSNorm fused with RoPE and the K/V write, against the PyTorch expressions they
-replace; the modules a family builds pick them, and a fused bfloat16 model greedy-decodes as the unfused one."""
+Gemma 2's final logit soft cap, and Gemma 3's per-head query/key RMSNorm fused with RoPE and the K/V write, against the
+PyTorch expressions they replace; the modules a family builds pick them, and a fused bfloat16 model greedy-decodes as
+the unfused one."""
 
 import pytest
 import torch
@@ -12,10 +13,12 @@ from engine.model import token_ops
 from engine.model.token_ops import (
     CpuGeluAndMul,
     CpuHeadRMSNorm,
+    CpuLogitSoftCap,
     CpuRMSNorm,
     CpuRotary,
     GeluAndMul,
     HeadRMSNorm,
+    LogitSoftCap,
     Rotary,
     fuse_token_ops,
 )
@@ -44,6 +47,29 @@ def test_geglu_in_float32_is_pytorchs_to_tanhs_rounding():
     got, want = CpuGeluAndMul()(gate_up), GeluAndMul()(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     assert bool(((got - want).abs() <= 2.0**-22 * (gate * up).abs() + 1e-6 * want.abs()).all())
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many float32 values apart a and b are (same-signed values)."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+
+
+@pytest.mark.parametrize("cap", [30.0, 3.0, 50.0])
+@pytest.mark.parametrize("rows,vocab", [(1, 256_000), (3, 1001), (2, 7)])  # odd widths exercise the vector tails
+def test_the_logit_soft_cap_is_pytorchs_bits_but_where_its_tanh_is_an_ulp_off(cap, rows, vocab):
+    """The quotient and the product round as PyTorch's float32 ops do, the tanh between them is float32's correctly
+    rounded one: bit-equal to PyTorch's formula with its tanh taken in float64. PyTorch's float32 tanh is itself an
+    ulp off for a few values in 10^4; only there does the op differ from it, by at most 2 ulps once times the cap."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, vocab, generator=gen).mul(1.5 * cap)
+    logits[0, : min(vocab, 64)] = torch.linspace(-1e-4, 1e-4, min(vocab, 64))  # tanh's series near 0
+    got = CpuLogitSoftCap(cap)(logits)
+    q = logits / cap
+    assert torch.equal(got, torch.tanh(q.double()).float() * cap)
+    want = LogitSoftCap(cap)(logits)
+    off = torch.tanh(q) != torch.tanh(q.double()).float()
+    assert torch.equal(got[~off], want[~off])
+    assert int(ulps(got, want).max()) <= 2 and off.float().mean() < 1e-3
 
 
 def rope_case(dtype, rows, heads, kv_heads, d, strided, seed):
@@ -113,6 +139,8 @@ def test_what_the_ops_cannot_take_is_refused():
     ops = token_ops._family_ops()
     with pytest.raises(RuntimeError, match="side by side"):
         ops.gelu_tanh_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.soft_cap(torch.randn(2, 7).bfloat16(), 30.0)
     with pytest.raises(RuntimeError, match="at most 512"):
         ops.qk_norm_rope_write_kv(
             torch.randn(1, 3 * 640), torch.tensor([0]), torch.zeros(1, 2, 640), torch.zeros(2, 1, 1, 4, 640),
@@ -131,9 +159,10 @@ def test_what_the_ops_cannot_take_is_refused():
 
 
 def test_the_modules_a_family_builds_choose_its_fused_ops():
-    model = torch.nn.Sequential(HeadRMSNorm(8, 1e-6), GeluAndMul(), token_ops.RMSNorm(8, 1e-6))
+    model = torch.nn.Sequential(HeadRMSNorm(8, 1e-6), GeluAndMul(), token_ops.RMSNorm(8, 1e-6), LogitSoftCap(30.0))
     fuse_token_ops(model)
-    assert [type(m) for m in model] == [CpuHeadRMSNorm, CpuGeluAndMul, CpuRMSNorm]
+    assert [type(m) for m in model] == [CpuHeadRMSNorm, CpuGeluAndMul, CpuRMSNorm, CpuLogitSoftCap]
+    assert model[3].cap == 30.0
 
 
 def test_a_machine_that_cannot_build_them_keeps_the_common_fused_ops(monkeypatch):
@@ -141,10 +170,10 @@ def test_a_machine_that_cannot_build_them_keeps_the_common_fused_ops(monkeypatch
         raise RuntimeError("Error building extension 'orcinus_cpu_family_ops'")
 
     monkeypatch.setattr(token_ops, "_family_ops", no_compiler)
-    model = torch.nn.Sequential(HeadRMSNorm(8, 1e-6), GeluAndMul(), token_ops.RMSNorm(8, 1e-6))
+    model = torch.nn.Sequential(HeadRMSNorm(8, 1e-6), GeluAndMul(), token_ops.RMSNorm(8, 1e-6), LogitSoftCap(3.0))
     with pytest.warns(UserWarning, match="fused CPU ops of some families are unusable here"):
         fuse_token_ops(model)
-    assert [type(m) for m in model] == [CpuRMSNorm, GeluAndMul, CpuRMSNorm]
+    assert [type(m) for m in model] == [CpuRMSNorm, GeluAndMul, CpuRMSNorm, LogitSoftCap]
 
 
 @pytest.mark.parametrize("kind,extra", [("gemma2", GEMMA2), ("gemma3", GEMMA3)])
@@ -155,6 +184,7 @@ def test_a_fused_bfloat16_gemma_decodes_the_unfused_ones_tokens(kind, extra, tmp
     names = {type(m).__name__ for m in fused.engine.model.modules()}
     assert {"CpuGeluAndMul", "CpuRMSNorm", "CpuRotary"} <= names
     assert ("CpuHeadRMSNorm" in names) == (kind == "gemma3")
+    assert ("CpuLogitSoftCap" in names) == (kind == "gemma2")  # only a model with a final soft cap builds one
     assert "CpuGeluAndMul" in fused.engine.executor.runner.describe()
     tokens = [o.token_ids for o in fused.generate(PROMPTS, params)]
     monkeypatch.setattr(token_ops, "FUSED_CPU", {})

@@ -236,7 +236,10 @@ def test_the_oracle_is_a_benchmarks_policy_found_by_its_name_and_the_old_name_st
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    return [o.token_ids for o in LLM(checkpoint=checkpoint, dtype="float32").generate(PROMPTS, GREEDY)]
+    return [
+        o.token_ids
+        for o in LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32").generate(PROMPTS, GREEDY)
+    ]
 
 
 class Scrambled(ByHidden):
@@ -251,7 +254,9 @@ class Scrambled(ByHidden):
 
 
 def test_predicted_order_keeps_greedy_tokens_and_frees_every_block(checkpoint, reference):
-    llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling_policy="predicted", max_num_seqs=2)
+    llm = LLM(
+        checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", scheduling_policy="predicted", max_num_seqs=2
+    )
     llm.engine.scheduler.policy.predictor = Scrambled()
     tokens = [llm.engine.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
     requests = []
@@ -269,10 +274,11 @@ def test_predicted_order_with_shared_prefixes_preemption_and_an_abort(checkpoint
     """Few KV blocks (preemptions), every prompt twice (the second finds the first's blocks), one aborted mid-way:
     the others' greedy tokens are FCFS's, and every block and every sampling state is given back."""
     prompts = [f"{a} {b}" for a, b in zip(PROMPTS[:4], PROMPTS[4:8])] * 2  # 2+ full blocks of 16 tokens each
-    want = LLM(checkpoint=checkpoint, dtype="float32").generate(prompts, GREEDY)
+    want = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32").generate(prompts, GREEDY)
     llm = LLM(
         checkpoint=checkpoint,
         dtype="float32",
+        kv_cache_dtype="float32",
         scheduling_policy="predicted",
         max_num_seqs=3,
         kv_cache_memory=8 * 737_280,
@@ -297,9 +303,14 @@ def test_predicted_order_with_shared_prefixes_preemption_and_an_abort(checkpoint
 def test_pipeline_stages_send_the_probes_back():
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 8, 9], [10, 11, 10, 11, 10, 11], [12] * 20]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    want = LLM(model="dummy:tiny", dtype="float32").generate(prompts, params)
+    want = LLM(model="dummy:tiny", dtype="float32", kv_cache_dtype="float32").generate(prompts, params)
     with LLM(
-        model="dummy:tiny", dtype="float32", scheduling_policy="predicted", max_num_seqs=2, pipeline_stages=2
+        model="dummy:tiny",
+        dtype="float32",
+        kv_cache_dtype="float32",
+        scheduling_policy="predicted",
+        max_num_seqs=2,
+        pipeline_stages=2,
     ) as llm:
         predictor = llm.engine.scheduler.policy.predictor = Scrambled()
         got = llm.generate(prompts, params)

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 def llm(checkpoint):
     # The module serves the same prompts test after test: drafted from the earlier answers, the staggered test's
     # first requests would finish before the last arrives (tests/test_speculative.py covers those drafts).
-    return LLM(checkpoint=checkpoint, dtype="float32", speculative_shared=False)
+    return LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", speculative_shared=False)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,9 @@ def first_logits(engine: EngineCore, prompt_ids: list[list[int]]) -> torch.Tenso
 
 def test_first_iteration_logits_match_transformers(checkpoint, hf_model, tokenizer):
     # float32 inputs to the block matmuls: the reference's products, so only the order of sums differs
-    engine = build_engine(EngineConfig(dtype="float32", block_activations="float32"), checkpoint)
+    engine = build_engine(
+        EngineConfig(dtype="float32", kv_cache_dtype="float32", block_activations="float32"), checkpoint
+    )
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
     ours = first_logits(engine, prompt_ids)  # all six in one flattened batch
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
@@ -94,7 +96,9 @@ def test_all_prompts_in_one_generate_call(llm, reference_tokens):
 
 def test_preemption_and_recompute_give_the_same_tokens(checkpoint, reference_tokens):
     # 12 blocks of 16 slots cannot hold twelve requests of ~45 tokens: the newest get preempted.
-    llm = LLM(checkpoint=checkpoint, dtype="float32", block_size=16, kv_cache_memory=12 * 737_280)
+    llm = LLM(
+        checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", block_size=16, kv_cache_memory=12 * 737_280
+    )
     engine = llm.engine
     assert engine.scheduler.kv.num_blocks == 12
     completions = llm.generate(PROMPTS, GREEDY)
@@ -104,13 +108,13 @@ def test_preemption_and_recompute_give_the_same_tokens(checkpoint, reference_tok
 
 
 def test_chunked_prefill_matches(checkpoint, reference_tokens):
-    llm = LLM(checkpoint=checkpoint, dtype="float32", max_num_batched_tokens=7)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", max_num_batched_tokens=7)
     completions = llm.generate(PROMPTS[:4], GREEDY)
     assert [c.token_ids for c in completions] == reference_tokens[:4]
 
 
 def test_request_level_mode_gives_the_same_tokens(checkpoint, reference_tokens):
-    llm = LLM(checkpoint=checkpoint, dtype="float32", scheduling="request", max_num_seqs=4)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", scheduling="request", max_num_seqs=4)
     completions = llm.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in completions] == reference_tokens
 
@@ -126,7 +130,7 @@ def test_hf_checkpoint_directory_loads_the_same_model(
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, out / "model.safetensors")
     hf_tokenizer.save_pretrained(out)
-    llm = LLM(str(out), dtype="float32")
+    llm = LLM(str(out), dtype="float32", kv_cache_dtype="float32")
     assert llm.tokenizer.encode(PROMPTS[1]) == tokenizer.encode(PROMPTS[1])
     assert llm.tokenizer.eos_token_id == tokenizer.eos_token_id
     completions = llm.generate(PROMPTS[:3], GREEDY)

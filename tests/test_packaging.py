@@ -44,6 +44,7 @@ def test_a_plain_install_carries_the_kernel_sources_and_the_engine_finds_them(tm
         "block_matmul.cpp",
         "int16_matmul.cpp",
         "sampling.cpp",
+        "cpu_common.h",
     }
     templates = site / "engine" / "model" / "tokenizer" / "templates"
     assert {p.name for p in templates.iterdir()} == {f"{name}.jinja" for name in SHIPPED}

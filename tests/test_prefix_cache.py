@@ -184,7 +184,7 @@ def run_in_order(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[li
 @pytest.fixture(scope="module")
 def reference(checkpoint, tokenizer):
     """Greedy tokens without prefix caching, per max_tokens, computed once each."""
-    llm = LLM(checkpoint=checkpoint, dtype="float32", prefix_caching=False)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", prefix_caching=False)
     done: dict[int, list[list[int]]] = {}
 
     def tokens(max_tokens: int) -> list[list[int]]:
@@ -206,7 +206,7 @@ def reference(checkpoint, tokenizer):
     ],
 )
 def test_greedy_tokens_are_identical_with_prefix_caching(checkpoint, tokenizer, reference, setting, max_tokens):
-    llm = LLM(checkpoint=checkpoint, dtype="float32", **setting)
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32", **setting)
     assert run_in_order(llm, prompts_sharing(tokenizer), max_tokens) == reference(max_tokens)
     s = llm.engine.scheduler
     if "kv_cache_memory" in setting:  # the few blocks are evicted and taken back: some hits, some not
@@ -217,7 +217,7 @@ def test_greedy_tokens_are_identical_with_prefix_caching(checkpoint, tokenizer, 
 
 
 def test_greedy_tokens_are_identical_with_prefix_caching_over_two_pipeline_stages(tokenizer, reference):
-    with LLM(model=None, dtype="float32", pipeline_stages=2) as llm:
+    with LLM(model=None, dtype="float32", kv_cache_dtype="float32", pipeline_stages=2) as llm:
         assert run_in_order(llm, prompts_sharing(tokenizer), 12) == reference(12)
         assert llm.engine.scheduler.prefix_hit_tokens > 0
 
@@ -226,7 +226,7 @@ def test_choices_of_one_prompt_get_the_tokens_of_one_computed_alone(checkpoint, 
     """Three copies of one prompt at once (as n = 3 arrives): one computes it, the other two share its blocks."""
     prompt = prompts_sharing(tokenizer)[0]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = LLM(checkpoint=checkpoint, dtype="float32")
+    llm = LLM(checkpoint=checkpoint, dtype="float32", kv_cache_dtype="float32")
     outs = [o.token_ids for o in llm.generate([prompt] * 3, greedy)]
     assert outs == [reference(12)[0]] * 3
     s = llm.engine.scheduler

@@ -32,7 +32,8 @@ GROUNDED = [
 ]
 ALL = PROMPTS + GROUNDED
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-EXACT = {"block_activations": "float32", "speculative_row_cost": 0.01}  # float32; drafts at every batch size
+# float32 throughout, the cache too; drafts at every batch size
+EXACT = {"block_activations": "float32", "kv_cache_dtype": "float32", "speculative_row_cost": 0.01}
 BLOCK = 737_280  # bytes of one KV block of the bundled model in float32
 
 

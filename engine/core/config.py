@@ -169,7 +169,7 @@ class EngineConfig:
     """Bytes for the KV cache; unset: 512 MiB on the CPU, what is free on a GPU."""
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """What the KV cache stores: the compute dtype, or bfloat16 / float16 under float32 on the CPU (half the bytes:
-    twice the tokens, half the attention's reads); auto: the compute dtype."""
+    twice the tokens, half the attention's reads); auto: float16 under float32 on the CPU, else the compute dtype."""
     gpu_memory_utilization: float = 0.9
     """Share of the GPU's memory the engine may hold (weights, KV cache, activations)."""
     enforce_eager: bool = False

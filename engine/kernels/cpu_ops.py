@@ -109,12 +109,16 @@ def stamp_path(so: Path) -> Path:
 
 
 def build_stamp(source: Path, flags: list[str]) -> dict[str, str]:
-    """What a build of `source` with `flags` depends on besides the compiler: the source's bytes, the flags, torch
-    (its headers and ABI) and, for -march=native, the CPU."""
+    """What a build of `source` with `flags` depends on besides the compiler: the source's bytes, the headers beside
+    it (which it may include), the flags, torch (its headers and ABI) and, for -march=native, the CPU."""
     import torch
 
+    headers = hashlib.sha256()
+    for header in sorted(p for p in source.parent.glob("*.h") if p.is_file()):
+        headers.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
     return {
         "source": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "headers": headers.hexdigest(),
         "flags": " ".join(flags),
         "torch": str(torch.__version__),
         "cpu": cpu_identity(),

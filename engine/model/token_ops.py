@@ -1,5 +1,6 @@
 """The decoder's token-wise ops as modules, RMSNorm, SiLU- and GELU-and-multiply and RoPE (with the K/V cache write,
-after a per-head norm for the families that norm queries and keys), and their fused C++ versions for the CPU.
+after a per-head norm for the families that norm queries and keys), a final logit soft cap, and their fused C++
+versions for the CPU.
 
 On the CPU each of PyTorch's small ops costs microseconds whatever its size (F.rms_norm alone runs as ~7 of them), so at
 decode batch sizes the norms and the activation cost a tenth of a step; engine/kernels/csrc/cpu/token_ops.cpp does each
@@ -61,6 +62,17 @@ class GeluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+class LogitSoftCap(nn.Module):
+    """Gemma 2's final logit soft cap, tanh(logits / cap) * cap: the logits bent smoothly into (-cap, cap)."""
+
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.cap) * self.cap
 
 
 class HeadRMSNorm(RMSNorm):
@@ -191,6 +203,15 @@ class CpuGeluAndMul(GeluAndMul):
         return _family_ops().gelu_tanh_mul(gate_up)
 
 
+class CpuLogitSoftCap(LogitSoftCap):
+    """The soft cap in one C++ pass over the float32 logits (PyTorch's is three, and a tensor each)."""
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or logits.dtype != torch.float32 or not logits.is_contiguous():
+            return super().forward(logits)
+        return _family_ops().soft_cap(logits, self.cap)
+
+
 class CpuHeadRMSNorm(CpuRMSNorm, HeadRMSNorm):
     """A per-head norm that CpuRotary.norm_rope_write_kv applies inside its C++ pass."""
 
@@ -266,6 +287,7 @@ FUSED_CPU: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
     HeadRMSNorm: lambda m: m.on_weight_of(CpuHeadRMSNorm if _family_ops_build() else CpuRMSNorm),
     SiluAndMul: lambda m: CpuSiluAndMul(),
     GeluAndMul: lambda m: CpuGeluAndMul() if _family_ops_build() else m,
+    LogitSoftCap: lambda m: CpuLogitSoftCap(m.cap) if _family_ops_build() else m,
     Rotary: lambda m: m.on_table_of(CpuRotary),
 }
 

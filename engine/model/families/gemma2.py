@@ -11,7 +11,7 @@ from engine.core.config import ModelShape
 from engine.model.decoder import Source
 from engine.model.families.llama import LlamaLayer, LlamaModel
 from engine.model.sharding import TensorShard
-from engine.model.token_ops import GeluAndMul, RMSNorm
+from engine.model.token_ops import GeluAndMul, LogitSoftCap, RMSNorm
 
 
 class Gemma2Layer(LlamaLayer):
@@ -38,6 +38,12 @@ class Gemma2Layer(LlamaLayer):
 class Gemma2Model(LlamaModel):
     """Hugging Face Gemma 2 checkpoints: Llama's names plus the two feed-forward norms."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cap = self.shape.final_logit_softcap
+        # A module, so the CPU's fused version can replace it (token_ops.FUSED_CPU); none where there is no cap.
+        self.logit_cap = LogitSoftCap(cap) if self.is_last and cap is not None else None
+
     def make_layer(self, shape: ModelShape, shard: TensorShard, index: int) -> Gemma2Layer:
         return Gemma2Layer(shape, shard, index)
 
@@ -56,8 +62,7 @@ class Gemma2Model(LlamaModel):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().logits(x)
-        cap = self.shape.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if self.logit_cap is None else self.logit_cap(logits)
 
 
 def _one_plus(w: torch.Tensor) -> torch.Tensor:

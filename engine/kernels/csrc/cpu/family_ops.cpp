@@ -1,15 +1,18 @@
 // Token-wise ops that only some model families use, fused for the CPU as token_ops.cpp fuses the common ones:
-// GeGLU's GELU(tanh)-and-multiply (Gemma), and Gemma 3's per-head RMSNorm of the queries and keys with RoPE and
-// the K/V cache write in one pass (PyTorch's chain there is a reshape, two norms, a cat, then the RoPE op; a
-// strided key view even drops the norm to PyTorch's seven-op formula).
+// GeGLU's GELU(tanh)-and-multiply (Gemma), Gemma 2's final logit soft cap, and Gemma 3's per-head RMSNorm of the
+// queries and keys with RoPE and the K/V cache write in one pass (PyTorch's chain there is a reshape, two norms, a
+// cat, then the RoPE op; a strided key view even drops the norm to PyTorch's seven-op formula).
 //
 // Built with token_ops.cpp's flags (-march=native, so AVX-512 where the CPU has it, AVX2 otherwise); the loops are
 // written to vectorize. Math is float32; results round to the dtype where PyTorch's unfused ops round.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,30 +22,9 @@
 
 namespace {
 
-constexpr int64_t kGrainElements = 16384;  // below this many elements per thread, threads cost more than they save
-constexpr int64_t kMaxHeadDim = 512;       // a head's normed row is kept on the stack
+using namespace orcinus_cpu;
 
-inline float load(float x) { return x; }
-inline float load(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {
-  // Round to nearest even as at::BFloat16 does, branch-free so the loops vectorize (values are finite here).
-  uint32_t u = __builtin_bit_cast(uint32_t, x);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
-
-inline float rounded(float x, float) { return x; }
-inline float rounded(float x, uint16_t) {  // x as bfloat16 would hold it
-  uint16_t b;
-  store(&b, x);
-  return load(b);
-}
-
-int64_t grain(int64_t row_elements) {
-  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
-}
+constexpr int64_t kMaxHeadDim = 512;  // a head's normed row is kept on the stack
 
 // PyTorch's formula, 0.5 x (1 + tanh(u)), with tanh through exp (which vectorizes where tanh does not) on |u|: then
 // 1 - 2 / (exp(2|u|) + 1) rounds near 1 as tanh does, so 1 + tanh(u) flushes to 0 where PyTorch's does (a large
@@ -118,14 +100,52 @@ void qk_norm_rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positio
 }
 #pragma GCC pop_options
 
-template <typename Fn>
-void dispatch(const at::Tensor& x, Fn fn) {
-  if (x.scalar_type() == at::kBFloat16) fn(static_cast<uint16_t*>(nullptr));
-  else fn(static_cast<float*>(nullptr));
+// Gemma 2's final logits, tanh(x / cap) * cap, rounded where PyTorch's three float32 ops round: the quotient (a true
+// division, not -ffast-math's reciprocal estimate), the tanh, the product. The tanh is taken in double and rounded
+// once, so it is float32's correctly rounded tanh but for ties too close for double to tell; a float tanh (libmvec's
+// under -ffast-math, Sleef's) is an ulp or two off for a share of the values, which the product can double. The
+// pragma keeps the exponent trick below from being folded away; the arithmetic vectorizes without libm calls
+// (builtins, not std:: templates, which GCC would not inline across the pragma's options).
+#pragma GCC push_options
+#pragma GCC optimize("no-unsafe-math-optimizations", "no-trapping-math")
+// exp(x) for x in [0, 41]: 2^k exp(r), |r| <= ln2 / 2 (ln2 split in two, fdlibm's constants), exp(r) by its Taylor
+// series to r^13 (the next term is below 1e-17 of it).
+inline double exp_small(double x) {
+  constexpr double kLog2e = 1.4426950408889634, kLn2Hi = 6.93147180369123816490e-01,
+                   kLn2Lo = 1.90821492927058770002e-10;
+  constexpr double kShift = 6755399441055744.0;  // 1.5 * 2^52: x + kShift holds round(x) in its low mantissa bits
+  const double shifted = x * kLog2e + kShift;
+  const double k = shifted - kShift;
+  const double r = (x - k * kLn2Hi) - k * kLn2Lo;
+  double p = 1.0 / 6227020800.0;  // 1 / 13!, then Horner's rule down to 1 / 0!
+  for (double f : {479001600.0, 39916800.0, 3628800.0, 362880.0, 40320.0, 5040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0,
+                   1.0})
+    p = p * r + 1.0 / f;
+  const int64_t k_int = __builtin_bit_cast(int64_t, shifted) - __builtin_bit_cast(int64_t, kShift);
+  return p * __builtin_bit_cast(double, (k_int + 1023) << 52);
 }
 
-template <typename T>
-T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+// tanh(a), a >= 0: its odd series below 1/16 (terms to a^11; the next is below 1e-16 of the sum), else
+// 1 - 2 / (exp(2a) + 1), whose cancellation costs at most a few double ulps there. Past a = 20 tanh is 1 in double.
+inline double tanh_nonnegative(double a) {
+  a = a < 20.0 ? a : 20.0;
+  const double a2 = a * a;
+  const double series =
+      a * (1.0 + a2 * (-1.0 / 3 + a2 * (2.0 / 15 + a2 * (-17.0 / 315 + a2 * (62.0 / 2835 + a2 * (-1382.0 / 155925))))));
+  const double formula = 1.0 - 2.0 / (exp_small(2.0 * a) + 1.0);
+  return a < 0.0625 ? series : formula;
+}
+
+void soft_cap_rows(const float* x, float* out, int64_t n, float cap) {
+  at::parallel_for(0, n, kGrainElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float q = x[i] / cap;
+      const float t = static_cast<float>(tanh_nonnegative(__builtin_fabs(static_cast<double>(q))));
+      out[i] = __builtin_copysignf(t, q) * cap;
+    }
+  });
+}
+#pragma GCC pop_options
 
 }  // namespace
 
@@ -183,8 +203,19 @@ at::Tensor qk_norm_rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tenso
   return q;
 }
 
+// logits [rows, vocab] float32 -> tanh(logits / cap) * cap (Gemma 2's final soft cap)
+at::Tensor soft_cap(at::Tensor logits, double cap) {
+  TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "logits must be a contiguous float32 tensor");
+  TORCH_CHECK(cap > 0, "the soft cap must be positive");
+  auto out = at::empty_like(logits);
+  soft_cap_rows(logits.data_ptr<float>(), out.data_ptr<float>(), logits.numel(), static_cast<float>(cap));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "GELU (tanh) of the first half times the second (CPU)");
   m.def("qk_norm_rope_write_kv", &qk_norm_rope_write_kv,
         "per-head RMSNorm of queries and keys, RoPE, keys and values into the paged cache (CPU)");
+  m.def("soft_cap", &soft_cap, "tanh(logits / cap) * cap, Gemma 2's final logit soft cap (CPU)");
 }

@@ -14,6 +14,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,31 +25,7 @@
 
 namespace {
 
-constexpr int64_t kGrainElements = 16384;  // below this many elements per thread, threads cost more than they save
-
-// Elements are handled as float or as uint16_t (bfloat16's bits): plain integer types the loops vectorize over.
-inline float load(float x) { return x; }
-inline float load(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {
-  // Round to nearest even, as at::BFloat16 does, but branch-free so the loops vectorize. Values are finite
-  // here (activations of a working model); a NaN input would not stay a NaN.
-  uint32_t u = __builtin_bit_cast(uint32_t, x);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
-
-inline float rounded(float x, float) { return x; }
-inline float rounded(float x, uint16_t) {  // x as bfloat16 would hold it
-  uint16_t b;
-  store(&b, x);
-  return load(b);
-}
-
-int64_t grain(int64_t row_elements) {
-  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
-}
+using namespace orcinus_cpu;
 
 // residual == nullptr: out = norm(x). Otherwise sum = x + residual (rounded), out = norm(sum).
 template <typename T>
@@ -122,16 +100,6 @@ void rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, cons
   });
 }
 #pragma GCC pop_options
-
-// Runs fn with a null pointer of the element type: float, or uint16_t for bfloat16 (the dtypes check_rows lets in).
-template <typename Fn>
-void dispatch(const at::Tensor& x, Fn fn) {
-  if (x.scalar_type() == at::kBFloat16) fn(static_cast<uint16_t*>(nullptr));
-  else fn(static_cast<float*>(nullptr));
-}
-
-template <typename T>
-T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [rows, width] tensor");

@@ -1,0 +1,49 @@
+// What the token-wise CPU ops share (token_ops.cpp, family_ops.cpp): elements loaded as float32 and stored as
+// float32 or bfloat16, the threads' grain, and the dispatch on a tensor's dtype. Each op includes it into its own
+// translation unit (and module), so it is all inline, in a namespace of its own.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace orcinus_cpu {
+
+constexpr int64_t kGrainElements = 16384;  // below this many elements per thread, threads cost more than they save
+
+// Elements are handled as float or as uint16_t (bfloat16's bits): plain integer types the loops vectorize over.
+inline float load(float x) { return x; }
+inline float load(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {
+  // Round to nearest even, as at::BFloat16 does, but branch-free so the loops vectorize. Values are finite
+  // here (activations of a working model); a NaN input would not stay a NaN.
+  uint32_t u = __builtin_bit_cast(uint32_t, x);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
+inline float rounded(float x, float) { return x; }
+inline float rounded(float x, uint16_t) {  // x as bfloat16 would hold it
+  uint16_t b;
+  store(&b, x);
+  return load(b);
+}
+
+inline int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
+}
+
+// Runs fn with a null pointer of the element type: float, or uint16_t for bfloat16 (the callers let in no other).
+template <typename Fn>
+void dispatch(const at::Tensor& x, Fn fn) {
+  if (x.scalar_type() == at::kBFloat16) fn(static_cast<uint16_t*>(nullptr));
+  else fn(static_cast<float*>(nullptr));
+}
+
+template <typename T>
+T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+}  // namespace orcinus_cpu
