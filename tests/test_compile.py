@@ -23,6 +23,7 @@ CONFIG = EngineConfig(
     model="dummy:tiny",
     device="cpu",
     dtype="float32",
+    kv_cache_dtype="float32",  # a GPU's cache holds the compute dtype: the stand-in's too
     max_num_seqs=8,
     max_num_batched_tokens=64,
     kv_cache_memory=2**20,

@@ -58,6 +58,8 @@ def make_engine(shape_name: str, args, **overrides) -> EngineCore:
         max_num_batched_tokens=args.token_budget,
         kv_cache_memory=int(args.kv_gib * 2**30),
         speculative="off",  # one token per request per step, as a GPU serves by default: the steps timed are decodes
+        # The CPU stand-in mirrors a GPU, whose cache holds the compute dtype (the graphs size activations by it).
+        kv_cache_dtype="float32" if args.device == "cpu" else "auto",
     ).with_(**overrides)
     engine = build_engine(config, load_checkpoint(config.model))
     r = engine.runner
