@@ -84,6 +84,35 @@ def test_the_model_field_picks_the_adapter_in_every_endpoint(lora_server):
     assert resp.status_code == 200 and resp.json()["model"] == "a", resp.text
 
 
+def test_structured_outputs_hold_under_an_adapter(lora_server):
+    """A grammar constrains an adapter's rows as it does the base model's: the answer parses and fits the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    r = httpx.post(
+        f"{lora_server}/v1/chat/completions",
+        json={
+            "model": "a",
+            "messages": [{"role": "user", "content": "Where is the Eiffel tower?"}],
+            "max_tokens": 40,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+        },
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["model"] == "a", r.text
+    choice = r.json()["choices"][0]
+    answer = json.loads(choice["message"]["content"])
+    assert choice["finish_reason"] == "stop"
+    assert (
+        set(answer) == {"city", "sunny"} and answer["city"] in ("Paris", "Rome") and isinstance(answer["sunny"], bool)
+    )
+
+
 def requests_by_model(url: str) -> tuple[list[str], dict[str, float]]:
     """/metrics' orcinus_requests_total family as written (its lines), and its value per model."""
     text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
