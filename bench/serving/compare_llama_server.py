@@ -35,7 +35,8 @@ from pathlib import Path
 
 from bench.common import ROOT, served, write_report
 
-METRICS = ("output_tok_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s")
+# ITL is per SSE event (a speculating server sends several tokens in one); TPOT is per token: (e2e - TTFT) / (n - 1)
+METRICS = ("output_tok_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s")
 
 
 def bench(url: str, model: str, concurrency: int, args, seed: int, seconds: float) -> dict:
@@ -70,6 +71,7 @@ def bench(url: str, model: str, concurrency: int, args, seed: int, seconds: floa
         "ttft_p50_s": s["ttft_s"]["p50"],
         "itl_p50_s": s["itl_s"]["p50"],
         "itl_p99_s": s["itl_s"]["p99"],
+        "tpot_p50_s": s["tpot_s"]["p50"],
         "completed": s["completed"],
         "load_average_1m": os.getloadavg()[0],  # the machine may be shared: what else ran beside the point
         "duration_s": s["duration_s"],
@@ -170,12 +172,15 @@ def main() -> int:
         "samples": samples,
     }
     write_report(args.out, report)
-    print(f"\n{'clients':>7}  {'system':<28}{'tok/s':>8}{'ratio':>7}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}")
+    print(
+        f"\n{'clients':>7}  {'system':<28}{'tok/s':>8}{'ratio':>7}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
+    )
     for c, med in table.items():
         for s, m in med.items():
             print(
                 f"{c:>7}  {s:<28}{m['output_tok_s']:>8.1f}{m['vs_llama_server']:>6.2f}x"
                 f"{m['ttft_p50_s']:>9.3f}s{m['itl_p50_s'] * 1000:>7.1f}ms{m['itl_p99_s']:>8.3f}s"
+                f"{m['tpot_p50_s'] * 1000:>8.1f}ms"
             )
     return 0
 
