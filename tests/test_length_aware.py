@@ -5,7 +5,7 @@ import math
 import random
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, ByHidden, decode_ready
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
@@ -61,19 +61,6 @@ def test_the_predictor_keeps_what_it_learnt_in_its_file(tmp_path):
 # ------------------------------------------------------------------------------------- the policy, on the scheduler
 
 
-class ByHidden:
-    """A predictor that reads the remaining length off the probe's first value (the test writes it there)."""
-
-    def predict(self, hidden, num_output_tokens):
-        return hidden[0] - num_output_tokens
-
-    def observe(self, probes, num_output_tokens):
-        pass
-
-    def save(self):
-        pass
-
-
 def make(**cfg) -> Scheduler:
     config = EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy="predicted", **cfg)
     return Scheduler(config, 4096, max_model_len=4096, policy=Predicted(ByHidden()))
@@ -124,21 +111,6 @@ def test_newcomers_take_slots_from_predicted_long_running_requests():
     batch = s.schedule()
     assert sorted(r.request_id for r in batch.requests) == ["long1", "short"]  # 2 slots: the newcomer takes one
     assert len(s.running) == 3  # all three hold blocks
-
-
-def decode_ready(s: Scheduler, lengths: dict[str, int]) -> None:
-    """Admit and prefill one request per entry, each predicted at its length."""
-    for rid, n in lengths.items():
-        s.add(Request(rid, [1, 2, len(rid), n], SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=0.0))
-    while s.waiting:
-        batch = s.schedule()
-        s.update(
-            batch,
-            {
-                r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])] if r.probe else None)
-                for r in batch.requests
-            },
-        )
 
 
 def test_new_prompts_run_alone_but_never_twice_in_a_row():
