@@ -203,6 +203,27 @@ def test_the_oracle_is_a_benchmarks_policy_found_by_its_name_and_the_old_name_st
     assert isinstance(s.policy, Oracle) and [r.request_id for r in s.waiting] == ["short", "long"]
 
 
+def null_runs(*runs):
+    """bench_length_aware --null-model's open_loop per (policy, arrivals), one step cost, a few KV blocks."""
+    from bench.serving import length_null
+    from engine.core import engine_core
+    from engine.core import scheduler as scheduler_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (engine_core, scheduler_module):  # NullEngine swaps in its clock: theirs back afterwards
+            mp.setattr(module, "time", module.time)
+        cost = length_null.StepCost(fixed_ms=6.0, decode_row_ms=2.5, prompt_token_ms=1.4)
+        return [length_null.open_loop(p, arrivals, 0, num_blocks=8, cost=cost, max_num_seqs=2) for p, arrivals in runs]
+
+
+def test_the_null_model_runs_decode_each_request_to_its_length():
+    short = {"prompt_tokens": 5, "output_tokens": 3, "max_tokens": 8, "predicted": 3.0}
+    long = {"prompt_tokens": 9, "output_tokens": 6, "max_tokens": 8, "predicted": 6.0}
+    alone, both = null_runs(("fcfs", [(0.0, short)]), ("predicted", [(0.0, long), (0.0, short)]))
+    assert alone["requests"] == 1 and alone["output_tok_s"] * alone["elapsed_s"] == pytest.approx(3)
+    assert both["requests"] == 2 and both["output_tok_s"] * both["elapsed_s"] == pytest.approx(9)
+
+
 # ------------------------------------------------------------------------------------------- the engine's tokens
 
 
