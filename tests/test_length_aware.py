@@ -224,6 +224,14 @@ def test_the_null_model_runs_decode_each_request_to_its_length():
     assert both["requests"] == 2 and both["output_tok_s"] * both["elapsed_s"] == pytest.approx(9)
 
 
+def test_the_null_model_runs_cost_each_decode_row():
+    row = {"prompt_tokens": 5, "output_tokens": 3, "max_tokens": 8, "predicted": 3.0}
+    (alone,) = null_runs(("fcfs", [(0.0, row)]))
+    # Its prompt's step (6 + 5 x 1.4 ms), then two decodes of one row each (6 + 2.5 ms).
+    assert alone["ttft_mean_s"] == pytest.approx(0.013)
+    assert alone["elapsed_s"] == pytest.approx(0.030) == alone["alone_e2e_mean_s"]
+
+
 # ------------------------------------------------------------------------------------------- the engine's tokens
 
 

@@ -151,7 +151,8 @@ class NullEngine:
         self.last_batch = None
         updated = self.engine.step()
         if self.last_batch is not None:
-            decodes = sum(1 for s in self.last_batch.requests if len(s.token_ids) == 1)
+            # Plain decode rows travel as the batch's columns (Batch.decode), the others as ScheduledRequests.
+            decodes = len(self.last_batch.decode) + sum(1 for s in self.last_batch.requests if len(s.token_ids) == 1)
             prompt = sum(len(s.token_ids) for s in self.last_batch.requests if len(s.token_ids) > 1)
             self.clock.now += self.cost.seconds(decodes, prompt)
             self.prompt_tokens_computed += prompt
