@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from bench.common import parse_metrics  # noqa: F401 - the tests' too: one reading of /metrics
+from engine.core.request import Request, SampledTokens
+from engine.core.sampling_params import SamplingParams
 from engine.model.loader import load_checkpoint
 from engine.model.model_files import GGUFReader, default_model_path
 
@@ -78,6 +80,34 @@ def run_staggered(engine, prompt_ids: list[list[int]], params) -> list:
         engine.step()
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     return requests
+
+
+class ByHidden:
+    """A length predictor that reads the remaining length off the probe's first value (the test writes it there)."""
+
+    def predict(self, hidden, num_output_tokens):
+        return hidden[0] - num_output_tokens
+
+    def observe(self, probes, num_output_tokens):
+        pass
+
+    def save(self):
+        pass
+
+
+def decode_ready(s, lengths: dict[str, int]) -> None:
+    """Admit and prefill one request per entry on Scheduler `s`, each probed (ByHidden) at its length."""
+    for rid, n in lengths.items():
+        s.add(Request(rid, [1, 2, len(rid), n], SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=0.0))
+    while s.waiting:
+        batch = s.schedule()
+        s.update(
+            batch,
+            {
+                r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])] if r.probe else None)
+                for r in batch.requests
+            },
+        )
 
 
 def wait_for_metrics(fetch, pred, timeout: float, what: str) -> dict[str, float]:

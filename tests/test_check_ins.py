@@ -3,6 +3,7 @@ single steps."""
 
 import pytest
 import torch
+from conftest import ByHidden, decode_ready
 
 from engine.core.config import EngineConfig
 from engine.core.queue_policy import Predicted
@@ -157,46 +158,23 @@ def test_stop_strings_cut_chunks_of_several_tokens_where_single_tokens_cut(tiny,
 # ------------------------------------------------------------------------------ the scheduler's choice, on integers
 
 
-class ByHidden:
-    """A predictor that reads the remaining length off the probe's first value."""
-
-    def predict(self, hidden, num_output_tokens):
-        return hidden[0] - num_output_tokens
-
-    def observe(self, probes, num_output_tokens):
-        pass
-
-    def save(self):
-        pass
-
-
 def scheduler(num_blocks=256, policy=None, **cfg) -> Scheduler:
     config = EngineConfig(block_size=4, max_num_batched_tokens=256, check_in_steps=8, **cfg)
     return Scheduler(config, num_blocks, max_model_len=1024, policy=policy)
 
 
-def prefill(s: Scheduler, lengths: dict[str, int]) -> None:
-    for rid, n in lengths.items():
-        s.add(Request(rid, [1, 2, len(rid), n], SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=0.0))
-    while s.waiting:
-        batch = s.schedule()
-        s.update(
-            batch, {r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])]) for r in batch.requests}
-        )
-
-
 def test_requests_predicted_short_are_checked_every_step():
     s = scheduler(policy=Predicted(ByHidden()), scheduling_policy="predicted")
-    prefill(s, {"long": 500, "long2": 300})
+    decode_ready(s, {"long": 500, "long2": 300})
     assert s.schedule().num_steps == 8
     s = scheduler(policy=Predicted(ByHidden()), scheduling_policy="predicted")
-    prefill(s, {"long": 500, "short": 10})
+    decode_ready(s, {"long": 500, "short": 10})
     assert s.schedule().num_steps == 1
 
 
 def test_a_prompt_in_the_batch_keeps_single_steps():
     s = scheduler()
-    prefill(s, {"a": 100})
+    decode_ready(s, {"a": 100})
     s.add(Request("b", [3, 3, 3], SamplingParams(max_tokens=5)))
     batch = s.schedule()
     assert batch.num_steps == 1  # b's prompt is in it
@@ -206,7 +184,7 @@ def test_a_prompt_in_the_batch_keeps_single_steps():
 
 def test_slots_are_reserved_for_the_steps_each_request_can_take_and_fewer_steps_where_blocks_are_short():
     s = scheduler(num_blocks=4)  # 16 slots
-    prefill(s, {"a": 100, "b": 3})  # 4 prompt tokens computed and one output each; the next takes a second block
+    decode_ready(s, {"a": 100, "b": 3})  # 4 prompt tokens computed and one output each; the next takes a second block
     a, b = s.requests["a"], s.requests["b"]
     batch = s.schedule()
     # b can take 2 more tokens (max_tokens 3): its 2 blocks hold them; a gets the steps its 2 blocks hold, not 8.

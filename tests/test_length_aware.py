@@ -5,7 +5,7 @@ import math
 import random
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, ByHidden, decode_ready
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
@@ -61,19 +61,6 @@ def test_the_predictor_keeps_what_it_learnt_in_its_file(tmp_path):
 # ------------------------------------------------------------------------------------- the policy, on the scheduler
 
 
-class ByHidden:
-    """A predictor that reads the remaining length off the probe's first value (the test writes it there)."""
-
-    def predict(self, hidden, num_output_tokens):
-        return hidden[0] - num_output_tokens
-
-    def observe(self, probes, num_output_tokens):
-        pass
-
-    def save(self):
-        pass
-
-
 def make(**cfg) -> Scheduler:
     config = EngineConfig(block_size=4, max_num_batched_tokens=256, scheduling_policy="predicted", **cfg)
     return Scheduler(config, 4096, max_model_len=4096, policy=Predicted(ByHidden()))
@@ -124,21 +111,6 @@ def test_newcomers_take_slots_from_predicted_long_running_requests():
     batch = s.schedule()
     assert sorted(r.request_id for r in batch.requests) == ["long1", "short"]  # 2 slots: the newcomer takes one
     assert len(s.running) == 3  # all three hold blocks
-
-
-def decode_ready(s: Scheduler, lengths: dict[str, int]) -> None:
-    """Admit and prefill one request per entry, each predicted at its length."""
-    for rid, n in lengths.items():
-        s.add(Request(rid, [1, 2, len(rid), n], SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=0.0))
-    while s.waiting:
-        batch = s.schedule()
-        s.update(
-            batch,
-            {
-                r.request_id: SampledTokens([7], hidden=[float(lengths[r.request_id])] if r.probe else None)
-                for r in batch.requests
-            },
-        )
 
 
 def test_new_prompts_run_alone_but_never_twice_in_a_row():
@@ -229,6 +201,35 @@ def test_the_oracle_is_a_benchmarks_policy_found_by_its_name_and_the_old_name_st
             )
         )
     assert isinstance(s.policy, Oracle) and [r.request_id for r in s.waiting] == ["short", "long"]
+
+
+def null_runs(*runs):
+    """bench_length_aware --null-model's open_loop per (policy, arrivals), one step cost, a few KV blocks."""
+    from bench.serving import length_null
+    from engine.core import engine_core
+    from engine.core import scheduler as scheduler_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (engine_core, scheduler_module):  # NullEngine swaps in its clock: theirs back afterwards
+            mp.setattr(module, "time", module.time)
+        cost = length_null.StepCost(fixed_ms=6.0, decode_row_ms=2.5, prompt_token_ms=1.4)
+        return [length_null.open_loop(p, arrivals, 0, num_blocks=8, cost=cost, max_num_seqs=2) for p, arrivals in runs]
+
+
+def test_the_null_model_runs_decode_each_request_to_its_length():
+    short = {"prompt_tokens": 5, "output_tokens": 3, "max_tokens": 8, "predicted": 3.0}
+    long = {"prompt_tokens": 9, "output_tokens": 6, "max_tokens": 8, "predicted": 6.0}
+    alone, both = null_runs(("fcfs", [(0.0, short)]), ("predicted", [(0.0, long), (0.0, short)]))
+    assert alone["requests"] == 1 and alone["output_tok_s"] * alone["elapsed_s"] == pytest.approx(3)
+    assert both["requests"] == 2 and both["output_tok_s"] * both["elapsed_s"] == pytest.approx(9)
+
+
+def test_the_null_model_runs_cost_each_decode_row():
+    row = {"prompt_tokens": 5, "output_tokens": 3, "max_tokens": 8, "predicted": 3.0}
+    (alone,) = null_runs(("fcfs", [(0.0, row)]))
+    # Its prompt's step (6 + 5 x 1.4 ms), then two decodes of one row each (6 + 2.5 ms).
+    assert alone["ttft_mean_s"] == pytest.approx(0.013)
+    assert alone["elapsed_s"] == pytest.approx(0.030) == alone["alone_e2e_mean_s"]
 
 
 # ------------------------------------------------------------------------------------------- the engine's tokens

@@ -50,35 +50,22 @@ def test_locust_headless_records_requests_and_no_failures(server, tmp_path):
     assert int(rows[("METRIC", "tokens/s")]["Request Count"]) > 0
 
 
-def test_bench_serving_tiny_workload(server, tmp_path):
-    out = tmp_path / "bench.json"
+def bench_serving(server: str, out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """bench_serving against `server` on a tiny workload (8-24 prompt tokens, 2-6 outputs): its output and report."""
+    argv = ["--base-url", server, "--input-len", "8", "24", "--output-len", "2", "6", *flags, "--out", str(out)]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.serving.bench_serving",
-            "--base-url",
-            server,
-            "--num-prompts",
-            "6",
-            "--input-len",
-            "8",
-            "24",
-            "--output-len",
-            "2",
-            "6",
-            "--request-rate",
-            "4",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", "bench.serving.bench_serving", *argv],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_bench_serving_tiny_workload(server, tmp_path):
+    proc, report = bench_serving(server, tmp_path / "bench.json", "--num-prompts", "6", "--request-rate", "4")
     s = report["summary"]
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["total_output_tokens"] == sum(r["max_tokens"] for r in report["requests"])  # ignore_eos honoured
@@ -90,36 +77,8 @@ def test_bench_serving_timed_closed_loop_sends_the_same_requests_to_any_server(s
     """A timed run (how compare_llama_server.py drives both servers) takes the seeded requests in order."""
     from bench.serving.bench_serving import Workload
 
-    out = tmp_path / "timed.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.serving.bench_serving",
-            "--base-url",
-            server,
-            "--duration",
-            "2",
-            "--max-concurrency",
-            "2",
-            "--input-len",
-            "8",
-            "24",
-            "--output-len",
-            "2",
-            "6",
-            "--seed",
-            "5",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+    flags = ["--duration", "2", "--max-concurrency", "2", "--seed", "5"]
+    _, report = bench_serving(server, tmp_path / "timed.json", *flags)
     assert report["summary"]["completed"] >= 2 and report["summary"]["failed"] == 0
     stream = Workload(input_len=(8, 24), output_len=(2, 6), seed=5).stream()
     expected = [next(stream) for _ in report["requests"]]

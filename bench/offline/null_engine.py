@@ -1,5 +1,6 @@
 """The engine the host benchmarks share: dummy:tiny on the CPU with every request decoding (its prompts computed,
-untimed), optionally its model swapped for a null one, and the engine loop's output on a real channel.
+untimed), optionally its model swapped for a null one (as bench_length_aware's --null-model runs swap theirs), and
+the engine loop's output on a real channel.
 
 Imported by benchmarks that run it in other trees' engines (bench_host_step.py): it imports only what every tree has.
 """
@@ -26,6 +27,11 @@ class NullModel(torch.nn.Module):
         return self.table[: len(logits_indices)]
 
 
+def use_null_model(engine) -> None:
+    """Swap the engine's model for a NullModel with a row for every token a step may take."""
+    engine.executor.runner.model = NullModel(engine.scheduler.config.max_num_batched_tokens or 512)
+
+
 def decoding_engine(batch: int, prompt_len: int, max_tokens: int, null_model: bool = False, **config):
     """An engine whose `batch` requests (greedy, eos ignored) have each got their first token: what follows decodes."""
     from engine import SamplingParams
@@ -37,7 +43,7 @@ def decoding_engine(batch: int, prompt_len: int, max_tokens: int, null_model: bo
     )
     engine = build_engine(config)
     if null_model:
-        engine.executor.runner.model = NullModel(config.max_num_batched_tokens or 512)
+        use_null_model(engine)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(7 * i + j) % 40000 for j in range(prompt_len)], params)

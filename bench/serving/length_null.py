@@ -93,7 +93,7 @@ class NullEngine:
     """The engine under one policy, its model swapped for fixed logits, its clock simulated."""
 
     def __init__(self, policy: str, num_blocks: int, cost: StepCost, max_num_seqs: int):
-        from bench.offline.bench_check_ins import NullModel
+        from bench.offline.null_engine import use_null_model
         from engine.core import engine_core, scheduler
         from engine.core.config import EngineConfig
         from engine.launch import build_engine
@@ -120,7 +120,7 @@ class NullEngine:
         probe.close()
         self.engine = build_engine(config.with_(kv_cache_memory=block_bytes * num_blocks), CHECKPOINT)
         assert self.engine.scheduler.kv.num_blocks == num_blocks, self.engine.scheduler.kv.num_blocks
-        self.engine.executor.runner.model = NullModel(self.engine.scheduler.config.max_num_batched_tokens or 512)
+        use_null_model(self.engine)
         self.last_batch = None
         submit = self.engine.executor.submit
 
@@ -151,7 +151,8 @@ class NullEngine:
         self.last_batch = None
         updated = self.engine.step()
         if self.last_batch is not None:
-            decodes = sum(1 for s in self.last_batch.requests if len(s.token_ids) == 1)
+            # Plain decode rows travel as the batch's columns (Batch.decode), the others as ScheduledRequests.
+            decodes = len(self.last_batch.decode) + sum(1 for s in self.last_batch.requests if len(s.token_ids) == 1)
             prompt = sum(len(s.token_ids) for s in self.last_batch.requests if len(s.token_ids) > 1)
             self.clock.now += self.cost.seconds(decodes, prompt)
             self.prompt_tokens_computed += prompt

@@ -1,12 +1,14 @@
 // What the token-wise CPU ops share (token_ops.cpp, family_ops.cpp): elements loaded as float32 and stored as
-// float32 or bfloat16, the threads' grain, and the dispatch on a tensor's dtype. Each op includes it into its own
+// float32 or bfloat16, the threads' grain, the dispatch on a tensor's dtype, and the gated activations' wrapper. Each op includes it into its own
 // translation unit (and module), so it is all inline, in a namespace of its own.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace orcinus_cpu {
 
@@ -45,5 +47,26 @@ void dispatch(const at::Tensor& x, Fn fn) {
 
 template <typename T>
 T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+inline void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [rows, width] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+// gate_up [rows, 2 * width] (gate, then up) -> act(gate) * up [rows, width]. rows_fn(gate_up, out, rows, width) is
+// the op's row loop, called with the element type's pointers (a generic lambda over the loop's template).
+template <typename RowsFn>
+at::Tensor gated_activation(const at::Tensor& gate_up, RowsFn rows_fn) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up side by side");
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
+  dispatch(gate_up, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    rows_fn(data<T>(gate_up), data<T>(out), gate_up.size(0), width);
+  });
+  return out;
+}
 
 }  // namespace orcinus_cpu

@@ -151,17 +151,9 @@ void soft_cap_rows(const float* x, float* out, int64_t n, float cap) {
 
 // gate_up [rows, 2 * width] (gate, then up) -> gelu_tanh(gate) * up [rows, width]
 at::Tensor gelu_tanh_mul(at::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "gate_up must be a contiguous [rows, width] tensor");
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
-              "gate_up must be float32 or bfloat16");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up side by side");
-  const int64_t width = gate_up.size(1) / 2;
-  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
-  dispatch(gate_up, [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    gelu_tanh_mul_rows<T>(data<T>(gate_up), data<T>(out), gate_up.size(0), width);
+  return gated_activation(gate_up, [](auto* in, auto* out, int64_t rows, int64_t width) {
+    gelu_tanh_mul_rows(in, out, rows, width);
   });
-  return out;
 }
 
 // rope_write_kv's arguments (token_ops.cpp) and the query and key norms' weights [D] and eps: each query and key

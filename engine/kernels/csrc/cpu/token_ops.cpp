@@ -101,12 +101,6 @@ void rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, cons
 }
 #pragma GCC pop_options
 
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [rows, width] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16");
-}
-
 }  // namespace
 
 // x [rows, hidden], weight [hidden] -> x * rsqrt(mean(x^2) + eps) * weight
@@ -144,15 +138,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
 
 // gate_up [rows, 2 * width] (gate, then up) -> silu(gate) * up [rows, width]
 at::Tensor silu_mul(at::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up side by side");
-  const int64_t width = gate_up.size(1) / 2;
-  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
-  dispatch(gate_up, [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    silu_mul_rows<T>(data<T>(gate_up), data<T>(out), gate_up.size(0), width);
+  return gated_activation(gate_up, [](auto* in, auto* out, int64_t rows, int64_t width) {
+    silu_mul_rows(in, out, rows, width);
   });
-  return out;
 }
 
 // qkv [T, (hq + 2 hkv) * D] (rows may be strided), positions and slot_mapping [T] int64, table [positions, 2, D] (cos,
