@@ -335,9 +335,11 @@ inline void prefetch_ahead(const uint8_t* p, int bytes) {
   for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T1);
 }
 
-// f(I), f(I + 1) .. f(N - 1), each index a compile-time constant (the code slices' shifts are immediates).
+// f(I), f(I + 1) .. f(N - 1), each index a compile-time constant (the code slices' shifts are immediates). Always
+// inlined, as the bodies passed are: a body GCC left as a call kept a tile's sums in memory (the AVX2 build ran slower).
+#define ORCINUS_INLINE __attribute__((always_inline))
 template <int I, int N, typename F>
-inline void unroll(F&& f) {
+ORCINUS_INLINE inline void unroll(F&& f) {
   if constexpr (I < N) {
     f(std::integral_constant<int, I>{});
     unroll<I + 1, N>(f);
@@ -430,7 +432,7 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
       // Integer sums are exact in any order: several chains (or rows) hide the multiply-adds' latency. A block's
       // halves (Q6_K's per-16 scales) are summed and scaled in turn; other formats are one half.
       __m512i sum[R][chains];
-      unroll<0, vectors>([&](auto uc) {
+      unroll<0, vectors>([&](auto uc) ORCINUS_INLINE {
         constexpr int u = decltype(uc)::value, hh = u / per_half;
         if constexpr (u % per_half == 0)
           for (int r = 0; r < R; ++r) {
@@ -441,7 +443,7 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
             for (int c = 1; c < chains; ++c) sum[r][c] = _mm512_setzero_si512();
           }
         const __m512i v = _mm512_loadu_si512(p + u * 64);
-        unroll<0, per_word>([&](auto sc) {
+        unroll<0, per_word>([&](auto sc) ORCINUS_INLINE {
           constexpr int s = decltype(sc)::value, t = per_word * u + s;
           __m512i wv;
           if constexpr (per_word == 2)
@@ -562,7 +564,7 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
       for (int v = 0; v < f.high_bytes / 64; ++v)
         high[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + f.code_bytes + 64 * v));
       __m256i sum[R][chains];
-      unroll<0, vectors>([&](auto uc) {
+      unroll<0, vectors>([&](auto uc) ORCINUS_INLINE {
         constexpr int u = decltype(uc)::value, hh = u / per_half;
         if constexpr (u % per_half == 0)
           for (int r = 0; r < R; ++r) {
@@ -573,7 +575,7 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
             for (int c = 1; c < chains; ++c) sum[r][c] = _mm256_setzero_si256();
           }
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + u * 64));
-        unroll<0, per_word>([&](auto sc) {
+        unroll<0, per_word>([&](auto sc) ORCINUS_INLINE {
           constexpr int s = decltype(sc)::value, t = per_word * u + s;
           __m256i wv;
           if constexpr (per_word == 2)
