@@ -118,7 +118,7 @@ def OtherInt16(parts, ops):
         def _matmul_out(self, x, out):
             ops.int16_matmul_out(x.contiguous(), self._parts, self.types, out)
 
-    return Other([Blocks(p.type, ops.pack(p.data, p.type, p.cols), p.cols) for p in parts])
+    return Other([Blocks(ops.packed_type(p.type), ops.pack(p.data, p.type, p.cols), p.cols) for p in parts])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ and sums in float32, in an order that does not depend on the batch. So these lay
 
 An Int16BlockLinear, the default where the CPU has AVX-512 VNNI or AVX2 (the same bits from either), multiplies through
 engine/kernels/csrc/cpu/int16_matmul.cpp: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks (the same codes and scales,
-reordered once, Q5_0's and Q6_K's codes widened to bytes and the K-quants' scales to exact float32s) times
+reordered once into about the file's bytes, so a step reads what the file holds) times
 the activations rounded to 16-bit integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is
 faster than the float32 path at every row count (docs/performance.md, Kernels), and as batch-independent: a row's
 rounding and each output's order of sums are its own.
