@@ -353,3 +353,66 @@ def test_replicas_serving_adapters_route_by_residency_and_count_why():
     # r0 (a) to replica 0, r1 (base) by turn, r2 (a) where a is, r3 (b) to the less loaded, r4 (a) to a's.
     assert where == {"r0": 0, "r1": 0, "r2": 0, "r3": 1, "r4": 0}
     assert reasons == {("0", "load"): 1, ("0", "turn"): 1, ("0", "lora"): 2, ("1", "load"): 1}
+
+
+def test_a_steps_frame_gives_each_request_the_delta_the_engine_made_for_it():
+    """The engine loop sends a step's plain deltas (one new token of a running request) as columns of its StepDeltas,
+    the others as TokenDeltas: through the ring's encoding, the gateway hands each request what EngineLoop.delta makes."""
+    import asyncio
+    import copy
+
+    import msgspec
+
+    from engine.core.config import FaultPlan
+    from engine.core.request import RequestStatus, TokenLogprobs
+    from engine.ipc.engine_loop import EngineLoop
+    from engine.ipc.messages import AddRequest, FromEngine
+    from gateway.engines.client import _Route
+
+    class Loop:  # what publish_deltas reads of its EngineLoop
+        faults = FaultPlan()
+        generation_tokens_total = 0
+        delta = EngineLoop.delta
+
+        def __init__(self):
+            self.sent, self.outbox = [], self
+
+        def send(self, frame) -> None:
+            self.sent.append(frame)
+
+    def made(rid, outputs, delivered, status=RequestStatus.RUNNING, logprobs=None) -> Request:
+        r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=8, logprobs=logprobs), status=status)
+        r.output_token_ids, r.num_delivered_tokens = list(outputs), delivered
+        r.output_logprobs = [TokenLogprobs(t, -0.5, []) for t in outputs] if logprobs is not None else []
+        r.num_cached_tokens, r.queue_seconds = 2, 0.25
+        return r
+
+    updated = [
+        made("plain", [4, 5, 6], 2),
+        made("first", [4], 0),
+        made("last", [4, 5], 1, RequestStatus.FINISHED_LENGTH),
+        made("logprobs", [4, 5], 1, logprobs=1),
+        made("drafted", [4, 5, 6], 1),  # a step that accepted a draft: two tokens
+        made("plain2", [9, 8], 1),
+    ]
+    want = {r.request_id: EngineLoop.delta(Loop(), copy.deepcopy(r)) for r in updated}
+    loop = Loop()
+    EngineLoop.publish_deltas(loop, updated)
+    [frame] = loop.sent
+    assert (frame.request_ids, frame.token_ids) == (["plain", "plain2"], [6, 8])
+    assert [d.request_id for d in frame.deltas] == ["first", "last", "logprobs", "drafted"]
+    assert loop.generation_tokens_total == 7
+    assert [r.num_delivered_tokens for r in updated] == [len(r.output_token_ids) for r in updated]
+
+    async def scenario():
+        [client] = live_replicas(1).clients
+        queue = asyncio.Queue()
+        for rid in want:
+            client.routes[rid] = _Route(queue, AddRequest(EngineRequest(rid, [1, 2, 3], SamplingParams())))
+        client._on_frame(msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=FromEngine))
+        return drain(queue), client.routes
+
+    got, routes = asyncio.run(scenario())
+    assert dict(got) == want and len(got) == len(want)
+    assert sorted(routes) == sorted(set(want) - {"last"})  # a finished request's route goes
+    assert routes["drafted"].num_tokens == 3 + 2 and routes["plain"].num_tokens == 3 + 1

@@ -29,7 +29,7 @@ def host_per_token(steps: int, batch: int, tokens: int) -> dict[str, float]:
     generated, iterations = 0, 0
     t, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
-        generated += sum(len(d.token_ids) for d in output.publish(engine.step()))
+        generated += output.publish(engine.step())
         iterations += 1
         output.drain()
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu

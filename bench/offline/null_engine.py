@@ -67,22 +67,31 @@ class Output:
         except ImportError:  # a tree from before it
             StepDeltas = None
 
-        class Publisher:  # what EngineLoop.delta reads of its loop
+        class Publisher:  # what EngineLoop.delta and EngineLoop.publish_deltas read of their loop
             faults = FaultPlan()
+            generation_tokens_total = 0
+            delta = EngineLoop.delta
 
         self.publisher, self.delta, self.step_deltas = Publisher(), EngineLoop.delta, StepDeltas
         self.outbox = Channel.create(FromEngine)
         self.consumer = Channel.attach(self.outbox.handle(), FromEngine)
+        self.publisher.outbox = self.outbox
+        # The engine loop's own step output, where the tree has it.
+        self.publish_deltas = getattr(EngineLoop, "publish_deltas", None)
 
-    def publish(self, updated: list) -> list:
-        """Send the deltas of the requests a step updated; returns them."""
+    def publish(self, updated: list) -> int:
+        """Send the deltas of the requests a step updated; returns the tokens they carry."""
+        if self.publish_deltas is not None:
+            before = self.publisher.generation_tokens_total
+            self.publish_deltas(self.publisher, updated)
+            return self.publisher.generation_tokens_total - before
         deltas = [self.delta(self.publisher, r) for r in updated]
         if self.step_deltas is not None:
             self.outbox.send(self.step_deltas(deltas))
         else:
             for delta in deltas:
                 self.outbox.send(delta)
-        return deltas
+        return sum(len(d.token_ids) for d in deltas)
 
     def drain(self) -> None:
         self.consumer.recv_all()

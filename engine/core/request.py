@@ -110,6 +110,9 @@ class Request:
     )
     speculation: object | None = None  # its drafter and acceptance estimate (core/speculation.py), from its first draft
     num_delivered_tokens: int = 0  # outputs already handed to its caller (the engine process's deltas)
+    # Outputs at which it ends for length: max_tokens or the context window, whichever comes first (Scheduler.add
+    # sets it; 0: every token takes the scheduler's general stop check).
+    output_limit: int = 0
     error: str | None = None  # why it failed (status FINISHED_ERROR)
 
     @property

@@ -10,6 +10,7 @@ import msgspec
 from engine.core.check_ins import may_run_long, reserve_steps
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
+from engine.core.plain_decodes import schedule_plain_decodes, update_plain_decodes
 from engine.core.queue_policy import QueuePolicy, WaitingQueue, queue_policy
 from engine.core.request import Failure, Request, RequestStatus, SampledTokens, TokenLogprobs
 from engine.core.speculation import Speculation, StepDrafts
@@ -166,6 +167,8 @@ class Scheduler:
         # Plain decode rows go as Batch.decode's columns (EngineCore sets it; a batch of ScheduledRequests alone is
         # what tests of the scheduler read).
         self.columnar_decode = False
+        # Plain decode rows may take the fast path (engine/core/plain_decodes.py); tests turn it off to compare.
+        self.fast_decode = True
         self.num_preemptions = 0
         self.dropped: list[str] = []  # requests gone from the running since the last batch (Batch.dropped)
         self.newcomers_ran_alone = False  # the last batch took new prompts only (`_newcomers_alone`)
@@ -186,6 +189,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        req.output_limit = min(req.params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         req.arrival_order = self.num_arrived
         self.num_arrived += 1
         self.waiting.add(req)
@@ -213,6 +217,9 @@ class Scheduler:
         the requests that could run, so the batches in flight split them and every stage has work."""
         budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
+        idle = not self.in_flight  # before this batch's requests count in flight
+        # A batch that may run several steps (check-ins) goes as ScheduledRequests: engine/runner/check_in_steps.py.
+        columnar = self.columnar_decode and not (self.check_in_steps > 1 and idle)
         scheduled: list[tuple[Request, int, list[int]]] = []
         max_seqs = self.config.max_num_seqs
         if not self.run_ahead:  # running ahead, consecutive batches share their requests rather than split them
@@ -223,19 +230,28 @@ class Scheduler:
             self._make_room(budget)
         max_running_seqs = self._running_slots(max_seqs)
         alone = self._newcomers_alone()
-        budget = self._schedule_running(scheduled, 0 if alone else max_running_seqs, budget)
-        budget = self._admit_waiting(scheduled, max_seqs, budget, num_running_at_start)
+        batch, first = Batch([]), 0
+        if (
+            columnar
+            and self.fast_decode
+            and self.speculation is None
+            and not self.policy.probing
+            and self.config.kv_policy == "paged"
+            and not alone
+        ):
+            first, budget = schedule_plain_decodes(self, batch.decode, max_running_seqs, budget, PLACEHOLDER)
+        num_fast = len(batch.decode)
+        budget = self._schedule_running(scheduled, 0 if alone else max_running_seqs - num_fast, budget, first)
+        budget = self._admit_waiting(scheduled, max_seqs - num_fast, budget, num_running_at_start)
         if alone and not scheduled:  # the newcomer could not be admitted after all: the running go on
             self._schedule_running(scheduled, max_running_seqs, budget)
         self.newcomers_ran_alone = alone and bool(scheduled)
 
-        idle = not self.in_flight  # before this batch's requests count in flight
-        # A batch that may run several steps (check-ins) goes as ScheduledRequests: engine/runner/check_in_steps.py.
-        if self.columnar_decode and not (self.check_in_steps > 1 and idle):
-            batch = self._columnar(scheduled)
+        if columnar:
+            self._columnar(scheduled, batch)
         else:
-            batch = Batch([self._to_scheduled(req, n, draft) for req, n, draft in scheduled])
-        if scheduled and self.dropped:  # an empty batch is never submitted: they go with the next one
+            batch.requests = [self._to_scheduled(req, n, draft) for req, n, draft in scheduled]
+        if len(batch) and self.dropped:  # an empty batch is never submitted: they go with the next one
             batch.dropped, self.dropped = self.dropped, []
         if self.check_in_steps > 1 and idle and batch.requests:
             batch.num_steps = self._steps_to_check_in(batch, [req for req, _, _ in scheduled])
@@ -259,14 +275,15 @@ class Scheduler:
                 req.num_sent_blocks = len(req.block_table)
         return steps
 
-    def _schedule_running(self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int) -> int:
-        """Running requests in order, until `scheduled` holds `max_seqs`; preempts where blocks run out, then gives
-        the decoding ones drafts from what is left. Returns the budget left."""
+    def _schedule_running(
+        self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int, i: int = 0
+    ) -> int:
+        """Running requests in order from the `i`th, until `scheduled` holds `max_seqs`; preempts where blocks run
+        out, then gives the decoding ones drafts from what is left. Returns the budget left."""
         # Every running request's tokens first: a draft takes only the budget and blocks they leave, so it never
         # makes a later request preempt itself or wait.
         first = len(scheduled)
         step = self.speculation.new_step(len(self.running)) if self.speculation is not None else None
-        i = 0
         running, schedulable, allocate = self.running, self._num_schedulable, self.kv.allocate  # per request per step
         while i < len(running) and len(scheduled) < max_seqs:
             req = running[i]
@@ -445,9 +462,8 @@ class Scheduler:
             req.params.pooling if start < num_prompt else "",
         )
 
-    def _columnar(self, scheduled: list[tuple[Request, int, list[int]]]) -> Batch:
-        """The batch with its plain decode rows as columns (Batch.decode), the others as ScheduledRequests."""
-        batch = Batch([])
+    def _columnar(self, scheduled: list[tuple[Request, int, list[int]]], batch: Batch) -> None:
+        """Put `scheduled` in `batch`: plain decode rows as columns (Batch.decode), the others as ScheduledRequests."""
         structs, d = batch.requests, batch.decode
         ids, tokens, moved, positions = d.request_ids, d.token_ids, d.moved, d.positions
         in_flight, probing, probes = self.in_flight, self.policy.probing, self.policy.probes
@@ -482,7 +498,6 @@ class Scheduler:
                 d.block_offsets.append(sent)
                 d.blocks.append(table[sent:])
                 req.num_sent_blocks = len(table)
-        return batch
 
     @staticmethod
     def _prompt_logprob_rows(req: Request, start: int, end: int) -> PromptLogprobRows | None:
@@ -618,15 +633,10 @@ class Scheduler:
         self, request_ids: list[str], sampled: dict[str, SampledTokens | Failure], updated: list
     ) -> None:
         """update() for the plain decode rows: one token computed and one sampled each (no drafts, probes or pooling)."""
-        in_flight, drafting, requests, kv = self.in_flight, self.drafting, self.requests, self.kv
-        names_blocks, block_size, window, max_model_len = (
-            kv.prefix_caching,
-            kv.block_size,
-            self.kv_window,
-            self.max_model_len,
-        )
-        stopped, too_long = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
-        # Per request per step: update()'s loop, _append and _check_stop for one token, inlined.
+        if self.fast_decode:
+            update_plain_decodes(self, request_ids, sampled, updated)
+            return
+        in_flight, drafting, requests = self.in_flight, self.drafting, self.requests
         for rid in request_ids:
             left = in_flight[rid] - 1
             if left:
@@ -638,36 +648,41 @@ class Scheduler:
             req = requests.get(rid)
             if req is None:  # aborted, or finished by the batch before (a row scheduled ahead): its token is dropped
                 continue
-            req.num_in_flight_tokens -= 1
-            req.num_pending_outputs -= 1
-            result = sampled[rid]
-            if type(result) is not SampledTokens:  # a Failure: only this request goes; its blocks are freed
-                req.error = result.message
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                updated.append(req)
-                continue
-            computed = req.num_computed_tokens = req.num_computed_tokens + 1
-            outputs, params = req.output_token_ids, req.params
-            token_id = result.token_ids[0]
-            outputs.append(token_id)
-            if result.logprobs is not None:
-                req.output_logprobs.append(result.logprobs[0])
-            n = len(outputs)
-            if token_id in req.stop_token_ids and n >= params.min_tokens:
-                status = stopped
-            elif n >= params.max_tokens or len(req.prompt_token_ids) + n >= max_model_len:
-                status = too_long
-            else:
-                status = None
-            if status is not None:
-                computed = req.num_computed_tokens = min(computed, len(req.prompt_token_ids) + n - 1)
-            if names_blocks and computed // block_size > req.num_registered_blocks:
-                kv.cache_full_blocks(req)
-            if window:  # the next query (at num_computed_tokens) sees keys from here on
-                kv.release_before(req, computed - window + 1)
-            if status is not None:
-                self._finish(req, status)
+            self._update_decode_row(req, sampled[rid], updated)
+
+    def _update_decode_row(self, req: Request, result: SampledTokens | Failure, updated: list) -> None:
+        """A plain decode row's update, once its batch no longer counts in flight: _append and _check_stop for one
+        token, inlined."""
+        req.num_in_flight_tokens -= 1
+        req.num_pending_outputs -= 1
+        if type(result) is not SampledTokens:  # a Failure: only this request goes; its blocks are freed
+            req.error = result.message
+            self._finish(req, RequestStatus.FINISHED_ERROR)
             updated.append(req)
+            return
+        kv, window = self.kv, self.kv_window
+        computed = req.num_computed_tokens = req.num_computed_tokens + 1
+        outputs, params = req.output_token_ids, req.params
+        token_id = result.token_ids[0]
+        outputs.append(token_id)
+        if result.logprobs is not None:
+            req.output_logprobs.append(result.logprobs[0])
+        n = len(outputs)
+        if token_id in req.stop_token_ids and n >= params.min_tokens:
+            status = RequestStatus.FINISHED_STOPPED
+        elif n >= params.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        else:
+            status = None
+        if status is not None:
+            computed = req.num_computed_tokens = min(computed, len(req.prompt_token_ids) + n - 1)
+        if kv.prefix_caching and computed // kv.block_size > req.num_registered_blocks:
+            kv.cache_full_blocks(req)
+        if window:  # the next query (at num_computed_tokens) sees keys from here on
+            kv.release_before(req, computed - window + 1)
+        if status is not None:
+            self._finish(req, status)
+        updated.append(req)
 
     def _append(self, req: Request, result: SampledTokens) -> RequestStatus | None:
         """Append a step's tokens up to the first that ends the request (those after it are dropped)."""

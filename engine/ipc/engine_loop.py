@@ -200,8 +200,29 @@ class EngineLoop:
         elapsed = time.perf_counter() - t
         if self.cache_events:  # before the step's deltas: a client's next turn must find its prefix already known
             self.send_cache_events()
+        self.publish_deltas(updated)
+        self.publish_stats(elapsed)
+
+    def publish_deltas(self, updated: list) -> None:
+        """The step's tokens: StepDeltas frames, plain deltas as its columns (a RequestError where one failed)."""
         deltas, num_logprobs = [], 0
+        plain = StepDeltas([])
+        ids, tokens = plain.request_ids, plain.token_ids
+        faults = self.faults.publish_token is not None
+        # Per request per step: a running request's one new token goes in the columns, with no struct of its own.
         for req in updated:
+            start, outputs = req.num_delivered_tokens, req.output_token_ids
+            if (
+                start
+                and len(outputs) == start + 1
+                and req.status is RUNNING
+                and not faults
+                and req.params.logprobs is None
+            ):
+                req.num_delivered_tokens = start + 1
+                ids.append(req.request_id)
+                tokens.append(outputs[start])
+                continue
             if req.error is not None:
                 self.outbox.send(RequestError(req.request_id, req.error, internal=True))
                 continue
@@ -220,9 +241,10 @@ class EngineLoop:
                 if num_logprobs >= STEP_DELTAS_PART:
                     self.outbox.send(StepDeltas(deltas))
                     deltas, num_logprobs = [], 0
-        if deltas:
-            self.outbox.send(StepDeltas(deltas))
-        self.publish_stats(elapsed)
+        self.generation_tokens_total += len(ids)
+        if deltas or ids:
+            plain.deltas = deltas
+            self.outbox.send(plain)
 
     def delta(self, req) -> TokenDelta:
         """The tokens `req` got since its last delta (a step that verified drafts gives several)."""

@@ -99,6 +99,10 @@ class StepDeltas(msgspec.Struct, tag=True, array_like=True):
     """
 
     deltas: list[TokenDelta]
+    # The step's plain deltas as columns, after `deltas`: one token each for a running request that has had its first
+    # delta and asked for no logprobs (what most decode steps give most requests).
+    request_ids: list[str] = []
+    token_ids: list[int] = []
 
 
 class PromptLogprobsPart(msgspec.Struct, tag=True, array_like=True):

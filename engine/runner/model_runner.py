@@ -336,7 +336,15 @@ class ModelRunner:
         sampling (None: all): tables, slots, context lengths and offsets are numpy over all of it."""
         n, bs = len(request_ids), self.config.block_size
         ahead_rows, ahead_sources = [], []  # placeholder rows, and where in `previous` their ids are
-        if PLACEHOLDER in input_ids:
+        num_ahead = input_ids.count(PLACEHOLDER)
+        if num_ahead == n:  # every row runs ahead (async scheduling's steady state): no loop over the rows
+            input_ids = np.zeros(n, dtype=np.int64)  # any valid ids until the device's own arrive
+            if previous is not None:
+                ahead_rows, ahead_sources = range(n), list(map(previous[1].get, request_ids))
+                if None in ahead_sources:  # rows whose token the batch before did not sample (a failed batch)
+                    ahead_rows = [i for i, source in enumerate(ahead_sources) if source is not None]
+                    ahead_sources = [source for source in ahead_sources if source is not None]
+        elif num_ahead:
             input_ids = list(input_ids)  # the batch's own stays as sent
             sources = previous[1] if previous is not None else {}
             for i, token in enumerate(input_ids):

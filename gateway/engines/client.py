@@ -380,6 +380,8 @@ class EngineClient:
         if isinstance(msg, StepDeltas):
             for delta in msg.deltas:
                 self._on_delta(delta)
+            for request_id, token_id in zip(msg.request_ids, msg.token_ids):
+                self._on_delta(TokenDelta(request_id, [token_id], None))
         elif isinstance(msg, PromptLogprobsPart):
             route = self.routes.get(msg.request_id)
             if route is not None:
