@@ -171,3 +171,32 @@ def test_the_kv_write_rounds_into_a_16_bit_cache(cache_dtype):
     cache = torch.zeros(2, 2, 2, 4, 8, dtype=cache_dtype)
     write_kv(k, v, cache, torch.tensor([5, 0, 2]))
     assert torch.equal(cache[0, :, 1, 1], k[0].to(cache_dtype)) and torch.equal(cache[1, :, 0, 2], v[2].to(cache_dtype))
+
+
+@pytest.mark.parametrize("window", [0, 100], ids=["whole", "window"])
+@pytest.mark.parametrize("shape", [(4, 1, 256), (14, 2, 64), (32, 8, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_a_kv_head_s_query_heads_scored_together_get_each_head_s_bits_alone(cpu, shape, window):
+    """Gemma 3's 4 query heads on one KV head of 256, Qwen2.5's 7 on each of 2, Llama 3.2's 4 on each of 8, over a
+    float16 cache: the heads read each key and value together (widened once for four), and each head's output is bit
+    for bit what it gets as the lone query head of its KV head, in batches of decodes and of draft rows."""
+    hq, hkv, d = shape
+    q, cache, meta = ragged_batch(
+        [(1, 300), (1, 129), (5, 77), (1, 33), (9, 210)], hq, hkv, d, dtype=torch.float32, device="cpu"
+    )
+    cache = cache.half()
+    params = AttentionParams(d**-0.5, sliding_window=window or None)
+    rows = meta.decode_rows()
+    together = cpu._decode(q, cache, meta.block_tables, rows.requests, rows.context_lens, params)
+    group = hq // hkv
+    for h in range(hq):
+        alone = cpu._decode(
+            q[:, h : h + 1].contiguous(),
+            cache[:, h // group : h // group + 1].contiguous(),
+            meta.block_tables,
+            rows.requests,
+            rows.context_lens,
+            params,
+        )
+        assert torch.equal(together[:, h : h + 1], alone), h
+    want = TorchAttention._decode(q, cache.float(), meta.block_tables, rows.requests, rows.context_lens, params)
+    assert rel_error(together, want) < 1e-5

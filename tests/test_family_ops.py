@@ -191,3 +191,22 @@ def test_a_fused_bfloat16_gemma_decodes_the_unfused_ones_tokens(kind, extra, tmp
     plain = LLM(str(tmp_path), dtype="bfloat16", max_num_seqs=4)
     assert not any(type(m).__name__.startswith("Cpu") for m in plain.engine.model.modules())
     assert [o.token_ids for o in plain.generate(PROMPTS, params)] == tokens
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [64, 256])
+def test_qk_norm_rope_writes_a_16_bit_cache_under_float32_as_its_float32_keys_rounded(cache_dtype, d):
+    """--kv-cache-dtype (float16 by default on the CPU) under float32: the fused pass takes the 16-bit cache, its
+    queries are those of a float32 cache bit for bit and its keys and values those rounded to nearest even (as .to()
+    rounds), and both are PyTorch's chain to rounding."""
+    qkv, positions, slots, rotary, (qn, kn), cache = rope_case(torch.float32, 7, 4, 1, d, True, 11)
+    fused = rotary.on_table_of(CpuRotary)
+    cq, ck = qn.on_weight_of(CpuHeadRMSNorm), kn.on_weight_of(CpuHeadRMSNorm)
+    wide, narrow, ref = cache.clone(), cache.to(cache_dtype), cache.to(cache_dtype)
+    assert fused._takes(qkv, positions, narrow, slots)
+    q_wide = fused.norm_rope_write_kv(qkv, cq, ck, positions, wide, slots, 4, 1)
+    q_narrow = fused.norm_rope_write_kv(qkv, cq, ck, positions, narrow, slots, 4, 1)
+    assert torch.equal(q_narrow, q_wide) and torch.equal(narrow, wide.to(cache_dtype))
+    want = rotary.norm_rope_write_kv(qkv, qn, kn, positions, ref, slots, 4, 1)
+    assert torch.allclose(q_narrow, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(narrow.float(), ref.float(), rtol=2e-2 if cache_dtype == torch.bfloat16 else 2e-3, atol=0)

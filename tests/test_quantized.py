@@ -11,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.core.config import EngineConfig
+from engine.model.output_buffer import OutputBuffer
 from engine.model.quantized import (
     INT16_TYPES,
     QUANTIZED_TYPES,
@@ -379,3 +380,27 @@ def test_only_whole_tiles_of_rows_take_the_int16_path():
     assert type(model.ragged) is BlockLinear and type(model.whole) is Int16BlockLinear
     with pytest.raises(RuntimeError, match="whole tiles of 16 rows"):
         _int16_ops().pack(random_blocks(kind, 23, 64).data, int(kind), 64)
+
+
+def test_the_lm_head_writes_each_step_s_logits_into_the_same_memory(checkpoint):
+    """The LM head's logits outgrow what malloc recycles at a large vocabulary and batch (a fresh 33 MB tensor faults
+    in every page each step): under inference mode the head writes into the memory it kept, the same bits as a fresh
+    tensor, a larger batch growing it; outside inference mode (autograd may keep the output) a fresh tensor."""
+    from engine.runner.local_executor import build_model
+
+    model = build_model(checkpoint, 256, EngineConfig(device="cpu", dtype="float32"))
+    head = model.lm_head
+    assert isinstance(head.output, OutputBuffer)
+    x = torch.randn(5, head.in_features, generator=torch.Generator().manual_seed(3))
+    head.output = None
+    with torch.inference_mode():
+        want = head(x)  # a fresh tensor
+    head.output = OutputBuffer()
+    with torch.inference_mode():
+        first = head(x[:3])
+        second = head(x)  # larger: new memory, kept from here on
+        third = head(x[:2])
+        assert third.data_ptr() == second.data_ptr()
+        assert torch.equal(third, want[:2])
+    assert torch.equal(first, want[:3]) and torch.equal(second[2:], want[2:])
+    assert head(x).data_ptr() != second.data_ptr()  # no inference mode: a tensor of its own

@@ -291,3 +291,35 @@ def test_the_cpu_race_op_draws_the_torch_race_s_tokens():
     u = draw.odd_uniforms(draw.keys(4, g), 100_000).double() / 2**24  # the uniforms themselves: mean and spread
     assert u.min() > 0 and u.max() < 1
     assert u.mean().item() == pytest.approx(0.5, abs=0.002) and u.var().item() == pytest.approx(1 / 12, abs=0.001)
+
+
+def test_the_cpu_greedy_op_picks_torch_max_s_indices():
+    """The C++ argmax gives torch.max(dim=-1)'s indices bit for bit: the first of tied maxima (in one vector lane or
+    across lanes, +0 tying -0), the first NaN wherever it sits, all -inf rows, the largest in the tail past the vector
+    part, vocabularies shorter than a vector, and 262k-wide rows."""
+    import torch
+
+    from engine.model.sampling import draw
+
+    if draw.sampling_op() is None:
+        pytest.skip("the C++ op does not build here")
+    g = torch.Generator().manual_seed(11)
+    for vocab in (1, 7, 16, 17, 33, 1001, 262144):
+        x = torch.randn(24, vocab, generator=g)
+        x[1] = 0.0  # all tied: the first
+        x[2] = float("-inf")
+        x[3, vocab // 2 :] = 5.0  # tied in many lanes: the first of them
+        x[4, -1] = 9.0  # the tail
+        x[5, vocab // 3] = float("nan")
+        x[5, -1] = float("nan")
+        x[6, 0] = -0.0
+        x[6, 1:] = 0.0
+        x[6, vocab // 2] = -0.0
+        x[7, -1] = float("nan")
+        x[8, vocab // 4] = float("inf")
+        x[8, vocab // 2] = float("inf")
+        x[9, vocab // 5 :: 16] = 7.0  # tied in one lane
+        x[10, (vocab - 1) // 16 * 16 :] = 3.0  # tied between the last lane pass and the tail
+        x[10, (vocab - 1) // 16 * 16 - 1] = 3.0
+        assert draw.greedy(x).tolist() == x.max(dim=-1).indices.tolist(), vocab
+    assert draw.greedy(torch.zeros(0, 5)).tolist() == []

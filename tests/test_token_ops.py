@@ -124,3 +124,27 @@ def test_a_machine_that_cannot_build_them_keeps_pytorchs_ops(monkeypatch):
     model = torch.nn.Sequential(RMSNorm(8, 1e-6), SiluAndMul(), Rotary(8, 10000.0, 4))
     fuse_token_ops(model)  # swapping needs no build; can_fuse is what build_model asks first
     assert [type(m) for m in model] == [CpuRMSNorm, CpuSiluAndMul, CpuRotary]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,heads,kv_heads,d", [(1, 9, 3, 64), (32, 14, 2, 64), (5, 4, 1, 256)])
+def test_the_fused_rope_writes_a_16_bit_cache_under_float32_with_pytorchs_bits(cache_dtype, rows, heads, kv_heads, d):
+    """--kv-cache-dtype (float16 by default on the CPU): float32 queries and keys rotated as PyTorch rotates them, the
+    keys and values rounded to nearest even into the 16-bit cache as .to() rounds them; the fused pass takes it."""
+    gen = torch.Generator().manual_seed(rows * heads + d)
+    blocks, block_size = 6, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen).mul(3)
+    qkv[0, :8] = torch.tensor(
+        [1e-6, -7e-5, 65519.0, 70000.0, 2.0**-24 * 1.5, 0.0, -0.0, 3.0e-8]
+    )  # subnormals, overflow
+    positions = torch.randint(0, 500, (rows,), generator=gen)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+    rotary = Rotary(d, 10000.0, 512)
+    fused = rotary.on_table_of(CpuRotary)
+    caches = [torch.randn(2, kv_heads, blocks, block_size, d, generator=gen).to(cache_dtype) for _ in range(2)]
+    caches[1].copy_(caches[0])
+    assert fused._takes(qkv, positions, caches[1], slots)
+    want = rotary.rope_write_kv(qkv, positions, caches[0], slots, heads, kv_heads)
+    got = fused.rope_write_kv(qkv, positions, caches[1], slots, heads, kv_heads)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(caches[1].view(torch.int16), caches[0].view(torch.int16))  # bit for bit, signed zeros too

@@ -1,10 +1,14 @@
-"""Where one stream's decode step goes, by kind of work (LM head, sampler, attention, projections, norms, RoPE,
+"""Where a decode step goes, by kind of work (LM head, sampler, attention, projections, norms, RoPE,
 activation, the rest), beside the step's weight-read floor: the bytes of weights it reads over the machine's
-measured read bandwidth. Speculation off; each category timed around its modules' calls. `--clock cpu` (one
-thread) counts the thread's CPU time: on a shared, oversubscribed machine the work, not the waits for a core.
+measured read bandwidth. Speculation off unless asked; each category timed around its modules' calls. `--clock
+cpu` counts CPU time (one thread: the thread's; more: the process's, every thread's): on a shared, oversubscribed
+machine the work, not the waits for a core. `--batch N` decodes N streams at once, their contexts spread evenly
+from `--context` to `--context-max`.
 
     python -m bench.offline.profile_decode_step --model /tmp/gemma3-270m-q4_k_m.gguf --threads 1 --clock cpu \\
         --out benchmarks/results/models/profile_gemma3-270m.json
+    python -m bench.offline.profile_decode_step --model /tmp/gemma3-270m-q4_k_m.gguf --threads 2 --clock cpu \\
+        --batch 32 --context 128 --context-max 512 --out benchmarks/results/models/profile_batch32_gemma3-270m.json
 """
 
 from __future__ import annotations
@@ -100,19 +104,37 @@ def weight_bytes(path: str) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="a .gguf file")
-    ap.add_argument("--context", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens (the shortest, with --batch)")
+    ap.add_argument("--context-max", type=int, default=None, help="the longest prompt of a batch (default: --context)")
+    ap.add_argument("--batch", type=int, default=1, help="streams decoding together")
+    ap.add_argument("--speculative", default="off", help="the engine's draft source (served default: auto)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (unset: torch's default)")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the thread's CPU time (1 thread)")
+    ap.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall", help="cpu: CPU time (the thread's, or the process's)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu counts one thread's time: pass --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    engine = build_engine(EngineConfig(model=args.model, max_num_seqs=1, speculative="off", num_threads=args.threads))
+    if args.clock == "cpu" and args.threads is None:
+        ap.error("--clock cpu: pass --threads (1: the thread's CPU time; more: the process's)")
+    # With more threads than one, the process's CPU time: every thread's work (and an OpenMP thread's spin).
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time if args.threads == 1 else time.process_time
+    longest = args.context_max or args.context
+    config = EngineConfig(
+        model=args.model,
+        max_num_seqs=args.batch,
+        speculative=args.speculative,
+        num_threads=args.threads,
+        max_num_batched_tokens=max(2048, longest),
+    )
+    engine = build_engine(config)
     params = SamplingParams(max_tokens=4 * args.steps + 64, temperature=0.0, ignore_eos=True)
-    engine.add_request([1000 + j * 7 % 20000 for j in range(args.context)], params)
-    engine.step()  # the prefill
+    contexts = [args.context + (longest - args.context) * i // max(1, args.batch - 1) for i in range(args.batch)]
+    for i, n in enumerate(contexts):
+        engine.add_request([1000 + (i * 131 + j * 7) % 20000 for j in range(n)], params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.requests.values()):
+        engine.step()  # the prefills
+    engine.step()
     phases(engine, 3, clock)  # warm-up
     plain = phases(engine, args.steps, clock)  # the step without the timers' own cost
     timers = Timers(clock)
@@ -142,6 +164,9 @@ def main() -> None:
         "clock": args.clock,
         "load_average": os.getloadavg(),  # the machine is shared: what else ran, over 1, 5 and 15 minutes
         "context": args.context,
+        "contexts": contexts,
+        "batch": args.batch,
+        "speculative": args.speculative,
         "step_ms": step_ms,
         "phases_ms": plain,
         "split_ms": dict(sorted(split.items(), key=lambda kv: -kv[1])),

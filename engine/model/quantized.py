@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.kernels.availability import builds
 from engine.kernels.cpu_ops import load_cpu_extension
+from engine.model.output_buffer import OutputBuffer
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the quantized formats the C++ op decodes: weights, bytes per block.
 QUANTIZED_TYPES: dict[int, tuple[int, int]] = {
@@ -107,10 +108,14 @@ class BlockLinear(nn.Module):
         # batch-1 step's profile. Blocks stay on the CPU and are never cast, so the two cannot part.
         self._parts = [p.data for p in parts]
         self.bias = bias
+        self.output: OutputBuffer | None = None  # set where the outputs are too large for malloc to recycle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(-1, self.in_features)
-        out = x.new_empty(x.shape[0], self.out_features)
+        if self.output is not None:
+            out = self.output.take(x, x.shape[0], self.out_features)
+        else:
+            out = x.new_empty(x.shape[0], self.out_features)
         self._matmul_out(x, out)  # all parts in one call: one parallel region for the layer, not one per part
         return out if self.bias is None else out.add_(self.bias)
 

@@ -216,6 +216,9 @@ class CpuHeadRMSNorm(CpuRMSNorm, HeadRMSNorm):
     """A per-head norm that CpuRotary.norm_rope_write_kv applies inside its C++ pass."""
 
 
+SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # a cache the C++ passes write under float32 (--kv-cache-dtype)
+
+
 class CpuRotary(Rotary):
     """RoPE and the cache write in one C++ pass (the same table buffer as the module it replaced)."""
 
@@ -226,7 +229,7 @@ class CpuRotary(Rotary):
             or qkv.dim() != 2
             or qkv.stride(1) != 1
             or not kv_cache.is_contiguous()
-            or kv_cache.dtype != qkv.dtype
+            or not (kv_cache.dtype == qkv.dtype or (qkv.dtype == torch.float32 and kv_cache.dtype in SIXTEEN_BITS))
             or self.table.dtype != qkv.dtype
             or positions.dtype != torch.int64
             or slot_mapping.dtype != torch.int64

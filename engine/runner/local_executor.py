@@ -15,8 +15,9 @@ from engine.model.decoder import Decoder, SkippedInit
 from engine.model.families import model_class
 from engine.model.loader import Checkpoint
 from engine.model.lora import LoraAdapter, LoraSlots, read_adapter
+from engine.model.output_buffer import OutputBuffer
 from engine.model.packed_linear import can_pack, pack_linears
-from engine.model.quantized import can_use_blocks, use_block_weights
+from engine.model.quantized import BlockLinear, can_use_blocks, use_block_weights
 from engine.model.sampling.sampler import DeviceSample, Sampler
 from engine.model.sampling.state import SamplingState
 from engine.model.sharding import WHOLE, TensorShard
@@ -42,6 +43,10 @@ def build_model(
     model.materialize_buffers()
     blocks = block_weights(config, bool(ckpt.blocks)) and shard.size == 1 and can_use_blocks(device)
     swapped = use_block_weights(model, ckpt.blocks, int16=int16_activations(config)) if blocks else set()
+    if isinstance(getattr(model, "lm_head", None), BlockLinear):
+        # The logits of a large vocabulary outgrow what malloc recycles; every caller of the runner samples a step's
+        # logits before it runs the next step.
+        model.lm_head.output = OutputBuffer()
     if ckpt.weights:
         model.load_weights(ckpt.weights, skip=swapped)  # the swapped layers' tensors are never even dequantized
     else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.request import SampledTokens, TokenLogprobs
-from engine.model.sampling.draw import exponential_race, keys
+from engine.model.sampling.draw import exponential_race, greedy, keys
 from engine.model.sampling.grammar import GrammarMasks
 from engine.model.sampling.nucleus import nucleus
 from engine.model.sampling.state import SamplingState
@@ -127,8 +127,7 @@ class Sampler:
             if self.grammar is not None:
                 self.grammar.apply(logits, rows)
 
-        # max's indices are argmax's (the first of tied maxima, a NaN first), at a fraction of argmax's time on the CPU.
-        tokens = logits.max(dim=-1).indices
+        tokens = greedy(logits)
         draft_ids = self._tensor([row.draft_id for row in rows], torch.int64)
         accepted = tokens == draft_ids  # greedy: a draft token is accepted where it is the argmax
         random_rows = [i for i, row in enumerate(rows) if not row.request.params.greedy]
@@ -273,7 +272,7 @@ class Sampler:
         on drafts both read; `best`, each row's most likely token (computed when not given), is the whole of a row
         that has no usable distribution."""
         if best is None:
-            best = logits.max(dim=-1).indices
+            best = greedy(logits)
         logits = logits / self._tensor([r.params.temperature for r in requests], torch.float32).unsqueeze(1)
         top_ks = [r.params.top_k for r in requests]
         top_ps = [r.params.top_p for r in requests]

@@ -5,6 +5,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -36,6 +41,34 @@ inline float rounded(float x, uint16_t) {  // x as bfloat16 would hold it
 
 inline int64_t grain(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
+}
+
+// A KV cache's elements: the activations' own type, or under float32 activations a 16-bit cache (--kv-cache-dtype):
+// bfloat16 as uint16_t, float16 as at::Half. A value goes in rounded to nearest even, as PyTorch's .to() rounds it.
+inline void store_cache(float* p, float x) { *p = x; }
+inline void store_cache(uint16_t* p, float x) { store(p, x); }
+inline void store_cache(at::Half* p, float x) {
+#ifdef __F16C__
+  // The instruction, not at::Half's portable conversion, whose float arithmetic -ffast-math may reassociate.
+  *p = at::Half(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT), at::Half::from_bits());
+#else
+  *p = at::Half(x);
+#endif
+}
+
+// Runs fn with null pointers of the activations' element type and of the cache's (see store_cache).
+template <typename Fn>
+void dispatch_cache(const at::Tensor& x, const at::Tensor& cache, Fn fn) {
+  if (x.scalar_type() == at::kBFloat16) fn(static_cast<uint16_t*>(nullptr), static_cast<uint16_t*>(nullptr));
+  else if (cache.scalar_type() == at::kHalf) fn(static_cast<float*>(nullptr), static_cast<at::Half*>(nullptr));
+  else if (cache.scalar_type() == at::kBFloat16) fn(static_cast<float*>(nullptr), static_cast<uint16_t*>(nullptr));
+  else fn(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+}
+
+// Whether a cache of this dtype goes with activations of x's: the same dtype, or 16 bits under float32.
+inline bool cache_fits(const at::Tensor& x, const at::Tensor& cache) {
+  return cache.scalar_type() == x.scalar_type() ||
+         (x.scalar_type() == at::kFloat && (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kBFloat16));
 }
 
 // Runs fn with a null pointer of the element type: float, or uint16_t for bfloat16 (the callers let in no other).

@@ -67,34 +67,50 @@ inline void norm_head(const T* x, const T* weight, float eps, int64_t d, float* 
 // multiply-add: the pragma), queries into q, keys and the values into the cache's slots.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-template <typename T>
-void qk_norm_rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, const T* table, const T* q_weight,
-                                const T* k_weight, float eps, T* q, T* cache, int64_t num_slots, const int64_t* slots,
-                                int64_t rows, int64_t hq, int64_t hkv, int64_t d) {
+// A normed head x rotated into out, of the query's type T or the cache's (see store_cache in cpu_common.h).
+template <typename T, typename O>
+inline void rotate_normed(const float* x, const T* cos, const T* sin, int64_t d, O* out) {
   const int64_t half = d / 2;
-  T* values = cache + hkv * num_slots * d;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = rounded(x[i] * load(cos[i]), T{});
+    const float b = rounded(x[i + half] * load(sin[i]), T{});
+    store_cache(out + i, a + b);
+  }
+  for (int64_t i = half; i < d; ++i) {
+    const float a = rounded(x[i] * load(cos[i]), T{});
+    const float b = rounded(x[i - half] * load(sin[i]), T{});
+    store_cache(out + i, a + b);
+  }
+}
+
+template <typename T, typename C>
+void qk_norm_rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, const T* table, const T* q_weight,
+                                const T* k_weight, float eps, T* q, C* cache, int64_t num_slots, const int64_t* slots,
+                                int64_t rows, int64_t hq, int64_t hkv, int64_t d) {
+  C* values = cache + hkv * num_slots * d;
   at::parallel_for(0, rows, grain((hq + 2 * hkv) * d), [&](int64_t begin, int64_t end) {
     float x[kMaxHeadDim];
     for (int64_t r = begin; r < end; ++r) {
       const T* cos = table + positions[r] * 2 * d;
       const T* sin = cos + d;
       const T* row = qkv + r * ld;
-      for (int64_t h = 0; h < hq + hkv; ++h) {
-        norm_head(row + h * d, h < hq ? q_weight : k_weight, eps, d, x);
-        T* out = h < hq ? q + (r * hq + h) * d : cache + ((h - hq) * num_slots + slots[r]) * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = rounded(x[i] * load(cos[i]), T{});
-          const float b = rounded(x[i + half] * load(sin[i]), T{});
-          store(out + i, a + b);
-        }
-        for (int64_t i = half; i < d; ++i) {
-          const float a = rounded(x[i] * load(cos[i]), T{});
-          const float b = rounded(x[i - half] * load(sin[i]), T{});
-          store(out + i, a + b);
+      for (int64_t h = 0; h < hq; ++h) {
+        norm_head(row + h * d, q_weight, eps, d, x);
+        rotate_normed(x, cos, sin, d, q + (r * hq + h) * d);
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        norm_head(row + (hq + h) * d, k_weight, eps, d, x);
+        rotate_normed(x, cos, sin, d, cache + (h * num_slots + slots[r]) * d);
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        const T* v = row + (hq + hkv + h) * d;
+        C* out = values + (h * num_slots + slots[r]) * d;
+        if constexpr (std::is_same_v<T, C>) {
+          std::memcpy(out, v, d * sizeof(T));
+        } else {
+          for (int64_t i = 0; i < d; ++i) store_cache(out + i, load(v[i]));
         }
       }
-      for (int64_t h = 0; h < hkv; ++h)
-        std::memcpy(values + (h * num_slots + slots[r]) * d, row + (hq + hkv + h) * d, d * sizeof(T));
     }
   });
 }
@@ -168,8 +184,9 @@ at::Tensor qk_norm_rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tenso
               num_heads, " + 2 x ", num_kv_heads, " heads of ", d, " (an even head size of at most ", kMaxHeadDim,
               ")");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == num_kv_heads &&
-              kv_cache.is_contiguous() && kv_cache.scalar_type() == qkv.scalar_type(),
-              "kv_cache must be a contiguous [2, kv heads, blocks, block size, D] tensor of qkv's dtype");
+              kv_cache.is_contiguous() && cache_fits(qkv, kv_cache),
+              "kv_cache must be a contiguous [2, kv heads, blocks, block size, D] tensor of qkv's dtype, or 16-bit "
+              "under float32");
   TORCH_CHECK(table.dim() == 3 && table.size(1) == 2 && table.size(2) == d && table.is_contiguous() &&
               table.scalar_type() == qkv.scalar_type(), "table must be a contiguous [positions, 2, D] tensor of qkv's dtype");
   for (const auto* w : {&q_weight, &k_weight})
@@ -186,11 +203,12 @@ at::Tensor qk_norm_rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tenso
     TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0) && slots[r] >= 0 && slots[r] < num_slots,
                 "a position or slot out of range");
   auto q = at::empty({rows, num_heads, d}, qkv.options());
-  dispatch(qkv, [&](auto* type) {
+  dispatch_cache(qkv, kv_cache, [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    qk_norm_rope_write_kv_rows<T>(data<T>(qkv), qkv.stride(0), pos, data<T>(table), data<T>(q_weight),
-                                  data<T>(k_weight), static_cast<float>(eps), data<T>(q), data<T>(kv_cache), num_slots,
-                                  slots, rows, num_heads, num_kv_heads, d);
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    qk_norm_rope_write_kv_rows<T, C>(data<T>(qkv), qkv.stride(0), pos, data<T>(table), data<T>(q_weight),
+                                     data<T>(k_weight), static_cast<float>(eps), data<T>(q), data<C>(kv_cache),
+                                     num_slots, slots, rows, num_heads, num_kv_heads, d);
   });
   return q;
 }

@@ -17,6 +17,10 @@
 #include <cmath>
 #include <cstdint>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
@@ -107,9 +111,85 @@ at::Tensor exp_sums(const at::Tensor& rows, const at::Tensor& shift) {
   return out;
 }
 
+// Greedy decoding's token: the first of a row's largest values, or its first NaN, as torch.max(dim=-1).indices picks
+// (torch's kernel is several times slower over a large vocabulary: index bookkeeping in scalar code). NaNs are found
+// by their bits: -ffast-math lets the compiler assume a float comparison never meets one.
+inline bool is_nan(float v) { return (__builtin_bit_cast(uint32_t, v) & 0x7FFFFFFFu) > 0x7F800000u; }
+
+int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (is_nan(x[i])) return i;
+  }
+  return -1;
+}
+
+#ifdef __AVX512F__
+inline __mmask16 nan_lanes(__m512 v) {  // as signed integers, |bits| above +inf's are the NaNs
+  const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+  return _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F800000));
+}
+#endif
+
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t vec_end = 0, token = 0;
+  float best = x[0];
+#ifdef __AVX512F__
+  if (n >= 16) {
+    // Lane l holds the largest of x[l], x[l + 16], ... and the first index where it occurs (strictly greater values
+    // replace it, so a tie keeps the earlier index); the row's token is then the smallest index among the lanes
+    // holding the row's largest value.
+    __m512 lane_best = _mm512_loadu_ps(x);
+    __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = nan_lanes(lane_best);
+    __m512i index = lane_index;
+    const __m512i step = _mm512_set1_epi32(16);
+    vec_end = n / 16 * 16;
+    for (int64_t i = 16; i < vec_end; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      index = _mm512_add_epi32(index, step);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+      nan |= nan_lanes(v);
+      lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
+      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
+    }
+    if (nan) return first_nan(x, vec_end);
+    best = _mm512_reduce_max_ps(lane_best);
+    const __mmask16 at_best = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    token = _mm512_mask_reduce_min_epi32(at_best, lane_index);
+  }
+#endif
+  if (vec_end == 0) {  // no vector part: the scalar loop from the first element
+    if (is_nan(best)) return 0;
+    vec_end = 1;
+  }
+  for (int64_t i = vec_end; i < n; ++i) {
+    if (is_nan(x[i])) return i;
+    if (x[i] > best) {
+      best = x[i];
+      token = i;
+    }
+  }
+  return token;
+}
+
+// logits [R, V] float32, V > 0 -> [R] int64: each row's argmax as torch.max(dim=-1).indices gives it.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+              logits.is_contiguous() && logits.size(1) > 0, "logits: a contiguous float32 [R, V] CPU tensor, V > 0");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(x + r * vocab, vocab);
+  });
+  return tokens;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exponential_race", &exponential_race, "per row, argmax p_i / -log U_i with U_i from the row's key (CPU)");
   m.def("exp_sums", &exp_sums, "per row, the sum of exp(x - shift) (CPU)");
+  m.def("argmax_rows", &argmax_rows, "per row, the first index of its largest value or of its first NaN (CPU)");
 }

@@ -75,27 +75,40 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
 // PyTorch's bits.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-template <typename T>
-void rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, const T* table, T* q, T* cache,
-                        int64_t num_slots, const int64_t* slots, int64_t rows, int64_t hq, int64_t hkv, int64_t d) {
+// One head rotated: out[i] = x[i] cos[i] + x[i +- D/2] sin[i], each product and the sum rounded to T; out of the
+// query's type T or the cache's C (then rounded once more into it, as the reference's .to() does).
+template <typename T, typename O>
+inline void rotate_head(const T* x, const T* cos, const T* sin, int64_t d, O* out) {
   const int64_t half = d / 2;
-  T* values = cache + hkv * num_slots * d;
+  for (int64_t i = 0; i < d; ++i) {
+    const float a = rounded(load(x[i]) * load(cos[i]), T{});
+    const float b = rounded(load(x[i < half ? i + half : i - half]) * load(sin[i]), T{});
+    store_cache(out + i, a + b);
+  }
+}
+
+template <typename T, typename C>
+void rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, const T* table, T* q, C* cache,
+                        int64_t num_slots, const int64_t* slots, int64_t rows, int64_t hq, int64_t hkv, int64_t d) {
+  C* values = cache + hkv * num_slots * d;
   at::parallel_for(0, rows, grain((hq + 2 * hkv) * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* cos = table + positions[r] * 2 * d;
       const T* sin = cos + d;
       const T* row = qkv + r * ld;
-      for (int64_t h = 0; h < hq + hkv; ++h) {
-        const T* x = row + h * d;
-        T* out = h < hq ? q + (r * hq + h) * d : cache + ((h - hq) * num_slots + slots[r]) * d;
-        for (int64_t i = 0; i < d; ++i) {
-          const float a = rounded(load(x[i]) * load(cos[i]), T{});
-          const float b = rounded(load(x[i < half ? i + half : i - half]) * load(sin[i]), T{});
-          store(out + i, a + b);
+      for (int64_t h = 0; h < hq; ++h) rotate_head(row + h * d, cos, sin, d, q + (r * hq + h) * d);
+      for (int64_t h = 0; h < hkv; ++h) {
+        rotate_head(row + (hq + h) * d, cos, sin, d, cache + (h * num_slots + slots[r]) * d);
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        const T* v = row + (hq + hkv + h) * d;
+        C* out = values + (h * num_slots + slots[r]) * d;
+        if constexpr (std::is_same_v<T, C>) {
+          std::memcpy(out, v, d * sizeof(T));
+        } else {
+          for (int64_t i = 0; i < d; ++i) store_cache(out + i, load(v[i]));
         }
       }
-      for (int64_t h = 0; h < hkv; ++h)
-        std::memcpy(values + (h * num_slots + slots[r]) * d, row + (hq + hkv + h) * d, d * sizeof(T));
     }
   });
 }
@@ -144,7 +157,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 }
 
 // qkv [T, (hq + 2 hkv) * D] (rows may be strided), positions and slot_mapping [T] int64, table [positions, 2, D] (cos,
-// then signed sin), kv_cache [2, hkv, blocks, block_size, D] -> rotated queries [T, hq, D]; rotated keys and the
+// then signed sin), kv_cache [2, hkv, blocks, block_size, D] (qkv's dtype, or 16 bits under float32) -> rotated queries [T, hq, D]; rotated keys and the
 // values go into the cache at their slots.
 at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor table, at::Tensor kv_cache,
                             at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
@@ -154,8 +167,9 @@ at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor table,
   TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv is not ", num_heads, " + 2 x ",
               num_kv_heads, " heads of ", d);
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == num_kv_heads &&
-              kv_cache.is_contiguous() && kv_cache.scalar_type() == qkv.scalar_type(),
-              "kv_cache must be a contiguous [2, kv heads, blocks, block size, D] tensor of qkv's dtype");
+              kv_cache.is_contiguous() && cache_fits(qkv, kv_cache),
+              "kv_cache must be a contiguous [2, kv heads, blocks, block size, D] tensor of qkv's dtype, or 16-bit "
+              "under float32");
   TORCH_CHECK(table.dim() == 3 && table.size(1) == 2 && table.size(2) == d && table.is_contiguous() &&
               table.scalar_type() == qkv.scalar_type(), "table must be a contiguous [positions, 2, D] tensor of qkv's dtype");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
@@ -169,10 +183,11 @@ at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor table,
     TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0) && slots[r] >= 0 && slots[r] < num_slots,
                 "a position or slot out of range");
   auto q = at::empty({rows, num_heads, d}, qkv.options());
-  dispatch(qkv, [&](auto* type) {
+  dispatch_cache(qkv, kv_cache, [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    rope_write_kv_rows<T>(data<T>(qkv), qkv.stride(0), pos, data<T>(table), data<T>(q), data<T>(kv_cache),
-                          num_slots, slots, rows, num_heads, num_kv_heads, d);
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    rope_write_kv_rows<T, C>(data<T>(qkv), qkv.stride(0), pos, data<T>(table), data<T>(q), data<C>(kv_cache),
+                             num_slots, slots, rows, num_heads, num_kv_heads, d);
   });
   return q;
 }
