@@ -94,6 +94,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="a .gguf file (default: the bundled model)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument(
+        "--threads", type=int, default=None, help="the op's sums do not depend on it (default: serving's count)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -113,7 +116,8 @@ def main() -> None:
     for name in args.variants:
         start = time.time()
         emulation.variant = name
-        llm = LLM(checkpoint=ckpt, **served_defaults())  # a fresh engine: no prefix cached from another variant
+        config = served_defaults() if args.threads is None else {**served_defaults(), "num_threads": args.threads}
+        llm = LLM(checkpoint=ckpt, **config)  # a fresh engine: no prefix cached from another variant
         if "layers" not in result:
             result["layers"] = layer_types(llm)
         alone = [llm.generate([p], GREEDY)[0] for p in PROMPT_SET]
