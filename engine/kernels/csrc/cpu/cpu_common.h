@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace orcinus_cpu {
@@ -54,6 +55,16 @@ inline void store_cache(at::Half* p, float x) {
 #else
   *p = at::Half(x);
 #endif
+}
+
+// One head's d values of activations x into a cache row: a copy where the types match, else rounded per store_cache.
+template <typename T, typename C>
+inline void write_cache(const T* x, C* out, int64_t d) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(out, x, d * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < d; ++i) store_cache(out + i, load(x[i]));
+  }
 }
 
 // Runs fn with null pointers of the activations' element type and of the cache's (see store_cache).

@@ -101,13 +101,7 @@ void rope_write_kv_rows(const T* qkv, int64_t ld, const int64_t* positions, cons
         rotate_head(row + (hq + h) * d, cos, sin, d, cache + (h * num_slots + slots[r]) * d);
       }
       for (int64_t h = 0; h < hkv; ++h) {
-        const T* v = row + (hq + hkv + h) * d;
-        C* out = values + (h * num_slots + slots[r]) * d;
-        if constexpr (std::is_same_v<T, C>) {
-          std::memcpy(out, v, d * sizeof(T));
-        } else {
-          for (int64_t i = 0; i < d; ++i) store_cache(out + i, load(v[i]));
-        }
+        write_cache(row + (hq + hkv + h) * d, values + (h * num_slots + slots[r]) * d, d);
       }
     }
   });
