@@ -405,7 +405,7 @@ inline __m512i codes16(__m512i v, const __m512i* high) {
 // The 16 outputs of one tile for R rows of x (row r's blocks at xb + r * nb). Lane i sums row i's blocks in order, so
 // an output's sum never depends on M, on the tile or on the thread count.
 template <int R, int Type, typename T>
-void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
+void tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, T* out, int64_t ldo) {
   constexpr Layout f = layout_for(Type);
   // At least 8 independent sums below 8 rows: with fewer, a pass at 1 row waits on vpdpwssd's latency
   // (docs/performance.md, Kernels); same bits. 12 sums at 4-5 rows spill registers and run slower.
@@ -436,7 +436,7 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
         constexpr int u = decltype(uc)::value, hh = u / per_half;
         if constexpr (u % per_half == 0)
           for (int r = 0; r < R; ++r) {
-            const XBlock& x = xb[r * nb + b];
+            const XBlock& x = xb[r * ldx + b];
             sum[r][0] = !f.offset ? _mm512_setzero_si512()
                         : f.halves == 2 ? _mm512_set1_epi32(-f.offset * x.sh[hh])
                                         : _mm512_set1_epi32(-f.offset * x.s);
@@ -452,12 +452,12 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
             wv = codes16<Type, u, s>(v, high);
           for (int r = 0; r < R; ++r)
             sum[r][t % chains] =
-                _mm512_dpwssd_epi32(sum[r][t % chains], wv, _mm512_set1_epi32(pair(xb[r * nb + b], t)));
+                _mm512_dpwssd_epi32(sum[r][t % chains], wv, _mm512_set1_epi32(pair(xb[r * ldx + b], t)));
         });
         if constexpr (u % per_half == per_half - 1) {
           const __m512 dw = scales16<Type>(scales, d, hh);
           for (int r = 0; r < R; ++r) {
-            const XBlock& x = xb[r * nb + b];
+            const XBlock& x = xb[r * ldx + b];
             __m512i s = sum[r][0];
             for (int c = 1; c < chains; ++c) s = _mm512_add_epi32(s, sum[r][c]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(x.d)), acc[r]);
@@ -466,7 +466,7 @@ void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
       });
       if constexpr (f.mins) {
         const __m512 mw = mins16<Type>(scales, dmin);
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb[r * nb + b].ds), acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb[r * ldx + b].ds), acc[r]);
       }
     }
   }
@@ -535,7 +535,7 @@ inline __m256i codes8(__m256i v, const __m256i* high) {
 // plane) for R rows of x: the VNNI tile's steps on 8 lanes, with vpmaddwd's pair sums added to the chain instead of
 // accumulated in one instruction.
 template <int R, int Type, typename T>
-void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, int64_t ldo) {
+void half_tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, int h, T* out, int64_t ldo) {
   constexpr Layout f = layout_for(Type);
   constexpr int per_word = f.per_word(), chains = R < 4 ? 4 / R : 1;
   constexpr int vectors = f.code_bytes / 64, per_half = vectors / f.halves;  // 64-byte code vectors a block
@@ -568,7 +568,7 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
         constexpr int u = decltype(uc)::value, hh = u / per_half;
         if constexpr (u % per_half == 0)
           for (int r = 0; r < R; ++r) {
-            const XBlock& x = xb[r * nb + b];
+            const XBlock& x = xb[r * ldx + b];
             sum[r][0] = !f.offset ? _mm256_setzero_si256()
                         : f.halves == 2 ? _mm256_set1_epi32(-f.offset * x.sh[hh])
                                         : _mm256_set1_epi32(-f.offset * x.s);
@@ -584,7 +584,7 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
             wv = codes8<Type, u, s>(v, high);
           for (int r = 0; r < R; ++r) {
             sum[r][t % chains] = _mm256_add_epi32(
-                sum[r][t % chains], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair(xb[r * nb + b], t))));
+                sum[r][t % chains], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair(xb[r * ldx + b], t))));
             // Integer adds reassociate: left to itself GCC keeps every product of the block live for one sum tree at
             // its end, spilling them all. Each product goes into its chain as it is made.
             asm("" : "+x"(sum[r][t % chains]));
@@ -593,7 +593,7 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
         if constexpr (u % per_half == per_half - 1) {
           const __m256 dw = scales8<Type>(scales, d, hh);
           for (int r = 0; r < R; ++r) {
-            const XBlock& x = xb[r * nb + b];
+            const XBlock& x = xb[r * ldx + b];
             __m256i s = sum[r][0];
             for (int c = 1; c < chains; ++c) s = _mm256_add_epi32(s, sum[r][c]);
             __m256 a = in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r];
@@ -607,7 +607,7 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
         const __m256 mw = mins8<Type>(scales, dmin);
         for (int r = 0; r < R; ++r) {
           __m256 a = in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r];
-          a = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb[r * nb + b].ds), a);
+          a = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb[r * ldx + b].ds), a);
           if constexpr (in_memory) _mm256_store_ps(acc_mem[r], a);
           else acc_reg[r] = a;
         }
@@ -619,9 +619,9 @@ void half_tile(const XBlock* xb, int64_t nb, const uint8_t* w, int h, T* out, in
 
 // Sixteen registers, not 32: a half tile at a time.
 template <int R, int Type, typename T>
-void tile(const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
-  half_tile<R, Type>(xb, nb, w, 0, out, ldo);
-  half_tile<R, Type>(xb, nb, w, 1, out + 8, ldo);
+void tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, T* out, int64_t ldo) {
+  half_tile<R, Type>(xb, nb, ldx, w, 0, out, ldo);
+  half_tile<R, Type>(xb, nb, ldx, w, 1, out + 8, ldo);
 }
 
 // 8 rows, not 4: with 4, a step's matmuls at 5 to 9 rows (a decoding request and its drafts) took longer, the same
@@ -632,17 +632,17 @@ constexpr int kTileRowsOfX = 8;
 
 // `rows` (1 .. R) rows of x through one tile.
 template <int Type, typename T, int R = kTileRowsOfX>
-void tile_rows(int64_t rows, const XBlock* xb, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
+void tile_rows(int64_t rows, const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, T* out, int64_t ldo) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<Type, T, R - 1>(rows, xb, nb, w, out, ldo);
+    if (rows < R) return tile_rows<Type, T, R - 1>(rows, xb, nb, ldx, w, out, ldo);
   }
-  tile<R, Type>(xb, nb, w, out, ldo);
+  tile<R, Type>(xb, nb, ldx, w, out, ldo);
 }
 
 template <int Type, typename T>
-void run_tile(const XBlock* xb, int64_t m, int64_t nb, const uint8_t* w, T* out, int64_t ldo) {
+void run_tile(const XBlock* xb, int64_t m, int64_t nb, int64_t ldx, const uint8_t* w, T* out, int64_t ldo) {
   for (int64_t r0 = 0; r0 < m; r0 += kTileRowsOfX)
-    tile_rows<Type>(std::min<int64_t>(kTileRowsOfX, m - r0), xb + r0 * nb, nb, w, out + r0 * ldo, ldo);
+    tile_rows<Type>(std::min<int64_t>(kTileRowsOfX, m - r0), xb + r0 * ldx, nb, ldx, w, out + r0 * ldo, ldo);
 }
 
 // Below this many multiply-adds a call runs on the calling thread: a parallel region costs a thread wake-up.
@@ -655,9 +655,12 @@ template <typename T>
 void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
                const std::vector<int64_t>& types, T* out, int64_t ldo) {
   const int64_t nb = k / kBlock;
-  std::unique_ptr<XBlock[]> xb(new XBlock[m * nb]);  // not value-initialized: quantize_row writes every field
+  // x's rows an odd number of blocks apart: a power-of-two stride put a tile's rows of x in the same few L1 sets, each
+  // read evicting the next row's block (prefill rate +40-50%, docs/performance.md, Kernels).
+  const int64_t ldx = nb | 1;
+  std::unique_ptr<XBlock[]> xb(new XBlock[m * ldx]);  // not value-initialized: quantize_row writes every field
   at::parallel_for(0, m, std::max<int64_t>(1, kParallelInputs / k), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, nb, xb.get() + r * nb);
+    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, nb, xb.get() + r * ldx);
   });
   std::vector<int64_t> first(parts.size() + 1, 0);
   for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + parts[i].size(0) / kRows;
@@ -671,12 +674,12 @@ void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& 
       const uint8_t* w = parts[i].data_ptr<uint8_t>() + (u - first[i]) * tile_bytes;
       T* o = out + u * kRows;
       switch (types[i]) {
-        case 2: run_tile<2>(xb.get(), m, nb, w, o, ldo); break;
-        case 3: run_tile<3>(xb.get(), m, nb, w, o, ldo); break;
-        case 6: run_tile<6>(xb.get(), m, nb, w, o, ldo); break;
-        case 12: run_tile<12>(xb.get(), m, nb, w, o, ldo); break;
-        case 14: run_tile<14>(xb.get(), m, nb, w, o, ldo); break;
-        default: run_tile<8>(xb.get(), m, nb, w, o, ldo); break;
+        case 2: run_tile<2>(xb.get(), m, nb, ldx, w, o, ldo); break;
+        case 3: run_tile<3>(xb.get(), m, nb, ldx, w, o, ldo); break;
+        case 6: run_tile<6>(xb.get(), m, nb, ldx, w, o, ldo); break;
+        case 12: run_tile<12>(xb.get(), m, nb, ldx, w, o, ldo); break;
+        case 14: run_tile<14>(xb.get(), m, nb, ldx, w, o, ldo); break;
+        default: run_tile<8>(xb.get(), m, nb, ldx, w, o, ldo); break;
       }
     }
   });
