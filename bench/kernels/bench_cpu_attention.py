@@ -1,9 +1,9 @@
 """The CPU attention op alone (engine/kernels/csrc/cpu/paged_decode_attention.cpp): n query rows spread over some
-requests (a decode, or decodes verifying draft tokens) at several context lengths, SmolLM2's 9 query / 3 KV heads of 64,
-float32, microseconds a call (one layer), median of many calls; `--layers 30` cycles through 30 layers' caches, so their
+requests (a decode, or decodes verifying draft tokens) at several context lengths, SmolLM2's 9 query / 3 KV heads of 64
+(`--heads 4 1 256`: Gemma 3's), float32, microseconds a call (one layer), median of many calls; `--layers 30` cycles through 30 layers' caches, so their
 keys come from memory, as in a model's step, not from the last-level cache. `--against FILE` builds another copy of the
 op's source (`git show REV:engine/kernels/csrc/cpu/paged_decode_attention.cpp > FILE`) and times it call for call
-against this tree's, comparing their outputs' bits. `--cache-dtypes float32 bfloat16 float16` times this tree's op over
+against this tree's over a cache of the first of --cache-dtypes, comparing their outputs' bits. `--cache-dtypes float32 bfloat16 float16` times this tree's op over
 a cache of each dtype (float32 queries; --kv-cache-dtype), call for call, the ratios to float32's as paired medians.
 
     .venv/bin/python -m bench.kernels.bench_cpu_attention --threads 2 \\
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1, help="the rows split over this many requests, in runs")
     ap.add_argument("--layers", type=int, default=1, help="caches cycled through, one a call")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("Q", "KV", "DIM"))
     ap.add_argument("--cache-dtypes", nargs="+", default=["float32"], help="this tree's op over caches of each dtype")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -42,11 +43,12 @@ def main() -> None:
     if args.against:
         ops["against"] = (
             load_cpu_extension_copy("orcinus_cpu_attention", args.against).paged_decode_attention,
-            torch.float32,
+            getattr(torch, args.cache_dtypes[0]),
         )
+    first = "tree" if args.cache_dtypes[0] == "float32" else f"tree:{args.cache_dtypes[0]}"
     torch.set_num_threads(args.threads)
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    result = {"requests": args.requests, "median_us": {}}
+    (heads, kv_heads, head_dim), block_size = args.heads, 16
+    result = {"requests": args.requests, "heads": args.heads, "median_us": {}}
     for ctx in args.contexts:
         for n in args.rows:
             q = torch.randn(n, heads, head_dim)
@@ -80,8 +82,8 @@ def main() -> None:
             row = {k: statistics.median(v) * 1e6 for k, v in times.items()}
             line = f"context {ctx:>5}, {n:>2} rows: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items())
             if args.against:  # the median of paired sweeps' ratios: the machine's speed drifts between pairs
-                row["against_over_tree"] = statistics.median(a / t for a, t in zip(sweeps["against"], sweeps["tree"]))
-                row["same_bits"] = torch.equal(outputs["tree"], outputs["against"])
+                row["against_over_tree"] = statistics.median(a / t for a, t in zip(sweeps["against"], sweeps[first]))
+                row["same_bits"] = torch.equal(outputs[first], outputs["against"])
                 line += f"; against / tree {row['against_over_tree']:.2f}x, same bits {row['same_bits']}"
             for k in ops:
                 if k.startswith("tree:") and "tree" in ops:  # paired sweeps' ratio, as for --against

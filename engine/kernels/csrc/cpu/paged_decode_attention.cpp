@@ -466,13 +466,20 @@ struct Attention {
   void score(Scratch<C>& w, int64_t n, int64_t span, int64_t stride) const {
     w.zero.resize(head_dim);  // zeros, never written
     const Stored<C>* eight[8];
+    // A block of keys is a page of its own, where the hardware's prefetcher stops: fetch keys two eights ahead, for a
+    // layer whose cache comes from memory, not the last-level cache, and their values with them, which the value
+    // pass then finds in L2. Into L2, not L1: fetched into L1 the misses of a 256-wide head waited on each other
+    // (docs/performance.md, Kernels).
+    const auto fetch = [&](int64_t t) {
+      for (int64_t d = 0; d < head_dim; d += kLine<C>) {
+        __builtin_prefetch(w.rows.keys[t] + d, 0, 2);
+        __builtin_prefetch(w.rows.values[t] + d, 0, 2);
+      }
+    };
+    for (int64_t t = 0; t < std::min<int64_t>(16, span); ++t) fetch(t);
     for (int64_t t0 = 0; t0 < span; t0 += 8) {
       for (int t = 0; t < 8; ++t) eight[t] = t0 + t < span ? w.rows.keys[t0 + t] : w.zero.data();
-      // A block of keys is a page of its own, where the hardware's prefetcher stops: fetch two eights on ahead, for
-      // a layer whose keys come from memory, not the last-level cache.
-      for (int64_t t = t0 + 16; t < std::min(t0 + 24, span); ++t) {
-        for (int64_t d = 0; d < head_dim; d += kLine<C>) __builtin_prefetch(w.rows.keys[t] + d);
-      }
+      for (int64_t t = t0 + 16; t < std::min(t0 + 24, span); ++t) fetch(t);
       const auto wants = [&](int64_t j) { return t0 < w.last_key[j] && t0 + 8 > w.first_key[j]; };
       for (int64_t j = 0; j < n;) {
         if (kPairQueries && j + 3 < n && wants(j) && wants(j + 1) && wants(j + 2) && wants(j + 3)) {
