@@ -21,6 +21,7 @@ PACKED_BYTES = {
     "Q5_0": 22 / 32,
     "Q8_0": 34 / 32,
     "Q4_K": 148 / 256,
+    "Q5_K": 180 / 256,
     "Q6_K": 210 / 256,
 }
 
@@ -50,7 +51,7 @@ def codes_and_scales(kind: GGMLQuantizationType, data: np.ndarray, cols: int):
         return torch.from_numpy(c - offset), scale, mins
     b = data.reshape(n, cols // 256, -1)
     c = np.zeros((n, cols // 256, 8, 32), np.int64)
-    if kind.name == "Q4_K":
+    if kind.name in ("Q4_K", "Q5_K"):
         d, dmin, q = f16(b[..., 0:2]), f16(b[..., 2:4]), b[..., 4:16].astype(np.int64)
         sc, m = np.zeros((n, cols // 256, 8), np.int64), np.zeros((n, cols // 256, 8), np.int64)
         for j in range(8):  # ggml's get_scale_min_k4
@@ -59,8 +60,11 @@ def codes_and_scales(kind: GGMLQuantizationType, data: np.ndarray, cols: int):
             else:
                 sc[..., j] = (q[..., j + 4] & 0xF) | ((q[..., j - 4] >> 6) << 4)
                 m[..., j] = (q[..., j + 4] >> 4) | ((q[..., j] >> 6) << 4)
-            qs = b[..., 16 + 32 * (j // 2) : 48 + 32 * (j // 2)]
+            start = (16 if kind.name == "Q4_K" else 48) + 32 * (j // 2)
+            qs = b[..., start : start + 32]
             c[..., j, :] = qs >> 4 if j % 2 else qs & 15
+            if kind.name == "Q5_K":  # sub-block j's fifth bits: bit j of the 32 bytes after the scales
+                c[..., j, :] |= ((b[..., 16:48] >> j) & 1).astype(np.int64) << 4
         scale = d[..., None] * torch.from_numpy(sc).float()
         mins = -(dmin[..., None] * torch.from_numpy(m).float())
         return torch.from_numpy(c).reshape(n, -1, 32), scale.reshape(n, -1, 1), mins.reshape(n, -1)
@@ -123,7 +127,7 @@ def test_the_int16_op_is_the_reference_sums_bit_for_bit(kind, cols):
 
 @pytest.mark.parametrize("kind", sorted(PACKED_BYTES), ids=str)
 def test_packed_weights_are_no_wider_than_the_files(kind):
-    """4-bit codes as nibbles, Q5_0's and Q6_K's high bits packed, the file's float16 scales: a step reads the file."""
+    """Nibbles, the 5- and 6-bit formats' high bits packed, the file's float16 scales: a step reads the file."""
     t = GGMLQuantizationType[kind]
     blocks = random_blocks(t, 32, 1024)
     packed = _int16_ops().pack(blocks.data, int(t), 1024)

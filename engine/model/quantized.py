@@ -7,7 +7,7 @@ and sums in float32, in an order that does not depend on the batch. So these lay
 --batch-invariant runs the other linear layers through the same op, their float weights as F32 or BF16 "blocks".
 
 An Int16BlockLinear, the default where the CPU has AVX-512 VNNI or AVX2 (the same bits from either), multiplies through
-engine/kernels/csrc/cpu/int16_matmul.cpp: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks (the same codes and scales,
+engine/kernels/csrc/cpu/int16_matmul.cpp: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K blocks (the same codes and scales,
 reordered once into about the file's bytes, so a step reads what the file holds) times
 the activations rounded to 16-bit integers per 32 inputs, summed in integers, as llama.cpp does with 8 bits. It is
 faster than the float32 path at every row count (docs/performance.md, Kernels), and as batch-independent: a row's
@@ -38,8 +38,9 @@ QUANTIZED_TYPES: dict[int, tuple[int, int]] = {
     13: (256, 176),  # Q5_K
     14: (256, 210),  # Q6_K
 }
-# The formats the int16-activation op takes: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, in tiles of this many output rows.
-INT16_TYPES = {2, 3, 6, 8, 12, 14}
+# The formats the int16-activation op takes: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, in tiles of this many output
+# rows.
+INT16_TYPES = {2, 3, 6, 8, 12, 13, 14}
 INT16_TILE = 16
 # Float weights the op also takes, as ggml names them.
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}

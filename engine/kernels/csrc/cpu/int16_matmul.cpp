@@ -1,17 +1,17 @@
-// Matmul against a GGUF file's 4- to 8-bit blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) with the activations rounded
-// to 16-bit integers: y = x @ W^T, W [N, K], x [M, K] in float32 or bfloat16, at a fraction of the float32 path's
-// instructions (block_matmul.cpp decodes every weight to a float).
+// Matmul against a GGUF file's 4- to 8-bit blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) with the activations
+// rounded to 16-bit integers: y = x @ W^T, W [N, K], x [M, K] in float32 or bfloat16, at a fraction of the float32
+// path's instructions (block_matmul.cpp decodes every weight to a float).
 //
-// Each row of x is quantized per 32 inputs (the weights' blocks), as llama.cpp's Q8 activations but with 16 bits:
-// d = max|x| / 32767, q = round(x / d), an error of at most 2^-16 of the block's largest input (bfloat16's is 2^-9 of
+// Each row of x is quantized per 32 inputs (the weights' blocks), as llama.cpp's Q8 activations but with 16 bits: d =
+// max|x| / 32767, q = round(x / d), an error of at most 2^-16 of the block's largest input (bfloat16's is 2^-9 of
 // each). A block's dot product with the weights' codes is an integer sum, exact in int32 (AVX-512 VNNI's vpdpwssd, 32
 // products an instruction), then scaled once in float32 by the weights' and the activations' scales. The weights are
-// the file's codes and scales in about the file's bytes (4-bit codes as nibbles, Q5_0's and Q6_K's high bits packed
-// apart, the file's float16 scales and the K-quants' sub-block scales as bytes, all widened in registers), since a
-// lone stream's step is bound by reading them; their order in memory is not the file's (`pack`, Layout): 16 output
-// rows make a tile, one int32 lane per row, the rows' block b side by side. A block of x is then one broadcast
-// operand, no lane is idle whatever K is (a 576-wide model filled 18 of a group's 32 lanes when a lane held a
-// block), no sum needs a horizontal reduction, and a tile streams through memory in order (against float32 inputs:
+// the file's codes and scales in about the file's bytes (4-bit codes as nibbles, the 5- and 6-bit formats' high bits
+// packed apart, the file's float16 scales and the K-quants' sub-block scales as bytes, all widened in registers), since
+// a lone stream's step is bound by reading them; their order in memory is not the file's (`pack`, Layout): 16 output
+// rows make a tile, one int32 lane per row, the rows' block b side by side. A block of x is then one broadcast operand,
+// no lane is idle whatever K is (a 576-wide model filled 18 of a group's 32 lanes when a lane held a block), no sum
+// needs a horizontal reduction, and a tile streams through memory in order (against float32 inputs:
 // docs/performance.md, Kernels).
 //
 // Lane i sums row i's blocks in order: an output's sum does not depend on M, on the tile or on the thread count.
@@ -50,11 +50,12 @@ constexpr float kMaxCode = 32767.f;  // x's codes are int16: |q| <= 32767
 // are one block): each block's low codes, then its high code bits; then each block's scale planes (16 rows each: its
 // scale, or Q6_K's two, then its minimum); then the group's float16 planes (a K-quant's d, then dmin). The file's
 // bits, no wider: Q4_0 w = d (c - 8); Q4_1 w = d c + m; Q5_0 w = d (c - 16), c 5 bits; Q8_0 w = d c (int8 codes);
-// Q4_K w = (d sc) c - (dmin m) per 32 weights, sc and m 6 bits; Q6_K w = (d sc_h) (c - 32) per 16, c 6 bits, sc_h int8.
+// Q4_K w = (d sc) c - (dmin m) per 32 weights, sc and m 6 bits; Q5_K the same with c 5 bits; Q6_K w = (d sc_h) (c - 32)
+// per 16, c 6 bits, sc_h int8.
 struct Layout {
   int group;        // blocks a group
   int code_bytes;   // a block's low codes (a tile's 16 rows): 256 (4 bits a weight) or 512 (Q8_0's bytes)
-  int high_bytes;   // a block's high code bits: Q5_0's fifth (64), Q6_K's fifth and sixth (128)
+  int high_bytes;   // a block's high code bits: Q5_0's and Q5_K's fifth (64), Q6_K's fifth and sixth (128)
   int planes;       // a block's scale planes
   int plane_bytes;  // a plane's bytes a row: 2 (float16), or 1 (a K-quant's sub-block scale)
   int head_planes;  // a group's float16 planes
@@ -67,18 +68,21 @@ struct Layout {
   constexpr int per_word() const { return code_bytes == 512 ? 2 : 4; }  // packed code slices per 16-bit word
 };
 
-// Packed types: Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), Q4_K (12), Q6_K (14): a compile-time constant in the kernel,
-// checked where a type comes in.
+// Packed types: Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14): a compile-time constant in
+// the kernel, checked where a type comes in.
 constexpr Layout layout_for(int64_t type) {
   return type == 2    ? Layout{1, 256, 0, 1, 2, 0, 8, false, 1}
          : type == 3  ? Layout{1, 256, 0, 2, 2, 0, 0, true, 1}
          : type == 6  ? Layout{1, 256, 64, 1, 2, 0, 16, false, 1}
          : type == 12 ? Layout{8, 256, 0, 2, 1, 2, 0, true, 1}
+         : type == 13 ? Layout{8, 256, 64, 2, 1, 2, 0, true, 1}
          : type == 14 ? Layout{8, 256, 128, 2, 1, 1, 32, false, 2}
                       : Layout{1, 512, 0, 1, 2, 0, 0, false, 1};
 }
 
-bool takes(int64_t type) { return type == 2 || type == 3 || type == 6 || type == 8 || type == 12 || type == 14; }
+bool takes(int64_t type) {
+  return type == 2 || type == 3 || type == 6 || type == 8 || type == 12 || type == 13 || type == 14;
+}
 
 Layout layout_of(int64_t type) {
   TORCH_CHECK(takes(type), "no int16-activation matmul for packed ggml type ", type);
@@ -96,6 +100,7 @@ void file_block(int64_t type, int& weights, int& bytes) {
     case 6: weights = 32, bytes = 22; break;
     case 8: weights = 32, bytes = 34; break;
     case 12: weights = 256, bytes = 144; break;
+    case 13: weights = 256, bytes = 176; break;
     default: weights = 256, bytes = 210; break;  // 14
   }
 }
@@ -134,16 +139,21 @@ void block_of(const uint8_t* row, int64_t type, int64_t b, uint8_t* c, uint8_t* 
       c[e] = (block[6 + e] & 15) | (((qh >> e) << 4) & 16);
       c[e + 16] = (block[6 + e] >> 4) | ((qh >> (e + 12)) & 16);
     }
-  } else if (type == 12) {  // d, dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
-    const uint8_t* block = row + (b / 8) * 144;
+  } else if (type == 12 || type == 13) {  // d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of fifth
+                                          // bits,) 128 bytes of nibbles
+    const uint8_t* block = row + (b / 8) * (type == 12 ? 144 : 176);
     const int j = b % 8;
     int sc, m;
     scale_min_k4(j, block + 4, sc, m);
     scale[0] = static_cast<uint8_t>(sc);
     scale[1] = static_cast<uint8_t>(m);
     std::memcpy(head, block, 4);
-    const uint8_t* q = block + 16 + 32 * (j / 2);
-    for (int e = 0; e < kBlock; ++e) c[e] = j % 2 ? q[e] >> 4 : q[e] & 15;
+    const uint8_t* qh = block + 16;
+    const uint8_t* q = block + (type == 12 ? 16 : 48) + 32 * (j / 2);
+    for (int e = 0; e < kBlock; ++e) {
+      c[e] = j % 2 ? q[e] >> 4 : q[e] & 15;
+      if (type == 13) c[e] |= ((qh[e] >> j) & 1) << 4;
+    }
   } else {  // Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
     const uint8_t* block = row + (b / 8) * 210;
     const int j = b % 8, n = j / 4, quarter = j % 4;
@@ -161,9 +171,10 @@ void block_of(const uint8_t* row, int64_t type, int64_t b, uint8_t* c, uint8_t* 
 // Sixteen rows' groups as one tile (Layout). Code slice t (inputs 2t and 2t+1) of row r sits in 16-bit lanes 2r and
 // 2r+1 of a 64-byte vector; 8-bit codes store slices 2u and 2u+1 in one vector's words (low and high byte), a 4-bit
 // format slices 4u .. 4u+3 (the word's four nibbles, lowest first), so a load and a shift or mask widens a slice. The
-// high bits are words in the same lanes: Q5_0's one vector a block holds slice t's fifth bit at bit t, Q6_K's two
-// slice t's two at bits 2 (t % 8) of vector t / 8, so a shift puts them above the nibble. Every byte of the tile is
-// written, each code straight to its place (a model's load packs every weight: bit by bit into zeroed words was slow).
+// high bits are words in the same lanes: Q5_0's and Q5_K's one vector a block holds slice t's fifth bit at bit t,
+// Q6_K's two slice t's two at bits 2 (t % 8) of vector t / 8, so a shift puts them above the nibble. Every byte of the
+// tile is written, each code straight to its place (a model's load packs every weight: bit by bit into zeroed words was
+// slow).
 void pack_tile(const uint8_t* src, int64_t row_bytes, int64_t type, const Layout& f, int64_t groups, uint8_t* dst) {
   for (int64_t g = 0; g < groups; ++g) {
     uint8_t* gp = dst + g * f.group_bytes();
@@ -195,7 +206,7 @@ void pack_tile(const uint8_t* src, int64_t row_bytes, int64_t type, const Layout
         for (int v = 0; v < f.high_bytes / 64; ++v)
           for (int p = 0; p < 2; ++p) {
             uint16_t word = 0;
-            if (type == 6)
+            if (type == 6 || type == 13)
               for (int t = 0; t < 16; ++t) word |= ((c[2 * t + p] >> 4) & 1) << t;
             else
               for (int k = 0; k < 8; ++k) word |= ((c[2 * (8 * v + k) + p] >> 4) & 3) << (2 * k);
@@ -360,7 +371,7 @@ inline void store16(at::BFloat16* p, __m512 v) {
 // the ones the float32-scale layout stored, formed the same way, so the sums are scaled by the same floats.
 template <int Type>
 inline __m512 scales16(const uint8_t* s, __m512 d, int hh) {
-  if constexpr (Type == 12)
+  if constexpr (Type == 12 || Type == 13)
     return _mm512_mul_ps(
         d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)))));
   else if constexpr (Type == 14)
@@ -372,7 +383,7 @@ inline __m512 scales16(const uint8_t* s, __m512 d, int hh) {
 
 template <int Type>
 inline __m512 mins16(const uint8_t* s, __m512 dmin) {
-  if constexpr (Type == 12) {
+  if constexpr (Type == 12 || Type == 13) {
     const __m512 dm = _mm512_mul_ps(
         dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)))));
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32(INT32_MIN)));
@@ -388,13 +399,13 @@ inline __m512i shift16(__m512i v) {  // each word N bits left (N < 0: right)
   else return v;
 }
 
-// Code slice t of a block (slice s of its vector u): the nibble, and for Q5_0 and Q6_K the high bits shifted above it
-// and merged in one ternary-logic instruction (lo | (high & mask)).
+// Code slice t of a block (slice s of its vector u): the nibble, and for Q5_0, Q5_K and Q6_K the high bits shifted
+// above it and merged in one ternary-logic instruction (lo | (high & mask)).
 template <int Type, int U, int S>
 inline __m512i codes16(__m512i v, const __m512i* high) {
   constexpr int t = 4 * U + S;
   const __m512i lo = S == 3 ? _mm512_srli_epi16(v, 12) : _mm512_and_si512(shift16<-4 * S>(v), _mm512_set1_epi16(15));
-  if constexpr (Type == 6)
+  if constexpr (Type == 6 || Type == 13)
     return _mm512_ternarylogic_epi32(lo, shift16<4 - t>(high[0]), _mm512_set1_epi16(0x10), 0xF8);
   else if constexpr (Type == 14)
     return _mm512_ternarylogic_epi32(lo, shift16<4 - 2 * (t % 8)>(high[t / 8]), _mm512_set1_epi16(0x30), 0xF8);
@@ -490,7 +501,7 @@ inline void store8(at::BFloat16* p, __m256 v) {
 // The VNNI build's scales16 and mins16 for eight rows (s and hp already at the half's rows).
 template <int Type>
 inline __m256 scales8(const uint8_t* s, __m256 d, int hh) {
-  if constexpr (Type == 12)
+  if constexpr (Type == 12 || Type == 13)
     return _mm256_mul_ps(
         d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)))));
   else if constexpr (Type == 14)
@@ -502,7 +513,7 @@ inline __m256 scales8(const uint8_t* s, __m256 d, int hh) {
 
 template <int Type>
 inline __m256 mins8(const uint8_t* s, __m256 dmin) {
-  if constexpr (Type == 12) {
+  if constexpr (Type == 12 || Type == 13) {
     const __m256 dm = _mm256_mul_ps(
         dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 16)))));
     return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(dm), _mm256_set1_epi32(INT32_MIN)));
@@ -523,7 +534,7 @@ template <int Type, int U, int S>
 inline __m256i codes8(__m256i v, const __m256i* high) {
   constexpr int t = 4 * U + S;
   const __m256i lo = S == 3 ? _mm256_srli_epi16(v, 12) : _mm256_and_si256(shift16<-4 * S>(v), _mm256_set1_epi16(15));
-  if constexpr (Type == 6)
+  if constexpr (Type == 6 || Type == 13)
     return _mm256_or_si256(lo, _mm256_and_si256(shift16<4 - t>(high[0]), _mm256_set1_epi16(0x10)));
   else if constexpr (Type == 14)
     return _mm256_or_si256(lo, _mm256_and_si256(shift16<4 - 2 * (t % 8)>(high[t / 8]), _mm256_set1_epi16(0x30)));
@@ -678,6 +689,7 @@ void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& 
         case 3: run_tile<3>(xb.get(), m, nb, ldx, w, o, ldo); break;
         case 6: run_tile<6>(xb.get(), m, nb, ldx, w, o, ldo); break;
         case 12: run_tile<12>(xb.get(), m, nb, ldx, w, o, ldo); break;
+        case 13: run_tile<13>(xb.get(), m, nb, ldx, w, o, ldo); break;
         case 14: run_tile<14>(xb.get(), m, nb, ldx, w, o, ldo); break;
         default: run_tile<8>(xb.get(), m, nb, ldx, w, o, ldo); break;
       }
@@ -714,8 +726,8 @@ bool available() {
 }
 
 // The file's blocks [N, row bytes] of ggml type `type` (N a multiple of 16) in the order int16_matmul_out reads
-// (Layout): the same bytes for Q4_0, Q4_1 and Q8_0 and as many for Q5_0 and Q6_K; Q4_K's 6-bit scales and minimums
-// as bytes (+2.8%).
+// (Layout): the same bytes for Q4_0, Q4_1 and Q8_0 and as many for Q5_0 and Q6_K; Q4_K's and Q5_K's 6-bit scales
+// and minimums as bytes (+2.8%, +2.3%).
 at::Tensor pack(at::Tensor blocks, int64_t type, int64_t k) {
   TORCH_CHECK(takes(type), "no int16-activation matmul for ggml type ", type);
   int weights, bytes;
@@ -760,6 +772,6 @@ void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<i
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the int16-activation matmul (AVX-512 VNNI or AVX2)");
   m.def("packed_type", &packed_type, "the type `pack` gives a file's type (-1: not taken)");
-  m.def("pack", &pack, "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks -> the order int16_matmul_out reads");
+  m.def("pack", &pack, "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks -> the order int16_matmul_out reads");
   m.def("int16_matmul_out", &int16_matmul_out, "out = x @ W^T, x rounded to int16 per 32, W packed GGUF blocks (CPU)");
 }
