@@ -337,10 +337,11 @@ inline int32_t pair(const XBlock& x, int t) {
 }
 
 // Weights are read this far ahead of their use: a tile's blocks stream through memory in order, but the hardware
-// prefetchers stop at each 4 KB page; 32 KB ahead beat 16 KB. Into L2, not L1: fetched into L1 a pass took longer,
-// most at few rows of x. The AVX2 build gains as much (bench/kernels/bench_block_matmul.py --against;
+// prefetchers stop at each 4 KB page. 16 KB ahead: 32 KB left a lone row's Q4_K and Q6_K tiles waiting on memory on
+// one machine, 8 KB too, where another had measured 32 KB the best. Into L2, not L1: fetched into L1 a pass took
+// longer, most at few rows of x. The AVX2 build gains as much (bench/kernels/bench_block_types.py --against;
 // docs/performance.md, Kernels).
-constexpr int kPrefetchBytes = 32768;
+constexpr int kPrefetchBytes = 16384;
 
 inline void prefetch_ahead(const uint8_t* p, int bytes) {
   for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T1);
