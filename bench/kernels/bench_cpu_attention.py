@@ -1,10 +1,12 @@
 """The CPU attention op alone (engine/kernels/csrc/cpu/paged_decode_attention.cpp): n query rows spread over some
-requests (a decode, or decodes verifying draft tokens) at several context lengths, SmolLM2's 9 query / 3 KV heads of 64
-(`--heads 4 1 256`: Gemma 3's), float32, microseconds a call (one layer), median of many calls; `--layers 30` cycles through 30 layers' caches, so their
-keys come from memory, as in a model's step, not from the last-level cache. `--against FILE` builds another copy of the
-op's source (`git show REV:engine/kernels/csrc/cpu/paged_decode_attention.cpp > FILE`) and times it call for call
-against this tree's over a cache of the first of --cache-dtypes, comparing their outputs' bits. `--cache-dtypes float32 bfloat16 float16` times this tree's op over
-a cache of each dtype (float32 queries; --kv-cache-dtype), call for call, the ratios to float32's as paired medians.
+requests (a decode, or decodes verifying draft tokens) at several context lengths, SmolLM2's 9 query / 3 KV heads of
+64 (`--heads 4 1 256`: Gemma 3's), float32, microseconds a call (one layer), median of many calls; `--layers 30`
+cycles through 30 layers' caches, so their keys come from memory, as in a model's step, not from the last-level
+cache. `--against FILE` builds another copy of the op's source (`git show
+REV:engine/kernels/csrc/cpu/paged_decode_attention.cpp > FILE`) and times it call for call against this tree's over a
+cache of the first of --cache-dtypes, comparing their outputs' bits. `--cache-dtypes float32 bfloat16 float16` times
+this tree's op over a cache of each dtype (float32 queries; --kv-cache-dtype), call for call, the ratios to float32's
+as paired medians.
 
     .venv/bin/python -m bench.kernels.bench_cpu_attention --threads 2 \\
         --out benchmarks/results/kernels/cpu_attention.json

@@ -2,9 +2,9 @@
 
 glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh pages and unmaps them when it is freed,
 so each call's output faults in and zeroes every page again: for the LM head's logits at a large vocabulary and batch
-(32 rows of a 262k vocabulary are 33.5 MB) that is a measurable share of the head's own time (docs/performance.md). A layer that holds an
-OutputBuffer writes into the same pages every call instead; its caller must be done with one call's output before the
-next call (the runner samples a step's logits before it runs the next).
+(32 rows of a 262k vocabulary are 33.5 MB) that is a measurable share of the head's own time (docs/performance.md). A
+layer that holds an OutputBuffer writes into the same pages every call instead; its caller must be done with one call's
+output before the next call (the runner samples a step's logits before it runs the next).
 """
 
 from __future__ import annotations

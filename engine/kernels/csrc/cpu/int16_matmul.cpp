@@ -337,10 +337,9 @@ inline int32_t pair(const XBlock& x, int t) {
 }
 
 // Weights are read this far ahead of their use: a tile's blocks stream through memory in order, but the hardware
-// prefetchers stop at each 4 KB page. 16 KB ahead: 32 KB left a lone row's Q4_K and Q6_K tiles waiting on memory on
-// one machine, 8 KB too, where another had measured 32 KB the best. Into L2, not L1: fetched into L1 a pass took
-// longer, most at few rows of x. The AVX2 build gains as much (bench/kernels/bench_block_types.py --against;
-// docs/performance.md, Kernels).
+// prefetchers stop at each 4 KB page. 16 KB ahead: from 32 KB or 8 KB a lone row's Q4_K and Q6_K tiles waited on
+// memory. Into L2, not L1: fetched into L1 a pass took longer, most at few rows of x. The AVX2 build gains as much
+// (bench/kernels/bench_block_types.py --against; docs/performance.md, Kernels).
 constexpr int kPrefetchBytes = 16384;
 
 inline void prefetch_ahead(const uint8_t* p, int bytes) {
@@ -668,7 +667,7 @@ void run_parts(const T* x, int64_t m, int64_t k, const std::vector<at::Tensor>& 
                const std::vector<int64_t>& types, T* out, int64_t ldo) {
   const int64_t nb = k / kBlock;
   // x's rows an odd number of blocks apart: a power-of-two stride put a tile's rows of x in the same few L1 sets, each
-  // read evicting the next row's block (prefill rate +40-50%, docs/performance.md, Kernels).
+  // read evicting the next row's block (docs/performance.md, Kernels).
   const int64_t ldx = nb | 1;
   std::unique_ptr<XBlock[]> xb(new XBlock[m * ldx]);  // not value-initialized: quantize_row writes every field
   at::parallel_for(0, m, std::max<int64_t>(1, kParallelInputs / k), [&](int64_t begin, int64_t end) {
