@@ -3,15 +3,7 @@ builds, so an AVX-512 machine checks the other half of each op: `pytest -p tests
 
 from engine.kernels import cpu_ops
 
-
-def _load(name: str):
-    source = cpu_ops.CPU_SOURCES / cpu_ops.CPU_EXTENSIONS[name][0]
-    module, build_dir = cpu_ops.jit_load(f"{name}_haswell", [source], cpu_ops.cflags(name, "haswell"))
-    cpu_ops._ORIGINS[name] = f"built for haswell in {build_dir.parent}"
-    return module
-
-
-cpu_ops._load = _load
+cpu_ops.load_for("haswell")
 
 
 def pytest_report_header(config):

@@ -133,3 +133,14 @@ def test_packed_weights_are_no_wider_than_the_files(kind):
     packed = _int16_ops().pack(blocks.data, int(t), 1024)
     assert packed.numel() / (32 * 1024) == PACKED_BYTES[kind]
     assert packed.numel() <= blocks.data.numel() * 1.03
+
+
+def test_the_build_names_the_instructions_it_runs_on():
+    """The startup block's reason for int16 activations comes from the op's build, not from the CPU's flags: a
+    -march=haswell build on an AVX-512 machine says AVX2."""
+    from engine.kernels import cpu_ops
+    from engine.model.quantized import int16_build_isa
+
+    with open("/proc/cpuinfo") as f:
+        vnni = "avx512_vnni" in f.read()
+    assert int16_build_isa() == ("AVX-512 VNNI" if vnni and cpu_ops._MARCH == "native" else "AVX2")

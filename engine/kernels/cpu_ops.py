@@ -48,6 +48,7 @@ CPU_EXTENSIONS = {
 }
 
 _ORIGINS: dict[str, str] = {}  # op -> where this process got it, for the startup block
+_MARCH = "native"  # what every op is built for in this process (load_for)
 # Read once here: sysconfig fills its variables on first use, and threads that race there may read None.
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
 
@@ -87,8 +88,22 @@ def _builds() -> dict[str, Future]:
     return builds
 
 
+def load_for(march: str) -> None:
+    """Build and load every op of this process for `-march` (haswell: the AVX2 half of each op, no AVX-512) instead
+    of for this CPU: tests and benchmarks of another CPU's code on this one. Call it before the first op loads."""
+    global _MARCH
+    if _builds.cache_info().currsize:
+        raise RuntimeError("load_for must come before the first C++ op loads")
+    _MARCH = march
+
+
 def _load(name: str):
-    so, source, flags = prebuilt_path(name), CPU_SOURCES / CPU_EXTENSIONS[name][0], cflags(name)
+    source = CPU_SOURCES / CPU_EXTENSIONS[name][0]
+    if _MARCH != "native":
+        module, build_dir = jit_load(f"{name}_{_MARCH.replace('-', '_')}", [source], cflags(name, _MARCH))
+        _ORIGINS[name] = f"built for {_MARCH} in {build_dir.parent}"
+        return module
+    so, flags = prebuilt_path(name), cflags(name)
     module = load_prebuilt(so, source, flags)
     if module is not None:
         _ORIGINS[name] = f"prebuilt in {so.parent}"

@@ -82,6 +82,11 @@ def can_use_int16(device: torch.device) -> bool:
     )
 
 
+def int16_build_isa() -> str:
+    """The instructions the int16-activation op was built for ("AVX-512 VNNI", "AVX2"; "": it has none)."""
+    return _int16_ops().isa()
+
+
 def can_use_blocks(device: torch.device) -> bool:
     """The op here: on the CPU, where it builds (a warning says why not, if it cannot)."""
     return device.type == "cpu" and builds(_ops, "the GGUF block matmul is unusable here, using dense weights")

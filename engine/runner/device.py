@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.defaults import choose_block_activations, choose_dtype
-from engine.model.quantized import can_use_int16
+from engine.model.quantized import can_use_int16, int16_build_isa
 from engine.runner.decode_graphs import whole_step_rows
 from engine.runner.kv_dtype import kv_dtype, resolve_kv_cache_dtype
 
@@ -54,23 +52,8 @@ def batch_invariant_attention(config: EngineConfig) -> EngineConfig:
 
 
 def int16_isa(device: torch.device) -> str | None:
-    """The instructions the int16-activation op runs on here (its build takes VNNI where the CPU has it), or None."""
-    if not can_use_int16(device):
-        return None
-    return "AVX-512 VNNI" if "avx512_vnni" in cpu_flags() else "AVX2"
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The instructions the int16-activation op runs on here (as its build says: VNNI where the CPU has it), or None."""
+    return int16_build_isa() if can_use_int16(device) else None
 
 
 def int16_activations(config: EngineConfig) -> bool:

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 // Two builds of the same sums: AVX-512 VNNI (vpdpwssd, a 16-row tile in one register) and AVX2 (vpmaddwd then an add,
@@ -725,6 +726,17 @@ bool available() {
 #endif
 }
 
+// The instructions this build's sums run on: "AVX-512 VNNI", "AVX2", or "" (no op).
+std::string isa() {
+#if defined(ORCINUS_VNNI)
+  return "AVX-512 VNNI";
+#elif defined(ORCINUS_INT16)
+  return "AVX2";
+#else
+  return "";
+#endif
+}
+
 // The file's blocks [N, row bytes] of ggml type `type` (N a multiple of 16) in the order int16_matmul_out reads
 // (Layout): the same bytes for Q4_0, Q4_1 and Q8_0 and as many for Q5_0 and Q6_K; Q4_K's and Q5_K's 6-bit scales
 // and minimums as bytes (+2.8%, +2.3%).
@@ -771,6 +783,7 @@ void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<i
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the int16-activation matmul (AVX-512 VNNI or AVX2)");
+  m.def("isa", &isa, "the instructions this build's sums run on (\"\": none)");
   m.def("packed_type", &packed_type, "the type `pack` gives a file's type (-1: not taken)");
   m.def("pack", &pack, "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks -> the order int16_matmul_out reads");
   m.def("int16_matmul_out", &int16_matmul_out, "out = x @ W^T, x rounded to int16 per 32, W packed GGUF blocks (CPU)");
