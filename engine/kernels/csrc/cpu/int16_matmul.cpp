@@ -543,11 +543,11 @@ inline __m256i codes8(__m256i v, const __m256i* high) {
     return lo;
 }
 
-// Half h of a tile (its rows 8h .. 8h+7, the upper or lower 32 bytes of each of its vectors, the same half of each
-// plane) for R rows of x: the VNNI tile's steps on 8 lanes, with vpmaddwd's pair sums added to the chain instead of
-// accumulated in one instruction.
-template <int R, int Type, typename T>
-void half_tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, int h, T* out, int64_t ldo) {
+// Half h of a tile's groups g0 .. g1-1 (its rows 8h .. 8h+7, the upper or lower 32 bytes of each of its vectors, the
+// same half of each plane) for R rows of x, added to acc: the VNNI tile's steps on 8 lanes, with vpmaddwd's pair sums
+// added to the chain instead of accumulated in one instruction.
+template <int R, int Type>
+void half_tile(const XBlock* xb, int64_t g0, int64_t g1, int64_t ldx, const uint8_t* w, int h, float (*acc)[8]) {
   constexpr Layout f = layout_for(Type);
   constexpr int per_word = f.per_word(), chains = R < 4 ? 4 / R : 1;
   constexpr int vectors = f.code_bytes / 64, per_half = vectors / f.halves;  // 64-byte code vectors a block
@@ -555,11 +555,11 @@ void half_tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, int 
   // Past 4 rows the rows' sums, a word's slices and a broadcast fill the 16 registers: the float accumulators,
   // touched once a block, live in memory then (left in registers, GCC spills sums in the inner loop instead).
   constexpr bool in_memory = R > 4;
-  alignas(32) float acc_mem[in_memory ? R : 1][8] = {};
+  float (*acc_mem)[8] = acc;
   __m256 acc_reg[in_memory ? 1 : R];
   if constexpr (!in_memory)
-    for (int r = 0; r < R; ++r) acc_reg[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < nb / f.group; ++g) {
+    for (int r = 0; r < R; ++r) acc_reg[r] = _mm256_load_ps(acc[r]);
+  for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = w + g * f.group_bytes();
     const uint8_t* sp = gp + f.group * f.block_bytes() + 8 * f.plane_bytes * h;
     const uint8_t* hp = gp + f.group * (f.block_bytes() + f.scale_bytes()) + 16 * h;
@@ -626,14 +626,29 @@ void half_tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, int 
       }
     }
   }
-  for (int r = 0; r < R; ++r) store8(out + r * ldo, in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r]);
+  if constexpr (!in_memory)
+    for (int r = 0; r < R; ++r) _mm256_store_ps(acc[r], acc_reg[r]);
 }
 
-// Sixteen registers, not 32: a half tile at a time.
+// Sixteen registers, not 32: a half tile at a time. Run over a whole tile, the first half read it from memory and the
+// second from L2, the memory idle for half of a lone row's pass; in chunks, the second half reads from L1 what the
+// first has just brought in (docs/performance.md, Kernels).
 template <int R, int Type, typename T>
 void tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, T* out, int64_t ldo) {
-  half_tile<R, Type>(xb, nb, ldx, w, 0, out, ldo);
-  half_tile<R, Type>(xb, nb, ldx, w, 1, out + 8, ldo);
+  constexpr Layout f = layout_for(Type);
+  // Below 4 rows a pass is bound by memory: both halves of a few KB of groups in turn. From 4 rows on it is bound by
+  // instructions, and the halves' accumulators stored between chunks cost more than the overlap gives.
+  const int64_t chunk = R < 4 ? std::max(1, 4096 / f.group_bytes()) : nb;  // groups
+  alignas(32) float acc[2][R][8] = {};
+  for (int64_t g0 = 0, groups = nb / f.group; g0 < groups; g0 += chunk) {
+    const int64_t g1 = std::min(groups, g0 + chunk);
+    half_tile<R, Type>(xb, g0, g1, ldx, w, 0, acc[0]);
+    half_tile<R, Type>(xb, g0, g1, ldx, w, 1, acc[1]);
+  }
+  for (int r = 0; r < R; ++r) {
+    store8(out + r * ldo, _mm256_load_ps(acc[0][r]));
+    store8(out + r * ldo + 8, _mm256_load_ps(acc[1][r]));
+  }
 }
 
 // 8 rows, not 4: with 4, a step's matmuls at 5 to 9 rows (a decoding request and its drafts) took longer, the same
