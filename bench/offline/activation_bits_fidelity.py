@@ -7,7 +7,8 @@ clamped to the code range, then q * d) before the real op, which then rounds it 
 of at most 2^-16 of the block's largest input, 1/258 of an 8-bit step). The weights, their sums and every other layer
 stay today's. Variants: `int16` (the op's own rounding redone first: a control, it must give today's tokens), `q8_0`
 (8 bits per 32), `q8_k` (8 bits per 256 where the width allows, else per 32), `q8_0_head16` (8 bits per 32 but the
-LM head as today).
+LM head as today), and `q8_0_qkv` / `q8_0_o` / `q8_0_gate_up` / `q8_0_down` (8 bits per 32 into one kind of projection
+only, the rest as today: which layers would tolerate int8).
 
     .venv/bin/python -m bench.offline.activation_bits_fidelity --out benchmarks/results/offline/activation_bits_fidelity.json
 """
@@ -21,13 +22,15 @@ import torch
 
 from bench.common import write_report
 
-# name: (inputs per scale, largest code, whether the LM head keeps today's rounding)
+# name: (inputs per scale, largest code, whether the LM head keeps today's rounding, the only projections rounded so:
+# their module names' last part, or None for all)
 VARIANTS = {
     "today": None,
-    "int16": (32, 32767.0, False),
-    "q8_0": (32, 127.0, False),
-    "q8_k": (256, 127.0, False),
-    "q8_0_head16": (32, 127.0, True),
+    "int16": (32, 32767.0, False, None),
+    "q8_0": (32, 127.0, False, None),
+    "q8_k": (256, 127.0, False, None),
+    "q8_0_head16": (32, 127.0, True, None),
+    **{f"q8_0_{kind}": (32, 127.0, True, f"{kind}_proj") for kind in ("qkv", "o", "gate_up", "down")},
 }
 
 
@@ -45,7 +48,8 @@ def fake_quantize(x: torch.Tensor, block: int, max_code: float) -> torch.Tensor:
 
 
 class Emulation:
-    """Int16BlockLinear's input rounding, swapped for a variant while installed; the LM head found by marking it."""
+    """Int16BlockLinear's input rounding, swapped for a variant while installed; each block layer marked with its
+    module name (the LM head's is `lm_head`)."""
 
     def __init__(self):
         self.variant = None
@@ -61,17 +65,18 @@ class Emulation:
 
         def matmul_out(layer, x, out):
             spec = VARIANTS[emulation.variant]
-            head = getattr(layer, "_is_lm_head", False)
+            name = getattr(layer, "_module_name", "")
+            head = name == "lm_head"
             emulation.calls["head" if head else "projections"] += 1
-            if spec is not None and not (head and spec[2]):
+            if spec is not None and not (head and spec[2]) and (spec[3] is None or name.endswith(f".{spec[3]}")):
                 x = fake_quantize(x.contiguous(), spec[0], spec[1])
             original_matmul(layer, x, out)
 
         def swap(model, blocks, **kw):
             swapped = original_swap(model, blocks, **kw)
-            head = getattr(model, "lm_head", None)
-            if isinstance(head, quantized.Int16BlockLinear):
-                head._is_lm_head = True
+            for name, layer in model.named_modules():
+                if isinstance(layer, quantized.Int16BlockLinear):
+                    layer._module_name = name
             return swapped
 
         quantized.Int16BlockLinear._matmul_out = matmul_out
