@@ -555,7 +555,6 @@ void half_tile(const XBlock* xb, int64_t g0, int64_t g1, int64_t ldx, const uint
   // Past 4 rows the rows' sums, a word's slices and a broadcast fill the 16 registers: the float accumulators,
   // touched once a block, live in memory then (left in registers, GCC spills sums in the inner loop instead).
   constexpr bool in_memory = R > 4;
-  float (*acc_mem)[8] = acc;
   __m256 acc_reg[in_memory ? 1 : R];
   if constexpr (!in_memory)
     for (int r = 0; r < R; ++r) acc_reg[r] = _mm256_load_ps(acc[r]);
@@ -608,9 +607,9 @@ void half_tile(const XBlock* xb, int64_t g0, int64_t g1, int64_t ldx, const uint
             const XBlock& x = xb[r * ldx + b];
             __m256i s = sum[r][0];
             for (int c = 1; c < chains; ++c) s = _mm256_add_epi32(s, sum[r][c]);
-            __m256 a = in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r];
+            __m256 a = in_memory ? _mm256_load_ps(acc[r]) : acc_reg[r];
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(x.d)), a);
-            if constexpr (in_memory) _mm256_store_ps(acc_mem[r], a);
+            if constexpr (in_memory) _mm256_store_ps(acc[r], a);
             else acc_reg[r] = a;
           }
         }
@@ -618,9 +617,9 @@ void half_tile(const XBlock* xb, int64_t g0, int64_t g1, int64_t ldx, const uint
       if constexpr (f.mins) {
         const __m256 mw = mins8<Type>(scales, dmin);
         for (int r = 0; r < R; ++r) {
-          __m256 a = in_memory ? _mm256_load_ps(acc_mem[r]) : acc_reg[r];
+          __m256 a = in_memory ? _mm256_load_ps(acc[r]) : acc_reg[r];
           a = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb[r * ldx + b].ds), a);
-          if constexpr (in_memory) _mm256_store_ps(acc_mem[r], a);
+          if constexpr (in_memory) _mm256_store_ps(acc[r], a);
           else acc_reg[r] = a;
         }
       }
@@ -638,9 +637,9 @@ void tile(const XBlock* xb, int64_t nb, int64_t ldx, const uint8_t* w, T* out, i
   constexpr Layout f = layout_for(Type);
   // Below 4 rows a pass is bound by memory: both halves of a few KB of groups in turn. From 4 rows on it is bound by
   // instructions, and the halves' accumulators stored between chunks cost more than the overlap gives.
-  const int64_t chunk = R < 4 ? std::max(1, 4096 / f.group_bytes()) : nb;  // groups
+  const int64_t groups = nb / f.group, chunk = R < 4 ? std::max(1, 4096 / f.group_bytes()) : groups;
   alignas(32) float acc[2][R][8] = {};
-  for (int64_t g0 = 0, groups = nb / f.group; g0 < groups; g0 += chunk) {
+  for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
     const int64_t g1 = std::min(groups, g0 + chunk);
     half_tile<R, Type>(xb, g0, g1, ldx, w, 0, acc[0]);
     half_tile<R, Type>(xb, g0, g1, ldx, w, 1, acc[1]);
