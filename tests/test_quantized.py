@@ -242,7 +242,7 @@ def test_the_int16_path_is_the_product_of_the_rounded_inputs_and_the_files_weigh
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     layer = Int16BlockLinear([blocks])
     got = torch.empty(9, 48)
-    _int16_ops().int16_matmul_out(x, layer._parts, layer.types, got)  # the op itself takes any number of rows
+    _int16_ops().int16_matmul(x, layer._parts, layer.types, got)  # the op itself takes any number of rows
     want = int16_rounded(x) @ w.t()
     # integer block sums are exact: what is left is float32 scaling and a sum over the blocks
     bound = 4 * (cols // 32) * 2**-24 * (int16_rounded(x).abs() @ w.abs().t()) + 1e-30
@@ -327,7 +327,7 @@ def test_x_is_rounded_to_the_nearest_even_code_of_its_blocks_scale(dtype):
     x[3, 32:] = torch.tensor([1e-30, -7.0] * 16)  # tiny against the block's largest: code 0
     x = x.to(dtype)
     got = torch.empty(5, 64, dtype=dtype)
-    _int16_ops().int16_matmul_out(x, [packed], [int(GGMLQuantizationType.Q8_0)], got)
+    _int16_ops().int16_matmul(x, [packed], [int(GGMLQuantizationType.Q8_0)], got)
     blocks = x.float().reshape(5, 2, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     scale = amax / 32767

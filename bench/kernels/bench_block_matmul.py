@@ -115,8 +115,12 @@ def OtherInt16(parts, ops):
     from engine.model.quantized import BlockLinear, Blocks
 
     class Other(BlockLinear):
-        def _matmul_out(self, x, out):
-            ops.int16_matmul_out(x.contiguous(), self._parts, self.types, out)
+        def _matmul(self, x, out):
+            out = x.new_empty(x.shape[0], self.out_features) if out is None else out
+            if hasattr(ops, "int16_matmul"):
+                return ops.int16_matmul(x, self._parts, self.types, out)
+            ops.int16_matmul_out(x.contiguous(), self._parts, self.types, out)  # a build from before int16_matmul
+            return out
 
     return Other([Blocks(ops.packed_type(p.type), ops.pack(p.data, p.type, p.cols), p.cols) for p in parts])
 

@@ -59,18 +59,18 @@ class Emulation:
         from engine.model import quantized
         from engine.runner import local_executor
 
-        original_matmul = quantized.Int16BlockLinear._matmul_out
+        original_matmul = quantized.Int16BlockLinear._matmul
         original_swap = local_executor.use_block_weights
         emulation = self
 
-        def matmul_out(layer, x, out):
+        def matmul(layer, x, out):
             spec = VARIANTS[emulation.variant]
             name = getattr(layer, "_module_name", "")
             head = name == "lm_head"
             emulation.calls["head" if head else "projections"] += 1
             if spec is not None and not (head and spec[2]) and (spec[3] is None or name.endswith(f".{spec[3]}")):
                 x = fake_quantize(x.contiguous(), spec[0], spec[1])
-            original_matmul(layer, x, out)
+            return original_matmul(layer, x, out)
 
         def swap(model, blocks, **kw):
             swapped = original_swap(model, blocks, **kw)
@@ -79,7 +79,7 @@ class Emulation:
                     layer._module_name = name
             return swapped
 
-        quantized.Int16BlockLinear._matmul_out = matmul_out
+        quantized.Int16BlockLinear._matmul = matmul
         local_executor.use_block_weights = swap
 
 

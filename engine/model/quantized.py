@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.kernels.availability import builds
 from engine.kernels.cpu_ops import load_cpu_extension
+from engine.model.direct_call import DirectCall
 from engine.model.output_buffer import OutputBuffer
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the quantized formats the C++ op decodes: weights, bytes per block.
@@ -97,7 +98,7 @@ def dequantize(blocks: Blocks) -> torch.Tensor:
     return _ops().block_dequantize(blocks.data, blocks.type, blocks.cols)
 
 
-class BlockLinear(nn.Module):
+class BlockLinear(DirectCall):
     """A linear layer over blocks: its output features are the parts' rows, in order (a fused Q/K/V may join tensors
     stored in different types), plus the bias if there is one."""
 
@@ -117,16 +118,18 @@ class BlockLinear(nn.Module):
         self.output: OutputBuffer | None = None  # set where the outputs are too large for malloc to recycle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1, self.in_features)
-        if self.output is not None:
-            out = self.output.take(x, x.shape[0], self.out_features)
-        else:
-            out = x.new_empty(x.shape[0], self.out_features)
-        self._matmul_out(x, out)  # all parts in one call: one parallel region for the layer, not one per part
+        if x.dim() != 2:  # a reshape costs a microsecond even where it changes nothing
+            x = x.reshape(-1, self.in_features)
+        out = None if self.output is None else self.output.take(x, x.shape[0], self.out_features)
+        out = self._matmul(x, out)  # all parts in one call: one parallel region for the layer, not one per part
         return out if self.bias is None else out.add_(self.bias)
 
-    def _matmul_out(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _matmul(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T into `out` (None: a new tensor), which it returns."""
+        if out is None:
+            out = x.new_empty(x.shape[0], self.out_features)
         _ops().block_matmul_out(x, self._parts, self.types, out)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, types={self.types}"
@@ -142,9 +145,10 @@ class Int16BlockLinear(BlockLinear):
         super().__init__(
             [Blocks(ops.packed_type(p.type), ops.pack(p.data, p.type, p.cols), p.cols) for p in parts], bias
         )
+        self._op = ops.int16_matmul  # bound once: it runs a few hundred times a decode step
 
-    def _matmul_out(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        _int16_ops().int16_matmul_out(x.contiguous(), self._parts, self.types, out)
+    def _matmul(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return self._op(x, self._parts, self.types, out)  # allocated in C++ where out is None: cheaper
 
 
 def use_block_weights(

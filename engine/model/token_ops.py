@@ -23,6 +23,7 @@ from torch import nn
 from engine.attention.backend import write_kv
 from engine.kernels.availability import builds
 from engine.kernels.cpu_ops import load_cpu_extension
+from engine.model.direct_call import DirectCall
 
 
 class RMSNorm(nn.Module):
@@ -173,7 +174,7 @@ def _family_ops():
     return load_cpu_extension("orcinus_cpu_family_ops")
 
 
-class CpuRMSNorm(RMSNorm):
+class CpuRMSNorm(RMSNorm, DirectCall):
     """RMSNorm through the C++ op (the same weight Parameter as the module it replaced)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -189,21 +190,21 @@ class CpuRMSNorm(RMSNorm):
         return _ops().rms_norm(x, self.weight, self.eps)
 
 
-class CpuSiluAndMul(SiluAndMul):
+class CpuSiluAndMul(SiluAndMul, DirectCall):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or gate_up.dim() != 2 or not gate_up.is_contiguous():
             return super().forward(gate_up)
         return _ops().silu_mul(gate_up)
 
 
-class CpuGeluAndMul(GeluAndMul):
+class CpuGeluAndMul(GeluAndMul, DirectCall):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or gate_up.dim() != 2 or not gate_up.is_contiguous():
             return super().forward(gate_up)
         return _family_ops().gelu_tanh_mul(gate_up)
 
 
-class CpuLogitSoftCap(LogitSoftCap):
+class CpuLogitSoftCap(LogitSoftCap, DirectCall):
     """The soft cap in one C++ pass over the float32 logits (PyTorch's is three, and a tensor each)."""
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:

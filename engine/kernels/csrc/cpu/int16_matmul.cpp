@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -751,7 +752,7 @@ std::string isa() {
 #endif
 }
 
-// The file's blocks [N, row bytes] of ggml type `type` (N a multiple of 16) in the order int16_matmul_out reads
+// The file's blocks [N, row bytes] of ggml type `type` (N a multiple of 16) in the order int16_matmul reads
 // (Layout): the same bytes for Q4_0, Q4_1 and Q8_0 and as many for Q5_0 and Q6_K; Q4_K's and Q5_K's 6-bit scales
 // and minimums as bytes (+2.8%, +2.3%).
 at::Tensor pack(at::Tensor blocks, int64_t type, int64_t k) {
@@ -772,11 +773,14 @@ at::Tensor pack(at::Tensor blocks, int64_t type, int64_t k) {
   return out;
 }
 
-// out = x @ W^T for W the packed parts' rows stacked (parts[i] of ggml type types[i]), x rounded to int16 per 32 inputs.
-void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<int64_t> types, at::Tensor out) {
+// out = x @ W^T for W the packed parts' rows stacked (parts[i] of ggml type types[i]), x rounded to int16 per 32 inputs;
+// without `out`, into a new tensor. Returns out.
+at::Tensor int16_matmul(at::Tensor x, std::vector<at::Tensor> parts, std::vector<int64_t> types,
+                        std::optional<at::Tensor> out_arg) {
   TORCH_CHECK(available(), "the int16-activation matmul needs AVX-512 VNNI or AVX2 where it was built");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be a contiguous float32 or bfloat16 [rows, K] tensor");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 [rows, K] tensor");
+  x = x.contiguous();
   TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "one type per part, and at least one part");
   const int64_t m = x.size(0), k = x.size(1);
   int64_t n = 0;
@@ -784,15 +788,17 @@ void int16_matmul_out(at::Tensor x, std::vector<at::Tensor> parts, std::vector<i
     check_part(parts[i], types[i], k);
     n += parts[i].size(0);
   }
+  at::Tensor out = out_arg ? *out_arg : at::empty({m, n}, x.options());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1 && out.stride(0) >= n &&
               out.scalar_type() == x.scalar_type(), "out must be [rows, N] of x's dtype with unit column stride");
-  if (m == 0) return;
+  if (m == 0) return out;
 #ifdef ORCINUS_INT16
   if (x.scalar_type() == at::kFloat)
     run_parts(x.data_ptr<float>(), m, k, parts, types, out.data_ptr<float>(), out.stride(0));
   else
     run_parts(x.data_ptr<at::BFloat16>(), m, k, parts, types, out.data_ptr<at::BFloat16>(), out.stride(0));
 #endif
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -800,5 +806,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instructions this build's sums run on (\"\": none)");
   m.def("packed_type", &packed_type, "the type `pack` gives a file's type (-1: not taken)");
   m.def("pack", &pack, "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks -> the order int16_matmul_out reads");
-  m.def("int16_matmul_out", &int16_matmul_out, "out = x @ W^T, x rounded to int16 per 32, W packed GGUF blocks (CPU)");
+  m.def("int16_matmul", &int16_matmul, "x @ W^T (into out, if given), x rounded to int16 per 32, W packed GGUF blocks",
+        pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("types"), pybind11::arg("out") = pybind11::none());
 }
