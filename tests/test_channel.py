@@ -27,6 +27,7 @@ from engine.ipc.messages import (
     AddRequest,
     EngineStats,
     FromEngine,
+    Heartbeat,
     RequestError,
     Shutdown,
     StepDeltas,
@@ -149,6 +150,28 @@ def test_doorbell_coalesces_and_never_blocks():
         bell.close()
         bell.unlink()
     assert not os.path.exists(os.path.dirname(bell.path))
+
+
+def test_held_bell_rings_once_after_the_frames(channels):
+    ch = channels(FromEngine)
+    consumer = Channel.attach(ch.handle(), FromEngine)
+    try:
+        with ch.held_bell():
+            with ch.held_bell():  # nested: the outermost block rings
+                ch.send(Heartbeat())
+            ch.send(RequestError("r1", "boom"))
+            assert not consumer.doorbell.drain()  # frames written, nobody woken yet
+        assert os.read(consumer.doorbell.fileno(), 16) == b"\1"  # one ring for both frames
+        assert [type(m) for m in consumer.recv_all()] == [Heartbeat, RequestError]
+        with pytest.raises(RuntimeError), ch.held_bell():  # a block that raises still rings
+            ch.send(Heartbeat())
+            raise RuntimeError
+        assert consumer.wait(1.0) and [type(m) for m in consumer.recv_all()] == [Heartbeat]
+        ch.send(Heartbeat())  # outside a block: a ring per frame again
+        assert consumer.doorbell.drain()
+    finally:
+        consumer.ring.close()
+        consumer.doorbell.close()
 
 
 def test_async_recv_wakes_on_send(channels):

@@ -198,10 +198,11 @@ class EngineLoop:
         t = time.perf_counter()
         updated = self.engine.step()
         elapsed = time.perf_counter() - t
-        if self.cache_events:  # before the step's deltas: a client's next turn must find its prefix already known
-            self.send_cache_events()
-        self.publish_deltas(updated)
-        self.publish_stats(elapsed)
+        with self.outbox.held_bell():  # the step's frames wake the gateway once
+            if self.cache_events:  # before the step's deltas: a client's next turn must find its prefix already known
+                self.send_cache_events()
+            self.publish_deltas(updated)
+            self.publish_stats(elapsed)
 
     def publish_deltas(self, updated: list) -> None:
         """The step's tokens: StepDeltas frames, plain deltas as its columns (a RequestError where one failed)."""
