@@ -307,8 +307,9 @@ class Channel:
 
     @contextlib.contextmanager
     def held_bell(self):
-        """Messages sent inside ring the doorbell once, as the block ends: one wake-up of the consumer for all of them.
-        Each ring wakes the consumer, which on a busy machine takes a core from the producer for a while."""
+        """Messages sent inside ring the doorbell once, as the block ends: one wake-up of the consumer for all of them
+        (each wakes it, and on a busy machine it then takes a core from the producer). One thread's blocks: sends
+        from other threads meanwhile ring at its end too."""
         self._held += 1
         try:
             yield

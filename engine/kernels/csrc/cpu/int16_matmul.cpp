@@ -805,7 +805,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the int16-activation matmul (AVX-512 VNNI or AVX2)");
   m.def("isa", &isa, "the instructions this build's sums run on (\"\": none)");
   m.def("packed_type", &packed_type, "the type `pack` gives a file's type (-1: not taken)");
-  m.def("pack", &pack, "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks -> the order int16_matmul_out reads");
+  m.def("pack", &pack, "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks -> the order int16_matmul reads");
   m.def("int16_matmul", &int16_matmul, "x @ W^T (into out, if given), x rounded to int16 per 32, W packed GGUF blocks",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("types"), pybind11::arg("out") = pybind11::none());
 }
