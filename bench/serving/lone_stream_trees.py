@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import launch_server, stop_server, write_report
+from bench.common import served, write_report
 
 
 def ms_per_token(url: str, tokens: int, stream: bool) -> float:
@@ -52,13 +52,10 @@ def main() -> None:
     for r in range(args.rounds):
         for tree in args.trees:
             root = Path(tree).resolve()
-            proc, url = launch_server(flags, root=root, env={"PYTHONPATH": str(root)})
-            try:
+            with served(flags, root=root, env={"PYTHONPATH": str(root)}) as url:
                 ms_per_token(url, 16, False)  # warm-up
                 for mode in modes:
                     samples[tree][mode].append(ms_per_token(url, args.tokens, mode == "stream"))
-            finally:
-                stop_server(proc)
             print(f"round {r} {tree}: " + ", ".join(f"{m} {samples[tree][m][-1]:.3f} ms" for m in modes), flush=True)
     medians = {tree: {m: statistics.median(v) for m, v in s.items()} for tree, s in samples.items()}
     first = args.trees[0]
