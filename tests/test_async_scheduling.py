@@ -5,9 +5,10 @@ import pytest
 from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
+from engine.core.batch import PLACEHOLDER
 from engine.core.config import EngineConfig, FaultPlan
 from engine.core.request import Request, RequestStatus, SampledTokens
-from engine.core.scheduler import PLACEHOLDER, Scheduler
+from engine.core.scheduler import Scheduler
 
 BS = 4
 MARK = 4321  # a token id none of the prompts holds: sampling raises for a prompt with it

@@ -7,8 +7,8 @@ import torch
 from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
+from engine.core.batch import Batch, ScheduledRequest
 from engine.core.sampling_params import InvalidRequestError
-from engine.core.scheduler import Batch, ScheduledRequest
 from engine.runner.pooling import Pooler
 
 # float32 inputs to the block matmuls and a float32 KV cache, as the reference computes

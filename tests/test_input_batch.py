@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.batch import Batch, ScheduledRequest
 from engine.core.config import EngineConfig
 from engine.core.request import Request, SampledTokens
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Batch, ScheduledRequest, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.runner.input_batch import BlockTableGap, InputBatch
 
 BS = 4

@@ -46,7 +46,7 @@ def test_more_stages_than_layers_is_refused():
 def test_stage_spans_chained_give_the_whole_models_logits(checkpoint, tokenizer):
     """No processes: the three spans of a split model, run one after the other, equal the whole model."""
     from engine.attention.torch_backend import TorchAttention
-    from engine.core.scheduler import Batch, ScheduledRequest
+    from engine.core.batch import Batch, ScheduledRequest
     from engine.runner.model_runner import ModelRunner
 
     config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=8 * 737_280, max_num_batched_tokens=256)

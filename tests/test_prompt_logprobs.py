@@ -8,9 +8,10 @@ import torch
 from conftest import PROMPTS
 
 from engine import LLM, SamplingParams
+from engine.core.batch import PromptLogprobRows
 from engine.core.config import EngineConfig
 from engine.core.request import Request, SampledTokens, TokenLogprobs
-from engine.core.scheduler import PromptLogprobRows, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.runner import prompt_logprobs as module
 
 TOP = 3

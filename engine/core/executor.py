@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from engine.core.batch import Batch
 from engine.core.request import Failure, Request, SampledTokens, TokenLogprobs
-from engine.core.scheduler import Batch
 
 # Every request of a batch that samples gets its tokens (accepted drafts, then one sampled) or a Failure; one that
 # only computed gets a Failure or nothing.

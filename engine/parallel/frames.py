@@ -10,10 +10,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.core.batch import Batch
 from engine.core.config import EngineConfig
 from engine.core.request import SampledTokens, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Batch
 
 CONTROL_TAG = 1
 ACTIVATION_TAG = 2

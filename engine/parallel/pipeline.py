@@ -22,10 +22,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from engine.core.batch import Batch
 from engine.core.config import EngineConfig, ModelShape
 from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Request
-from engine.core.scheduler import Batch
 from engine.model.lora import LoraAdapter, read_adapter
 from engine.model.lora_shards import adapter_bytes, adapter_part, check_adapter
 from engine.model.sharding import TensorShard

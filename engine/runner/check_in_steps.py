@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
+from engine.core.batch import Batch, ScheduledRequest
 from engine.core.executor import Sampled
 from engine.core.request import Failure, SampledTokens, TokenLogprobs
-from engine.core.scheduler import Batch, ScheduledRequest
 from engine.model.sampling.state import SamplingState
 
 # (logits, request ids) -> each request's tokens from one step, or its Failure

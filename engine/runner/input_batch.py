@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.core.scheduler import Batch, DecodeRows
+from engine.core.batch import Batch, DecodeRows
 
 
 class BlockTableGap(RuntimeError):

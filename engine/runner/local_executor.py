@@ -6,10 +6,10 @@ from collections import deque
 
 import torch
 
+from engine.core.batch import Batch
 from engine.core.config import EngineConfig, FaultPlan
 from engine.core.executor import PromptLogprobs, Sampled
 from engine.core.request import Failure, Request, SampledTokens
-from engine.core.scheduler import Batch
 from engine.model.cuda_token_ops import cuda_norm_available, cuda_rope_available, use_cuda_rms_norm, use_cuda_rotary
 from engine.model.decoder import Decoder, SkippedInit
 from engine.model.families import model_class

@@ -9,8 +9,8 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.selector import make_backend
+from engine.core.batch import PLACEHOLDER, Batch
 from engine.core.config import EngineConfig
-from engine.core.scheduler import PLACEHOLDER, Batch
 from engine.model.decoder import Decoder
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.decode_graphs import DecodeGraphRunner, row_requests, whole_step_rows

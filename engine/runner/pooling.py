@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.scheduler import Batch
+from engine.core.batch import Batch
 
 
 class Pooler:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.batch import Batch
 from engine.core.executor import PromptLogprobs
 from engine.core.request import TokenLogprobs
-from engine.core.scheduler import Batch
 from engine.model.decoder import Decoder
 
 ROW_BUDGET = 1 << 23  # logits per chunk: 32 MiB of float32 (170 rows of a 49k vocabulary)
