@@ -155,27 +155,11 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 // values go into the cache at their slots.
 at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor table, at::Tensor kv_cache,
                             at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && (qkv.scalar_type() == at::kFloat ||
-              qkv.scalar_type() == at::kBFloat16), "qkv must be a float32 or bfloat16 [T, width] tensor, rows dense");
-  const int64_t rows = qkv.size(0), d = kv_cache.size(-1);
-  TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv is not ", num_heads, " + 2 x ",
-              num_kv_heads, " heads of ", d);
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == num_kv_heads &&
-              kv_cache.is_contiguous() && cache_fits(qkv, kv_cache),
-              "kv_cache must be a contiguous [2, kv heads, blocks, block size, D] tensor of qkv's dtype, or 16-bit "
-              "under float32");
-  TORCH_CHECK(table.dim() == 3 && table.size(1) == 2 && table.size(2) == d && table.is_contiguous() &&
-              table.scalar_type() == qkv.scalar_type(), "table must be a contiguous [positions, 2, D] tensor of qkv's dtype");
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
-              positions.is_contiguous() && slot_mapping.dim() == 1 && slot_mapping.size(0) == rows &&
-              slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "positions and slot_mapping must be contiguous int64 [T] tensors");
-  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
+  const RopeWriteKvShape shape =
+      check_rope_write_kv(qkv, positions, table, kv_cache, slot_mapping, num_heads, num_kv_heads);
+  const int64_t rows = shape.rows, d = shape.d, num_slots = shape.num_slots;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0) && slots[r] >= 0 && slots[r] < num_slots,
-                "a position or slot out of range");
   auto q = at::empty({rows, num_heads, d}, qkv.options());
   dispatch_cache(qkv, kv_cache, [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
