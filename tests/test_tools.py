@@ -217,6 +217,12 @@ def test_a_streamed_answer_that_is_no_call_is_content_and_one_that_parses_late_i
     assert streamed(plan_of("required"), ["Hello"]) == ("Hello", [], False)
 
 
+def test_an_answer_nested_past_json_s_recursion_limit_is_content_whole_and_streamed():
+    deep = "[" * 2000  # what a model looping on "[[" writes before its eos
+    assert plan_of().parse_calls(deep) == []
+    assert streamed(plan_of(), [deep[:1000], deep[1000:]]) == (deep, [], False)
+
+
 def test_several_calls_come_as_several_tool_calls_whole_and_streamed_unless_parallel_calls_are_off(client, model):
     """Deterministic: a response_format of an array of two calls makes the answer two calls."""
     call = {

@@ -151,7 +151,7 @@ class ToolPlan:
             else:
                 try:
                     value, pos = decoder.raw_decode(text, pos)
-                except ValueError:
+                except (ValueError, RecursionError):  # the model's text nests past json's limit: no call
                     return []
                 values.extend(value if isinstance(value, list) else [value])
         calls = []
