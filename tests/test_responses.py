@@ -40,6 +40,11 @@ GREEDY = {"temperature": 0, "max_output_tokens": 12}
 SDK_EVENTS = {get_args(m.model_fields["type"].annotation)[0]: m for m in get_args(get_args(ResponseStreamEvent)[0])}
 
 
+DEEP = {"type": "object"}
+for _ in range(70):  # past MAX_JSON_DEPTH
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
+
 def sdk_events(events) -> list:
     """Each streamed event (the SDK's as it received them, or ours) validated as the SDK's model of its type."""
     out = []
@@ -221,6 +226,12 @@ def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model
         ),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no"}}}},
+            "text.format",
+        ),
+        ({"input": "x", "tools": [{**WEATHER, "strict": True, "parameters": DEEP}]}, "tools"),
+        ({"input": "hi " * 9000}, "input"),  # past the context window
         ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's limits: 16 pairs,
         ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # keys up to 64 characters,
         ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # values up to 512

@@ -42,6 +42,9 @@ ADD = {
     },
 }
 TOOLS = [WEATHER, ADD]
+DEEP = {"type": "object"}
+for _ in range(70):  # past MAX_JSON_DEPTH
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
@@ -291,6 +294,7 @@ def test_a_history_with_a_call_and_its_result_is_accepted(client, model):
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": DEEP}}]}, "tools"),
     ],
 )
 def test_bad_tools_are_400s(client, model, kw, param):

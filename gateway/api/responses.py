@@ -36,6 +36,7 @@ from gateway.api.responses_protocol import (
     TextConfig,
     TextDeltaEvent,
     TextDoneEvent,
+    renamed,
 )
 from gateway.api.serving import ServerState, as_api_error, json_response, read_body, until_done_or_disconnect
 from gateway.api.tool_stream import ToolCallStream
@@ -63,7 +64,10 @@ async def create_response(request: Request, state: ServerState) -> Response:
             )
         history = previous.messages
     chat = req.to_chat(history)
-    run = await start_chat(chat, request, state)  # admitted from here: close() its generation
+    try:
+        run = await start_chat(chat, request, state)  # admitted from here: close() its generation
+    except InvalidRequestError as e:  # its schemas and its prompt's length are checked there
+        raise renamed(e) from None
     turn = Turn(req, run, state, chat.messages[1 if req.instructions else 0 :], _owner(request))
     if req.stream:
         return state.sse(turn.events(), on_close=run.gen.close, named=True)

@@ -67,7 +67,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 def _parameters(f: FunctionDef) -> dict:
     if not f.parameters:
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    return strict_schema(f.parameters) if f.strict else f.parameters
+    return strict_schema(f.parameters, "tools") if f.strict else f.parameters
 
 
 def _call_schema(f: FunctionDef) -> dict:
