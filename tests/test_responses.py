@@ -40,6 +40,11 @@ GREEDY = {"temperature": 0, "max_output_tokens": 12}
 SDK_EVENTS = {get_args(m.model_fields["type"].annotation)[0]: m for m in get_args(get_args(ResponseStreamEvent)[0])}
 
 
+DEEP = {"type": "object"}
+for _ in range(70):  # past MAX_JSON_DEPTH
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
+
 def sdk_events(events) -> list:
     """Each streamed event (the SDK's as it received them, or ours) validated as the SDK's model of its type."""
     out = []
@@ -221,6 +226,12 @@ def test_kept_responses_can_be_deleted_and_unknown_ones_are_errors(client, model
         ),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no"}}}},
+            "text.format",
+        ),
+        ({"input": "x", "tools": [{**WEATHER, "strict": True, "parameters": DEEP}]}, "tools"),
+        ({"input": "hi " * 9000}, "input"),  # past the context window
         ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's limits: 16 pairs,
         ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # keys up to 64 characters,
         ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # values up to 512
@@ -317,10 +328,10 @@ class ScriptedGeneration:
             raise self.error
 
 
-def scripted_turn(texts: list[str], error: Exception | None = None, **body) -> Turn:
+def scripted_turn(texts: list[str], error: Exception | None = None, finish: str = "stop", **body) -> Turn:
     req = decode_request(json.dumps({"input": "Weather in Paris and Rome?", **body}).encode(), ResponsesRequest)
     chat = req.to_chat([])
-    gen = ScriptedGeneration(texts, error=error)
+    gen = ScriptedGeneration(texts, finish, error)
     run = ChatRun(gen, chat.tool_plan(), chat.parallel_tool_calls is not False, None, "m")
     return Turn(req, run, SimpleNamespace(model_name="m", responses=ResponseStore()), chat.messages, b"")
 
@@ -388,3 +399,17 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
         "sampling failed",
     )
     assert failed.output[0].content[0].text == "Sunny and" and failed.usage.output_tokens == 2
+
+
+def test_a_kept_response_whose_call_max_output_tokens_cut_short_can_be_continued():
+    pieces = ['{"name": "get_weather", "arguments": {"ci', 'ty": "Par']
+    turn = scripted_turn(pieces, finish="length", tools=[WEATHER], tool_choice="required", max_output_tokens=9)
+    final = streamed(turn)[-1].response
+    assert final.status == "incomplete" and final.output[0].arguments == '{"city": "Par'
+    history = turn.state.responses.get(turn.id, b"").messages
+    then = decode_request(json.dumps({"input": "Go on."}).encode(), ResponsesRequest)
+    assert [m.role for m in then.to_chat(history).messages] == ["user", "assistant", "user"]  # was a 400
+    assert [(m.role, m.tool_calls) for m in history] == [
+        ("user", None),
+        ("assistant", None),
+    ]  # the cut call is not kept

@@ -42,6 +42,9 @@ ADD = {
     },
 }
 TOOLS = [WEATHER, ADD]
+DEEP = {"type": "object"}
+for _ in range(70):  # past MAX_JSON_DEPTH
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
@@ -217,6 +220,12 @@ def test_a_streamed_answer_that_is_no_call_is_content_and_one_that_parses_late_i
     assert streamed(plan_of("required"), ["Hello"]) == ("Hello", [], False)
 
 
+def test_an_answer_nested_past_json_s_recursion_limit_is_content_whole_and_streamed():
+    deep = "[" * 2000  # what a model looping on "[[" writes before its eos
+    assert plan_of().parse_calls(deep) == []
+    assert streamed(plan_of(), [deep[:1000], deep[1000:]]) == (deep, [], False)
+
+
 def test_several_calls_come_as_several_tool_calls_whole_and_streamed_unless_parallel_calls_are_off(client, model):
     """Deterministic: a response_format of an array of two calls makes the answer two calls."""
     call = {
@@ -285,6 +294,7 @@ def test_a_history_with_a_call_and_its_result_is_accepted(client, model):
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": DEEP}}]}, "tools"),
     ],
 )
 def test_bad_tools_are_400s(client, model, kw, param):

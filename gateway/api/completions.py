@@ -32,9 +32,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     limits = state.engine_limits()
     grammar = await state.grammar(req)
     prompts = await state.encode_prompts(req.prompts)
-    params = req.to_sampling_params(
-        default_max_tokens=limits.max_model_len - max(len(p) for p in prompts), grammar=grammar
-    )
+    # A prompt that leaves no room still asks for a token: check_prompt then names the context window (as chat's).
+    room = max(limits.max_model_len - max(len(p) for p in prompts), 1)
+    params = req.to_sampling_params(default_max_tokens=room, grammar=grammar)
     for ids in prompts:
         state.check_prompt(ids, params)
     # A text prompt echoes as sent (not with the BOS the tokenizer put first); token ids as their text.

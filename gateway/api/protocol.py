@@ -79,7 +79,7 @@ class ResponseFormat(Struct, kw_only=True):
         if self.json_schema is None:
             raise InvalidRequestError("response_format type 'json_schema' needs `json_schema`", "response_format")
         schema = self.json_schema.schema or ANY_OBJECT
-        return strict_schema(schema) if self.json_schema.strict else schema
+        return strict_schema(schema, "response_format") if self.json_schema.strict else schema
 
 
 class _SamplingFields(Struct, kw_only=True):

@@ -36,10 +36,11 @@ from gateway.api.responses_protocol import (
     TextConfig,
     TextDeltaEvent,
     TextDoneEvent,
+    renamed,
 )
 from gateway.api.serving import ServerState, as_api_error, json_response, read_body, until_done_or_disconnect
 from gateway.api.tool_stream import ToolCallStream
-from gateway.api.tools import FunctionCall, ToolCall
+from gateway.api.tools import FunctionCall, ToolCall, call_arguments
 from gateway.engines.client import EngineUnavailableError
 from gateway.web import errors
 from gateway.web.auth import TENANT
@@ -63,7 +64,10 @@ async def create_response(request: Request, state: ServerState) -> Response:
             )
         history = previous.messages
     chat = req.to_chat(history)
-    run = await start_chat(chat, request, state)  # admitted from here: close() its generation
+    try:
+        run = await start_chat(chat, request, state)  # admitted from here: close() its generation
+    except InvalidRequestError as e:  # its schemas and its prompt's length are checked there
+        raise renamed(e) from None
     turn = Turn(req, run, state, chat.messages[1 if req.instructions else 0 :], _owner(request))
     if req.stream:
         return state.sse(turn.events(), on_close=run.gen.close, named=True)
@@ -88,6 +92,16 @@ async def delete_response(request: Request, state: ServerState) -> Response:
 
 
 _FAILURE_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}  # by HTTP status: a response's error codes
+
+
+def _carried(call: ToolCall) -> bool:
+    """Whether a call can go into the kept conversation: a later turn checks every call's arguments, and a stream's
+    call cut short by max_output_tokens (or written as no JSON) would make each continuation a 400."""
+    try:
+        call_arguments(call, "")
+    except InvalidRequestError:
+        return False
+    return True
 
 
 def _not_found(response_id: str) -> errors.APIError:
@@ -147,11 +161,12 @@ class Turn:
         response = self.response("incomplete" if finish == "length" else "completed", finish)
         if self.req.store:
             said = [m for m in self.output if isinstance(m, OutputMessage)]
-            calls = [
+            made = [
                 ToolCall(id=c.call_id, function=FunctionCall(name=c.name, arguments=c.arguments))
                 for c in self.output
                 if isinstance(c, FunctionCallItem)
             ]
+            calls = [c for c in made if _carried(c)]
             text = "".join(part.text for m in said for part in m.content)
             reply = ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)
             self.state.responses.put(self.id, self.owner, self.messages + [reply], response)

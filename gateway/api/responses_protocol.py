@@ -157,10 +157,8 @@ class ResponsesRequest(Struct, kw_only=True):
         )
         try:
             chat.validate()
-        except InvalidRequestError as e:  # name this API's fields, not the chat request's
-            raise InvalidRequestError(
-                str(e).replace("max_completion_tokens", "max_output_tokens"), _RENAMED.get(e.param, e.param)
-            ) from None
+        except InvalidRequestError as e:
+            raise renamed(e) from None
         return chat
 
     def _response_format(self) -> ResponseFormat | None:
@@ -179,6 +177,13 @@ class ResponsesRequest(Struct, kw_only=True):
 
 
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+def renamed(e: InvalidRequestError) -> InvalidRequestError:
+    """An error of the chat request a response runs as, naming this API's fields."""
+    return InvalidRequestError(
+        str(e).replace("max_completion_tokens", "max_output_tokens"), _RENAMED.get(e.param, e.param)
+    )
 
 
 # --- what the server sends ---

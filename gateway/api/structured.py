@@ -65,10 +65,10 @@ _SUBSCHEMAS = (
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def strict_schema(schema: dict) -> dict:
+def strict_schema(schema: dict, param: str) -> dict:
     """OpenAI's strict mode: a copy of `schema` in which every object schema that leaves `additionalProperties`
-    unset forbids undeclared keys (a small model otherwise invents keys until max_tokens)."""
-    check_depth(schema, "response_format", "the JSON schema")
+    unset forbids undeclared keys (a small model otherwise invents keys until max_tokens); `param`: its field."""
+    check_depth(schema, param, "the JSON schema")
     out = msgspec.json.decode(msgspec.json.encode(schema))
     stack = [out]
     while stack:

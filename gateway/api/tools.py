@@ -67,7 +67,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 def _parameters(f: FunctionDef) -> dict:
     if not f.parameters:
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    return strict_schema(f.parameters) if f.strict else f.parameters
+    return strict_schema(f.parameters, "tools") if f.strict else f.parameters
 
 
 def _call_schema(f: FunctionDef) -> dict:
@@ -151,7 +151,7 @@ class ToolPlan:
             else:
                 try:
                     value, pos = decoder.raw_decode(text, pos)
-                except ValueError:
+                except (ValueError, RecursionError):  # the model's text nests past json's limit: no call
                     return []
                 values.extend(value if isinstance(value, list) else [value])
         calls = []
