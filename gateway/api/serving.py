@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from gateway.web.guards import is_json
 from gateway.web.in_flight import InFlightLimit
 from gateway.web.metrics import Metrics
 
+log = logging.getLogger("orcinus.gateway")
 _json = msgspec.json.Encoder()
 NO_CHAT_TEMPLATE = (
     "the model has no chat template, and none shipped fits its architecture: pass --chat-template "
@@ -217,8 +219,13 @@ def sse(
             async for event in events:
                 data = _json.encode(event).decode()
                 yield {"event": event.type, "data": data} if named else {"data": data}
-        except (EngineUnavailableError, InvalidRequestError, errors.APIError) as e:
-            api = as_api_error(e)
+        except Exception as e:
+            # A bug must not cut the stream: the client gets the 500 a whole response would get, in the stream.
+            if isinstance(e, (EngineUnavailableError, InvalidRequestError, errors.APIError)):
+                api = as_api_error(e)
+            else:
+                log.exception("unhandled error in a stream", exc_info=e)
+                api = errors.internal_error()
             if named:
                 yield {
                     "event": "error",
