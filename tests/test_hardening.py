@@ -409,6 +409,60 @@ def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp
             shutil.rmtree(bell, ignore_errors=True)
 
 
+GATEWAY_READING = """import asyncio, sys
+from engine.core.config import EngineConfig
+from gateway.engines.process import EngineProcess
+async def main():
+    engine = EngineProcess(EngineConfig(model=sys.argv[1], num_threads=1), lambda frame: None)
+    await engine.start()
+    print(engine.pid, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+def test_a_gateway_killed_while_its_engine_loads_leaves_no_doorbell(tmp_path):
+    """The gateway removes the channels' names once the engine has opened them, which must not wait for the model's
+    load (minutes for a large one): killed during it, the gateway left both doorbells in /tmp."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")  # the load waits on it: the engine stays loading for as long as the test needs
+    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_READING, str(model)], stdout=subprocess.PIPE, text=True)
+    engine, writer = int(gateway.stdout.readline()), None
+    spec = json.loads(cmdline(engine)[-1])
+    bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
+    try:
+        deadline = time.monotonic() + 120
+        while writer is None:  # the engine has config.json open: it is reading the model
+            assert running(engine) and time.monotonic() < deadline, "the engine never began to load the model"
+            with contextlib.suppress(OSError):  # ENXIO: no reader yet
+                writer = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
+            time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while rings_of(gateway.pid) or any(b.exists() for b in bells):
+            assert time.monotonic() < deadline, (
+                f"the channels' names outlast the engine's attach: {rings_of(gateway.pid)}"
+            )
+            time.sleep(0.05)
+        gateway.kill()
+        gateway.wait()
+        deadline = time.monotonic() + 30
+        while running(engine):
+            assert time.monotonic() < deadline, "the engine outlived its gateway"
+            time.sleep(0.1)
+    finally:
+        gateway.kill()
+        if running(engine):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)
+        if writer is not None:
+            os.close(writer)
+        for ring in rings_of(gateway.pid):
+            (Path("/dev/shm") / ring).unlink(missing_ok=True)
+        for bell in bells:
+            shutil.rmtree(bell, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- graceful shutdown
 
 
