@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from conftest import parse_metrics, start_server, unlinked_rings
+from conftest import free_port, parse_metrics, start_server, unlinked_rings
 from conftest import wait_for_metrics as wait_for_server_metrics
 
 PROMPT = "The capital of France is"
@@ -479,6 +479,34 @@ async def stream_and_whole_running(ac: httpx.AsyncClient, body: dict) -> list[as
         assert time.monotonic() < deadline, "the requests never ran"
         await asyncio.sleep(0.05)
     return tasks
+
+
+SERVING_A_BARE_APP = """import sys, types
+from starlette.applications import Starlette
+from gateway.cli import run_server
+app = Starlette()
+app.state.orcinus = types.SimpleNamespace(begin_shutdown=lambda: None)
+run_server(app, host="127.0.0.1", port=int(sys.argv[1]), shutdown_timeout=5)
+"""
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback(tmp_path):
+    """uvicorn raises the SIGINT it handled again once it has shut down; the server must end there, with status 0 and
+    its log free of a KeyboardInterrupt traceback (uvicorn.run swallows it the same way)."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-c", SERVING_A_BARE_APP, str(port)], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 60
+        while "Uvicorn running" not in log.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0, log.read_text()
+    finally:
+        server.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 def test_sigterm_lets_in_flight_requests_finish_then_exits_clean(server_factory):
