@@ -288,11 +288,15 @@ def run_server(
             if first:  # the app cannot see SIGTERM itself: uvicorn owns the signal handlers
                 app.state.orcinus.begin_shutdown()
 
-    Server(
+    server = Server(
         uvicorn.Config(
             app, host=host, port=port, log_level="info", http=protocol, timeout_graceful_shutdown=shutdown_timeout
         )
-    ).run()
+    )
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the Ctrl-C it handled again once shut down: a clean stop, not a traceback (as uvicorn.run)
 
 
 def _gateway_flag(p: argparse.ArgumentParser, name: str, cli: str = "", **kw) -> None:

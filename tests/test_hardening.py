@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from conftest import parse_metrics, start_server, unlinked_rings
+from conftest import free_port, parse_metrics, start_server, unlinked_rings
 from conftest import wait_for_metrics as wait_for_server_metrics
 
 PROMPT = "The capital of France is"
@@ -409,6 +409,60 @@ def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp
             shutil.rmtree(bell, ignore_errors=True)
 
 
+GATEWAY_READING = """import asyncio, sys
+from engine.core.config import EngineConfig
+from gateway.engines.process import EngineProcess
+async def main():
+    engine = EngineProcess(EngineConfig(model=sys.argv[1], num_threads=1), lambda frame: None)
+    await engine.start()
+    print(engine.pid, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+def test_a_gateway_killed_while_its_engine_loads_leaves_no_doorbell(tmp_path):
+    """The gateway removes the channels' names once the engine has opened them, which must not wait for the model's
+    load (minutes for a large one): killed during it, the gateway left both doorbells in /tmp."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")  # the load waits on it: the engine stays loading for as long as the test needs
+    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_READING, str(model)], stdout=subprocess.PIPE, text=True)
+    engine, writer = int(gateway.stdout.readline()), None
+    spec = json.loads(cmdline(engine)[-1])
+    bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
+    try:
+        deadline = time.monotonic() + 120
+        while writer is None:  # the engine has config.json open: it is reading the model
+            assert running(engine) and time.monotonic() < deadline, "the engine never began to load the model"
+            with contextlib.suppress(OSError):  # ENXIO: no reader yet
+                writer = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
+            time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while rings_of(gateway.pid) or any(b.exists() for b in bells):
+            assert time.monotonic() < deadline, (
+                f"the channels' names outlast the engine's attach: {rings_of(gateway.pid)}"
+            )
+            time.sleep(0.05)
+        gateway.kill()
+        gateway.wait()
+        deadline = time.monotonic() + 30
+        while running(engine):
+            assert time.monotonic() < deadline, "the engine outlived its gateway"
+            time.sleep(0.1)
+    finally:
+        gateway.kill()
+        if running(engine):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)
+        if writer is not None:
+            os.close(writer)
+        for ring in rings_of(gateway.pid):
+            (Path("/dev/shm") / ring).unlink(missing_ok=True)
+        for bell in bells:
+            shutil.rmtree(bell, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- graceful shutdown
 
 
@@ -425,6 +479,34 @@ async def stream_and_whole_running(ac: httpx.AsyncClient, body: dict) -> list[as
         assert time.monotonic() < deadline, "the requests never ran"
         await asyncio.sleep(0.05)
     return tasks
+
+
+SERVING_A_BARE_APP = """import sys, types
+from starlette.applications import Starlette
+from gateway.cli import run_server
+app = Starlette()
+app.state.orcinus = types.SimpleNamespace(begin_shutdown=lambda: None)
+run_server(app, host="127.0.0.1", port=int(sys.argv[1]), shutdown_timeout=5)
+"""
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback(tmp_path):
+    """uvicorn raises the SIGINT it handled again once it has shut down; the server must end there, with status 0 and
+    its log free of a KeyboardInterrupt traceback (uvicorn.run swallows it the same way)."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-c", SERVING_A_BARE_APP, str(port)], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 60
+        while "Uvicorn running" not in log.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0, log.read_text()
+    finally:
+        server.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 def test_sigterm_lets_in_flight_requests_finish_then_exits_clean(server_factory):

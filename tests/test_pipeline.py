@@ -2,6 +2,7 @@
 batches in flight, stages on separate "hosts" via env rendezvous, and a dead stage failing fast."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,6 +129,44 @@ def test_a_dead_stage_fails_the_engine_instead_of_hanging(tokenizer):
         assert time.monotonic() - start < 30  # a liveness bound, not a speed claim: it must not hang
     finally:
         llm.close()
+
+
+def test_a_stage_that_exits_before_it_joins_fails_the_start_instead_of_hanging(monkeypatch):
+    """A rank launched here that dies before the rendezvous (killed, or broken at import) never comes: the driver must
+    not wait out the world's year-long timeout, and the rank that came is stopped with it."""
+    import threading
+
+    from engine.parallel import pipeline
+
+    launched = []
+
+    def launch(self, rank, world, port):
+        # Rank 1 stands for a stage that joined and waits; rank 2 for one that died on its way.
+        code = "import time; time.sleep(300)" if rank == 1 else "raise SystemExit(3)"
+        launched.append(subprocess.Popen([sys.executable, "-c", code]))
+        return launched[-1]
+
+    monkeypatch.setattr(pipeline.PipelineExecutor, "_launch", launch)
+    raised = []
+
+    def start() -> None:
+        try:
+            pipeline.PipelineExecutor(EngineConfig(pipeline_stages=2, device="cpu"), 64, None)
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(timeout=60)  # a liveness bound, not a speed claim: without it a regression hangs the suite
+    try:
+        assert not thread.is_alive(), "the driver still waits for a stage that exited"
+        [error] = raised
+        assert isinstance(error, StageFailedError)
+        assert re.fullmatch(r"pipeline stage 1 \(pid \d+\) exited with code 3 before it joined", str(error)), error
+        assert [p.wait(timeout=10) for p in launched] == [-signal.SIGKILL, 3]
+    finally:
+        for p in launched:
+            p.kill()
 
 
 def test_a_stage_whose_next_stage_is_gone_waits_for_the_driver_instead_of_dying(monkeypatch, capsys):

@@ -82,11 +82,14 @@ class EngineLoop:
     """Glues an EngineCore to the two channels."""
 
     def __init__(self, args: EngineLoopArgs, parent: int):
-        from engine.launch import build_engine, cpp_ops_origin, default_choices, grammar_compiler, kv_cache_summary
-
         self.parent = parent  # the gateway; when getppid() differs, it has died
         self.inbox = Channel.attach(args.to_engine, ToEngine)
         self.outbox = Channel.attach(args.from_engine, FromEngine)
+        # The first frame tells the gateway both channels are open here, so it removes their names now, not after a
+        # load that may take minutes: a gateway killed during the load would leave its doorbells in /tmp.
+        self.outbox.send(Heartbeat())
+        from engine.launch import build_engine, cpp_ops_origin, default_choices, grammar_compiler, kv_cache_summary
+
         self.engine = build_engine(serving_config(args.config))
         e = self.engine
         c = e.config  # resolved: the device and dtype are what "auto" became

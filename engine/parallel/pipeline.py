@@ -74,7 +74,13 @@ class PipelineExecutor:
             place = Place(0, world, "127.0.0.1", _free_port())
             config = config.with_(num_threads=config.num_threads or self._threads_per_stage(config))
             self.procs = [self._launch(rank, world, place.port) for rank in range(1, world)]
-        join(place)
+        try:
+            join(place, self._check_launched)
+        except BaseException:
+            for proc in self.procs:  # the ranks that came wait for the one that never will
+                proc.kill()
+                proc.wait()
+            raise
         # An LLM dropped without close() still stops its ranks at exit: torn down with the interpreter instead, the
         # process group aborted the process ("terminate called without an active exception") under a blocked receive.
         atexit.register(self.close)
@@ -118,6 +124,13 @@ class PipelineExecutor:
         return subprocess.Popen(
             [sys.executable, "-m", "engine.parallel.stage", "--parent-pid", str(os.getpid())], env=env
         )
+
+    def _check_launched(self) -> None:
+        """Called while the rendezvous waits: a rank launched here that has exited will never come."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                where = f"{self._where(rank)} (pid {proc.pid})"
+                raise StageFailedError(f"{where} exited with code {proc.returncode} before it joined")
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         proc.wait()

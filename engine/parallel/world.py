@@ -14,6 +14,8 @@ import ipaddress
 import os
 import socket
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,6 +23,8 @@ import torch.distributed as dist
 
 # An idle server sends no frames for as long as nobody asks it anything: receives must not time out.
 RENDEZVOUS_TIMEOUT = timedelta(days=365)
+JOINED = "orcinus/joined/{}"  # the store key a stage rank sets as it joins
+JOIN_POLL = 0.05  # seconds between the driver's looks at which ranks have joined
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -40,10 +44,6 @@ class Place:
     world_size: int
     host: str
     port: int
-
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.host}:{self.port}" if ":" not in self.host else f"tcp://[{self.host}]:{self.port}"
 
 
 def stage_place(driver: str | None = None, environ: dict[str, str] | None = None) -> Place:
@@ -78,12 +78,33 @@ def driver_place(world_size: int, environ: dict[str, str] | None = None) -> Plac
     return Place(0, world_size, env["MASTER_ADDR"], int(env["MASTER_PORT"]))
 
 
-def join(place: Place) -> None:
-    """Rendezvous with the rest of the world (blocks until every rank has come)."""
+def join(place: Place, check: Callable[[], None] | None = None) -> None:
+    """Rendezvous with the rest of the world (blocks until every rank has come). While the driver waits for the
+    ranks it calls `check`, which raises to give up (a rank it launched exited before it came)."""
     if "GLOO_SOCKET_IFNAME" not in os.environ and (name := interface_toward(place.host)) is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = name  # read by gloo when the group is made, in this process only
+    # The store torch's tcp:// rendezvous would make, but one whose server does not block until every rank has come:
+    # a rank that died before it came would keep the driver waiting for the whole (year-long) timeout.
+    driver = place.rank == 0
+    store = dist.TCPStore(
+        place.host,
+        place.port,
+        place.world_size,
+        is_master=driver,
+        timeout=RENDEZVOUS_TIMEOUT,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    if driver:
+        joined = [JOINED.format(rank) for rank in range(1, place.world_size)]
+        while not store.check(joined):
+            if check is not None:
+                check()
+            time.sleep(JOIN_POLL)
+    else:
+        store.set(JOINED.format(place.rank), "")
     dist.init_process_group(
-        "gloo", init_method=place.init_method, rank=place.rank, world_size=place.world_size, timeout=RENDEZVOUS_TIMEOUT
+        "gloo", store=store, rank=place.rank, world_size=place.world_size, timeout=RENDEZVOUS_TIMEOUT
     )
 
 
