@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import msgspec
@@ -47,6 +48,21 @@ def served_name(config: GatewayConfig) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     return model if model.startswith("dummy:") else model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+
+
+async def until_stopping(work: Awaitable[None], stopping: asyncio.Event) -> bool:
+    """Await `work` unless `stopping` is set first, then cancel it; whether it finished."""
+    task, stop = asyncio.ensure_future(work), asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    task.result()
+    return True
 
 
 def load_gateway_tokenizer(model: str | None):
@@ -100,7 +116,13 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.loop = asyncio.get_running_loop()
-        await state.client.start(config.engine_start_timeout)
+        if not await until_stopping(state.client.start(config.engine_start_timeout), state.stopping):
+            # Ctrl-C or SIGTERM during a load that may take minutes: end it now (uvicorn then listens only to stop).
+            await state.client.stop()
+            state.grammars.close()
+            logging.getLogger("uvicorn.error").info("stopped while the engine was loading")
+            yield
+            return
         # What start-up made (the tokenizer's tables, modules, the app) lives as long as the server: out of the
         # collector's sight, a full collection scans only what serving makes: under many open connections a full
         # collection of it all stalls every stream and /health (vLLM freezes it too).

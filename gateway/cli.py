@@ -226,6 +226,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_hosts=default_allowed_hosts(args.host) if args.allowed_hosts is None else tuple(args.allowed_hosts),
         url=f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}",
     )
+    from engine.model.model_files import ModelNotFoundError, check_model
+    from gateway.web.connections import bind
+
+    try:
+        check_model(config.engine.model)
+        sockets = bind(args.host, args.port)
+    except ModelNotFoundError as e:
+        sys.exit(f"orcinus serve: {e}")
+    except OSError as e:
+        sys.exit(f"orcinus serve: cannot listen on {config.url}: {e.strerror or e}")
     try:
         replicas = launch_engines(config)
     except ValueError as e:
@@ -243,6 +253,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
+            sockets=sockets,
             shutdown_timeout=config.shutdown_timeout,
             header_timeout=args.header_timeout,
             send_timeout=args.send_timeout,
@@ -270,10 +281,11 @@ def run_server(
     header_timeout: float = 10.0,
     send_timeout: float = 30.0,
     max_connections: int | None = None,
+    sockets: list | None = None,
 ) -> None:
     """uvicorn on SIGTERM: stop accepting, wait up to the timeout for in-flight requests (which the app ends
     cleanly just before it), then the app's shutdown stops the engine and frees its shared memory. Connections
-    are guarded against slow clients and capped (gateway/web/connections.py)."""
+    are guarded against slow clients and capped (gateway/web/connections.py). `sockets`: bound to host:port already."""
     import uvicorn
 
     from gateway.web.connections import default_max_connections, guarded_h11, raise_fd_limit
@@ -294,7 +306,7 @@ def run_server(
         )
     )
     try:
-        server.run()
+        server.run(sockets)
     except KeyboardInterrupt:
         pass  # uvicorn raises the Ctrl-C it handled again once shut down: a clean stop, not a traceback (as uvicorn.run)
 

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -461,6 +462,70 @@ def test_a_gateway_killed_while_its_engine_loads_leaves_no_doorbell(tmp_path):
             (Path("/dev/shm") / ring).unlink(missing_ok=True)
         for bell in bells:
             shutil.rmtree(bell, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- start-up that cannot begin or is stopped
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_model_that_is_not_there_stops_the_start_with_one_line():
+    done = serve("--model", "/nonexistent/model.gguf", "--port", str(free_port()))
+    message = "no model at '/nonexistent/model.gguf': expected a .gguf file, a checkpoint directory or dummy:NAME"
+    assert (done.returncode, done.stderr) == (1, f"orcinus serve: {message}\n")
+
+
+def test_a_port_in_use_stops_the_start_before_any_engine_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = serve("--port", str(port))
+    assert (done.returncode, done.stderr) == (
+        1,
+        f"orcinus serve: cannot listen on http://127.0.0.1:{port}: Address already in use\n",
+    )
+    assert "Started server process" not in done.stdout + done.stderr  # uvicorn never ran, nor any engine
+
+
+def test_ctrl_c_during_the_model_s_load_stops_the_server_at_once(tmp_path):
+    """A load can take minutes: SIGINT during it must end the engine and the server then, with status 0 (it was
+    ignored until the load ended). The model's config.json is a FIFO, so the load waits as long as the test needs."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    log, writer = tmp_path / "server.log", None
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model), "--port", str(free_port())],
+            stdout=out,
+            stderr=out,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while writer is None:  # the engine has config.json open: it is loading the model
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            with contextlib.suppress(OSError):  # ENXIO: no reader yet
+                writer = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
+            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while "Waiting for application startup" not in log.read_text():  # uvicorn's handlers are in place
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        engine = engine_pid(server.pid)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0, log.read_text()
+        assert not running(engine), "the engine outlived the server"
+    finally:
+        server.kill()
+        if writer is not None:
+            os.close(writer)
+    text = log.read_text()
+    assert "stopped while the engine was loading" in text and "Traceback" not in text, text
 
 
 # ---------------------------------------------------------------- graceful shutdown

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from engine.core.config import DUMMY_SHAPES, ModelShape
 from engine.model.decoder import RopeScaling
-from engine.model.model_files import GGUFReader, ModelNotFoundError, default_model_path
+from engine.model.model_files import GGUFReader, ModelNotFoundError, check_model, default_model_path
 from engine.model.quantized import QUANTIZED_TYPES, Blocks
 
 
@@ -55,16 +55,14 @@ def load_checkpoint(model: str | None, seed: int = 0, weights: bool = True) -> C
 
     weights=False reads only the shape and tokenizer (a pipeline driver holds no layers).
     """
+    check_model(model)
     if model is None:
         return load_gguf(default_model_path(), weights)
     if model.startswith("dummy:"):
         return load_dummy(model.removeprefix("dummy:"), seed)
-    path = Path(model)
-    if path.is_dir():
-        return load_hf_dir(path, weights)
-    if path.suffix == ".gguf" and path.is_file():
-        return load_gguf(path, weights)
-    raise ModelNotFoundError(f"no model at {model!r}: expected a .gguf file, a checkpoint directory or dummy:NAME")
+    if Path(model).is_dir():
+        return load_hf_dir(Path(model), weights)
+    return load_gguf(Path(model), weights)
 
 
 # ---------------------------------------------------------------- GGUF

@@ -29,6 +29,17 @@ def default_model_path() -> Path:
     return path
 
 
+def check_model(model: str | None) -> None:
+    """Raise ModelNotFoundError unless `model` names what load_checkpoint reads: None (the bundled default),
+    `dummy:NAME`, a checkpoint directory or a .gguf file."""
+    if model is None:
+        default_model_path()
+    elif not (
+        model.startswith("dummy:") or Path(model).is_dir() or (model.endswith(".gguf") and Path(model).is_file())
+    ):
+        raise ModelNotFoundError(f"no model at {model!r}: expected a .gguf file, a checkpoint directory or dummy:NAME")
+
+
 class GGUFReader(gguf.GGUFReader):
     """gguf's reader, faster to open: every server start opens the model file twice (the gateway for its tokenizer,
     the engine for its weights), and gguf parses an array's elements one by one into numpy views, slow for a

@@ -55,6 +55,7 @@ class ServerState:
     live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # generations in flight
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's kept responses
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # SIGINT or SIGTERM came: also ends a load
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served as model names -> their paths
     lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # adapter loads and unloads, one at a time
 
@@ -62,6 +63,7 @@ class ServerState:
         """SIGTERM (any thread): shortly before the drain timeout, end what is still in flight with an error
         event and [DONE] (a 503 for a whole response) rather than a cut connection; their requests are aborted."""
         if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
             at = max(self.drain_timeout - min(1.0, self.drain_timeout / 4), 0.0)
             self.loop.call_soon_threadsafe(self.loop.call_later, at, self._end_in_flight)
 

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import random
 import resource
+import socket
 
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -55,6 +56,27 @@ AT_CAPACITY = _response(
     "The server has too many open connections; retry shortly.",
     "retry-after: 1\r\n",
 )
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of host:port, not yet listening: a port in use fails the start before the model
+    loads, and until the engine is ready a client is refused at once rather than queued. Raises OSError."""
+    socks = []
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio's create_server: an IPv6 address does not take IPv4 too
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def raise_fd_limit() -> int:
