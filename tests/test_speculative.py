@@ -6,6 +6,8 @@ import json
 import random
 
 import jsonschema
+import llguidance
+import msgspec
 import pytest
 import torch
 from conftest import PROMPTS, run_staggered
@@ -220,6 +222,37 @@ def test_the_samplers_verification_keeps_the_targets_distribution(monkeypatch):
 
     monkeypatch.setattr(sampler_module, "draft_acceptance", keep_the_rejected_token)
     assert chi_square_p_value(P, Sampler(seed=7)) < 1e-6  # the test has the power to see it
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "settings, draft",
+    [
+        ({"ignore_eos": True}, "eos"),  # a matched regex allows the end of text, which its stopped matcher refuses
+        ({"min_tokens": 5}, 0),  # min_tokens masks the one token the grammar allows: nothing is left but the fallback
+    ],
+)
+def test_a_draft_token_its_grammar_refuses_is_never_accepted(tokenizer, temperature, settings, draft):
+    """The rows after a draft token the matcher refused are left unmasked: accepting it would let them give a token
+    the grammar forbids. The step gives the tokens that steps without drafts give."""
+    eos = tokenizer.eos_token_id
+    draft = [eos if draft == "eos" else draft] * 2
+    params = SamplingParams(temperature=temperature, seed=3, grammar=llguidance.LLMatcher.grammar_from_regex("ab"))
+    params = msgspec.structs.replace(params, **settings)
+    logits = torch.zeros(len(draft) + 1, tokenizer.vocab_size)
+    logits[:, 5] = 10.0  # unconstrained, every row takes token 5
+
+    def state() -> SamplingState:
+        stops = frozenset() if params.ignore_eos else frozenset({eos})
+        return SamplingState("r", [1, 2], params, stops, tokenizer.encode("ab"))
+
+    sampler = Sampler(tokenizer=tokenizer)
+    sampler.add(state())
+    got = sampler(logits, ["r"], [draft])["r"].token_ids
+    one_by_one = Sampler(tokenizer=tokenizer)
+    one_by_one.add(state())
+    want = [one_by_one(logits[j : j + 1], ["r"])["r"].token_ids[0] for j in range(len(got))]
+    assert got == want and 5 not in got
 
 
 # ------------------------------------------------------------------------------------------ the scheduler's side

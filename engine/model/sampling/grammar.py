@@ -82,18 +82,22 @@ class GrammarMasks:
             req.matcher.consume_tokens(req.output_token_ids)
         return req.matcher
 
-    def apply(self, logits: torch.Tensor, rows: list) -> None:
+    def apply(self, logits: torch.Tensor, rows: list) -> set[int]:
         """Set the logits of tokens each constrained request may not take next to -inf, in place. `rows` are the
-        sampler's (engine/model/sampling/sampler.py): a row after draft tokens is masked as the grammar stands after them."""
+        sampler's (engine/model/sampling/sampler.py): a row after draft tokens is masked as the grammar stands after them.
+        Returns the rows whose draft token the grammar refuses: the rows after it are left unmasked, so it must never
+        be accepted (a mask can allow what the matcher refuses, as the end of text once it has stopped, and a row with
+        nothing allowed takes its argmax fallback, which may be the draft)."""
         rows = [(i, row) for i, row in enumerate(rows) if row.request.params.grammar is not None]
+        refused: set[int] = set()
         if not rows:
-            return
+            return refused
         # A bit per token, 1 = allowed. (llguidance.torch has helpers for this, but importing it runs a torch.compile
         # decorator, which would slow every engine start.)
         bitmask = torch.full((len(rows), (self._tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)
         consumed: dict[int, int] = {}  # per request (by id()): draft tokens its matcher took to mask the rows after
         try:
-            for j, (_, row) in enumerate(rows):
+            for j, (i, row) in enumerate(rows):
                 req = row.request
                 matcher = self._matcher(req)
                 if matcher.is_error():  # the executor samples the others alone, and this one fails with the reason
@@ -104,7 +108,10 @@ class GrammarMasks:
                     continue  # a draft token before this row is not allowed: it is rejected there, this row never counts
                 matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)
                 if row.draft_id >= 0:
-                    consumed[id(req)] = consumed.get(id(req), 0) + matcher.try_consume_tokens([row.draft_id])
+                    taken = matcher.try_consume_tokens([row.draft_id])
+                    consumed[id(req)] = consumed.get(id(req), 0) + taken
+                    if not taken:
+                        refused.add(i)
         finally:  # back to where the step started, raised or not: finish() (or a retry alone) takes it from there
             for _, row in rows:
                 n = consumed.pop(id(row.request), 0)
@@ -115,6 +122,7 @@ class GrammarMasks:
             allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
         index = torch.tensor([i for i, _ in rows], device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        return refused
 
     def advance(self, requests: list[SamplingState], tokens: list[list[int]]) -> None:
         for req, ids in zip(requests, tokens):

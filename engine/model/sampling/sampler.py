@@ -122,13 +122,17 @@ class Sampler:
         logits = logits.float()
         raw = logits  # logprobs report the model's own distribution, before any sampling transform
         num_top = [r.params.logprobs for r in requests]
+        refused: set[int] = set()
         if any(_changes_logits(row) for row in rows):  # else no copy: 64 rows of a 128k vocabulary are 33 MB
             logits = self._adjust(logits.clone(), rows)  # the runner returns an inference tensor: no in-place
             if self.grammar is not None:
-                self.grammar.apply(logits, rows)
+                refused = self.grammar.apply(logits, rows)
 
         tokens = greedy(logits)
-        draft_ids = self._tensor([row.draft_id for row in rows], torch.int64)
+        # A draft token its grammar refuses has probability 0 under the constraint: its row verifies nothing and takes
+        # its own token from its (masked) distribution, as the step without drafts would.
+        draft_list = [NO_DRAFT if i in refused else row.draft_id for i, row in enumerate(rows)]
+        draft_ids = self._tensor(draft_list, torch.int64)
         accepted = tokens == draft_ids  # greedy: a draft token is accepted where it is the argmax
         random_rows = [i for i, row in enumerate(rows) if not row.request.params.greedy]
         if random_rows:
@@ -141,7 +145,7 @@ class Sampler:
                 [row.request for row in sampled_rows],
                 tokens.index_select(0, index),
             )
-            verifying = [j for j, row in enumerate(sampled_rows) if row.draft_id != NO_DRAFT]
+            verifying = [j for j, i in enumerate(random_rows) if draft_list[i] != NO_DRAFT]
             if verifying:  # only the rows with a draft token: the others need no pass over their vocabulary
                 at = self._tensor(verifying, torch.int64)
                 batch_rows = index[at]  # the verifying rows' places in the batch
