@@ -229,7 +229,7 @@ def test_the_samplers_verification_keeps_the_targets_distribution(monkeypatch):
     "settings, draft",
     [
         ({"ignore_eos": True}, "eos"),  # a matched regex allows the end of text, which its stopped matcher refuses
-        ({"min_tokens": 5}, 0),  # min_tokens masks the one token the grammar allows: nothing is left but the fallback
+        ({"min_tokens": 5}, 0),  # id 0, which a row took when min_tokens masked all its grammar allowed
     ],
 )
 def test_a_draft_token_its_grammar_refuses_is_never_accepted(tokenizer, temperature, settings, draft):
@@ -253,6 +253,21 @@ def test_a_draft_token_its_grammar_refuses_is_never_accepted(tokenizer, temperat
     one_by_one.add(state())
     want = [one_by_one(logits[j : j + 1], ["r"])["r"].token_ids[0] for j in range(len(got))]
     assert got == want and 5 not in got
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_leaves_the_stop_a_finished_grammar_allows(tokenizer, temperature):
+    """A matched regex allows only the end of text; min_tokens masked it too, and the row took its fallback, id 0
+    (text the format does not allow on a model whose id 0 is a word). The grammar wins: the row gives the stop."""
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(
+        temperature=temperature, seed=3, min_tokens=5, grammar=llguidance.LLMatcher.grammar_from_regex("ab")
+    )
+    sampler = Sampler(tokenizer=tokenizer)
+    sampler.add(SamplingState("r", [1, 2], params, frozenset({eos}), tokenizer.encode("ab")))
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    logits[:, 5] = 10.0
+    assert sampler(logits, ["r"])["r"].token_ids == [eos]
 
 
 # ------------------------------------------------------------------------------------------ the scheduler's side

@@ -127,6 +127,7 @@ class Sampler:
             logits = self._adjust(logits.clone(), rows)  # the runner returns an inference tensor: no in-place
             if self.grammar is not None:
                 refused = self.grammar.apply(logits, rows)
+                self._mask_stops_left_by_grammar(logits, rows)
 
         tokens = greedy(logits)
         # A draft token its grammar refuses has probability 0 under the constraint: its row verifies nothing and takes
@@ -247,9 +248,20 @@ class Sampler:
                 logits[i].index_add_(0, ids, self._tensor(list(p.logit_bias.values()), torch.float32))
             if p.has_penalties:
                 self._penalize(logits[i], req, row.output_token_ids)
-            if _masks_stops(row):
+            if _masks_stops(row) and p.grammar is None:  # under a grammar: _mask_stops_left_by_grammar
                 logits[i].index_fill_(0, self._tensor(sorted(req.stop_token_ids), torch.int64), float("-inf"))
         return logits
+
+    def _mask_stops_left_by_grammar(self, logits: torch.Tensor, rows: list[Row]) -> None:
+        """min_tokens under a grammar, after its mask: a row whose grammar allows only a stop keeps it (the format
+        wins; masked, the row would have no token left and take id 0, text the format does not allow)."""
+        for i, row in enumerate(rows):
+            if row.request.params.grammar is not None and _masks_stops(row):
+                kept = logits[i].index_fill(
+                    0, self._tensor(sorted(row.request.stop_token_ids), torch.int64), -torch.inf
+                )
+                if bool((kept > -torch.inf).any()):
+                    logits[i] = kept
 
     def _penalize(self, row: torch.Tensor, req: SamplingState, outputs: list[int]) -> None:
         p = req.params
