@@ -475,8 +475,21 @@ def serve(*args: str) -> subprocess.CompletedProcess:
 
 def test_a_model_that_is_not_there_stops_the_start_with_one_line():
     done = serve("--model", "/nonexistent/model.gguf", "--port", str(free_port()))
-    message = "no model at '/nonexistent/model.gguf': expected a .gguf file, a checkpoint directory or dummy:NAME"
+    message = (
+        "no model at '/nonexistent/model.gguf': expected a .gguf file, a checkpoint directory (with config.json) or "
+        "dummy:NAME"
+    )
     assert (done.returncode, done.stderr) == (1, f"orcinus serve: {message}\n")
+
+
+def test_a_model_the_engine_cannot_load_ends_the_start_with_its_reason(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NopeForCausalLM"], "model_type": "nope"}')
+    done = serve("--model", str(tmp_path), "--port", str(free_port()))
+    assert done.returncode == 3  # uvicorn's start-up failure
+    log = done.stdout + done.stderr
+    assert "ValueError: unsupported model_type 'nope'" in log  # the engine's reason, in the server's log
+    assert "the engine process exited while loading the model (code 1)" in log
+    assert "Exception ignored" not in log, log  # the engine left without its teardown's noise
 
 
 def test_a_port_in_use_stops_the_start_before_any_engine_loads():

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import msgspec
 
@@ -348,7 +349,12 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=exit_when_orphaned, args=(parent,), name="orcinus-orphan-watch", daemon=True).start()
     # uvicorn's format, so the engine's start-up lines (graph capture time and memory) read like the gateway's.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine] %(message)s")
-    engine_loop = EngineLoop(args, parent)
+    try:
+        engine_loop = EngineLoop(args, parent)
+    except Exception:  # the model did not load: the gateway reports the exit, this log says why
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # not through the interpreter's teardown, whose collection of the rings' views only adds noise
     try:
         engine_loop.run()
     finally:

@@ -31,13 +31,17 @@ def default_model_path() -> Path:
 
 def check_model(model: str | None) -> None:
     """Raise ModelNotFoundError unless `model` names what load_checkpoint reads: None (the bundled default),
-    `dummy:NAME`, a checkpoint directory or a .gguf file."""
+    `dummy:NAME`, a checkpoint directory (with its config.json) or a .gguf file."""
     if model is None:
         default_model_path()
     elif not (
-        model.startswith("dummy:") or Path(model).is_dir() or (model.endswith(".gguf") and Path(model).is_file())
+        model.startswith("dummy:")
+        or (Path(model) / "config.json").exists()
+        or (model.endswith(".gguf") and Path(model).is_file())
     ):
-        raise ModelNotFoundError(f"no model at {model!r}: expected a .gguf file, a checkpoint directory or dummy:NAME")
+        raise ModelNotFoundError(
+            f"no model at {model!r}: expected a .gguf file, a checkpoint directory (with config.json) or dummy:NAME"
+        )
 
 
 class GGUFReader(gguf.GGUFReader):
