@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway.api.chat import ChatRun
 from gateway.api.generation import ChoiceEvent
 from gateway.api.protocol import ChatMessage, decode_request
@@ -413,3 +413,13 @@ def test_a_kept_response_whose_call_max_output_tokens_cut_short_can_be_continued
         ("user", None),
         ("assistant", None),
     ]  # the cut call is not kept
+
+
+def test_cache_salt_carries_into_the_chat_request_it_runs_as():
+    """vLLM's field, as on chat: dropped, a salted response would share cached prefixes with the key's unsalted ones."""
+    req = decode_request(b'{"input": "hi", "cache_salt": "user-42-f0e1"}', ResponsesRequest)
+    assert req.to_chat([]).cache_salt == "user-42-f0e1"
+    assert decode_request(b'{"input": "hi"}', ResponsesRequest).to_chat([]).cache_salt is None
+    with pytest.raises(InvalidRequestError) as e:
+        decode_request(b'{"input": "hi", "cache_salt": ""}', ResponsesRequest)
+    assert e.value.param == "cache_salt"

@@ -16,6 +16,7 @@ from gateway.web.auth import CacheSalts
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 CMPL = "/v1/completions"
+EMBED = "/v1/embeddings"
 # Long enough for several full KV blocks, and found in no other test's prompts.
 SECRET_PROMPT = "The launch code of the submarine is 7-4-1-9. " * 12
 
@@ -63,10 +64,12 @@ def metrics(http: httpx.Client) -> dict[str, float]:
     return parse_metrics(r.text)
 
 
-def hit_tokens(http: httpx.Client, key: str, prompt: str, **extra) -> int:
-    """Prefix-cache hit tokens of one request: the counter's rise once the engine has looked the prompt up."""
+def hit_tokens(http: httpx.Client, key: str, prompt: str, path: str = CMPL, **extra) -> int:
+    """Prefix-cache hit tokens of one request (a completion, or an embedding with `path` EMBED): the counter's rise
+    once the engine has looked the prompt up."""
     before = metrics(http)
-    r = http.post(CMPL, json={"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}, headers=auth(key))
+    body = {"input": prompt} if path == EMBED else {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    r = http.post(path, json={**body, **extra}, headers=auth(key))
     assert r.status_code == 200, r.text
     queried = before["orcinus_prefix_cache_queried_tokens"] + r.json()["usage"]["prompt_tokens"]
     # The engine's stats follow its tokens: wait for the report that counts this request.
@@ -88,6 +91,13 @@ def test_a_prompt_cached_by_one_key_gives_another_key_no_hit_and_its_own_key_a_h
     assert hit_tokens(http, KEY_B, SECRET_PROMPT) == 0  # B cannot learn that A sent it
     assert hit_tokens(http, KEY_A, SECRET_PROMPT) > 0
     assert hit_tokens(http, KEY_B, SECRET_PROMPT) > 0  # B's own copy
+
+
+def test_an_embedding_cached_by_one_key_gives_another_key_no_hit(http):
+    prompt = "The merger with Northwind closes on the ninth; tell no one. " * 10
+    assert hit_tokens(http, KEY_A, prompt, EMBED) == 0
+    assert hit_tokens(http, KEY_B, prompt, EMBED) == 0  # B cannot learn that A embedded it
+    assert hit_tokens(http, KEY_A, prompt, EMBED) > 0
 
 
 def test_cache_salt_separates_requests_under_one_key(http):

@@ -13,6 +13,7 @@ from msgspec import Meta, Struct
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.core.request import RequestOptions
 from engine.core.sampling_params import InvalidRequestError, SamplingParams
 from gateway.api.protocol import TokenId, decode_request
 from gateway.api.serving import ServerState, json_response, read_body, until_done_or_disconnect
@@ -94,7 +95,9 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     params = SamplingParams(max_tokens=1, prompt_only=True, pooling=state.pooling)
     for ids in prompts:
         state.check_prompt(ids, params, "input")
-    gen = state.generation(prompts, params, 1, [])  # admitted from here: close() it
+    # The API key's salt, as a completion's: an unsalted prompt would find (and time) another key's cached blocks.
+    options = RequestOptions(state.cache_salt(request, None))
+    gen = state.generation(prompts, params, 1, [], options)  # admitted from here: close() it
     gen.prompt_only = True
 
     async def collect() -> Response:

@@ -10,6 +10,7 @@ from msgspec import Meta, Struct, field
 
 from engine.core.sampling_params import InvalidRequestError
 from gateway.api.protocol import (
+    MAX_CACHE_SALT,
     MIN_FACTOR,
     ChatCompletionRequest,
     ChatMessage,
@@ -106,6 +107,8 @@ class ResponsesRequest(Struct, kw_only=True):
     store: bool = True
     metadata: Metadata | None = None
     user: str | None = None
+    # vLLM's, as on chat: only responses with the same salt (and API key) share cached prompt prefixes
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
     def input_messages(self) -> list[ChatMessage]:
         """The input items as chat messages: consecutive function calls join one assistant message."""
@@ -154,6 +157,7 @@ class ResponsesRequest(Struct, kw_only=True):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self._response_format(),
             user=self.user,
+            cache_salt=self.cache_salt,
         )
         try:
             chat.validate()
