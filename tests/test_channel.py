@@ -361,3 +361,51 @@ def test_shared_memory_pages_count_in_rss_but_not_in_private_memory():
     finally:
         shm.close()
         shm.unlink()
+
+
+def test_a_step_finishing_many_wide_embeddings_is_split_over_frames_the_ring_holds():
+    """Embedding requests all finish in the step that ran their prompts, each with a vector as wide as the model's
+    hidden size: the step's deltas must go in frames the ring can hold (one frame of them all exceeded it, and the
+    ValueError took the engine process down), and the gateway still gets every vector."""
+    from engine.core.config import FaultPlan
+    from engine.core.request import Request, RequestStatus
+    from engine.ipc.engine_loop import EngineLoop
+
+    width, count = 4096, 128  # an 8B model's hidden size; a step of --max-num-seqs 128 embedding inputs
+    outbox = Channel.create(FromEngine)  # the size the gateway creates
+    try:
+
+        class Loop:  # what publish_deltas reads of its EngineLoop
+            faults = FaultPlan()
+            generation_tokens_total = 0
+            delta = EngineLoop.delta
+
+        loop = Loop()
+        loop.outbox = outbox
+        params = SamplingParams(max_tokens=1, prompt_only=True, pooling="mean")
+        updated = []
+        for i in range(count):
+            r = Request(f"e{i}", [1, 2, 3], params, status=RequestStatus.FINISHED_LENGTH)
+            r.output_token_ids, r.embedding = [0], [i + j / width for j in range(width)]
+            updated.append(r)
+        got: dict[str, list[float]] = {}
+        done = threading.Event()
+
+        def gateway():
+            while len(got) < count and not done.is_set():
+                outbox.wait(0.05)
+                for frame in outbox.recv_all():
+                    got.update((d.request_id, d.embedding) for d in frame.deltas)
+
+        reader = threading.Thread(target=gateway)
+        reader.start()
+        try:
+            EngineLoop.publish_deltas(loop, updated)
+        finally:
+            reader.join(timeout=30)
+            done.set()
+        assert sorted(got) == sorted(r.request_id for r in updated)
+        assert all(got[r.request_id] == r.embedding for r in updated)
+    finally:
+        outbox.close()
+        outbox.unlink()

@@ -131,6 +131,24 @@ def test_a_dead_stage_fails_the_engine_instead_of_hanging(tokenizer):
         llm.close()
 
 
+def test_a_request_whose_sampling_raises_on_the_last_stage_fails_alone(checkpoint, tokenizer):
+    """A grammar in error (the offline API compiles it on the last stage) and an injected sampling fault fail only
+    their requests: the other gets the single process's tokens, every block comes back, the stages go on."""
+    from engine.core.config import FaultPlan
+
+    mark = 4321  # in no prompt below
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    assert not any(mark in p for p in prompts)
+    broken = SamplingParams(max_tokens=12, temperature=0.0, grammar="this is not a grammar")
+    [reference] = [o.token_ids for o in LLM(checkpoint=checkpoint, dtype="float32").generate(prompts[1:], GREEDY)]
+    with LLM(pipeline_stages=2, dtype="float32", faults=FaultPlan(sampler_token=mark)) as llm:
+        outs = llm.generate([prompts[0], [mark] + prompts[0], prompts[1]], [broken, GREEDY, GREEDY])
+        assert [(o.finish_reason, o.token_ids) for o in outs] == [("error", []), ("error", []), ("length", reference)]
+        s = llm.engine.scheduler
+        assert s.kv.num_free_blocks == s.kv.num_blocks and not llm.engine.executor.known
+        assert [o.token_ids for o in llm.generate(prompts[1:], GREEDY)] == [reference]
+
+
 def test_a_stage_that_exits_before_it_joins_fails_the_start_instead_of_hanging(monkeypatch):
     """A rank launched here that dies before the rendezvous (killed, or broken at import) never comes: the driver must
     not wait out the world's year-long timeout, and the rank that came is stopped with it."""

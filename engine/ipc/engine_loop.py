@@ -54,7 +54,9 @@ from engine.ipc.messages import (
 
 RUNNING = RequestStatus.RUNNING
 PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
-STEP_DELTAS_PART = 1024  # output positions with logprobs per StepDeltas frame (the same bound as above)
+# Numbers per StepDeltas frame: 1024 output positions with 20 alternatives each (the same bound as above), or the
+# pooled vectors of some embedding requests (a step may finish many, each as wide as the model's hidden size).
+STEP_DELTAS_PART = 1024 * 21
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
 HEARTBEAT_INTERVAL = 0.25  # seconds between Heartbeats: the gateway's sign that this process answers
@@ -210,7 +212,7 @@ class EngineLoop:
 
     def publish_deltas(self, updated: list) -> None:
         """The step's tokens: StepDeltas frames, plain deltas as its columns (a RequestError where one failed)."""
-        deltas, num_logprobs = [], 0
+        deltas, num_values = [], 0
         plain = StepDeltas([])
         ids, tokens = plain.request_ids, plain.token_ids
         faults = self.faults.publish_token is not None
@@ -242,10 +244,12 @@ class EngineLoop:
             self.generation_tokens_total += len(delta.token_ids)
             deltas.append(delta)
             if delta.logprobs is not None:
-                num_logprobs += len(delta.logprobs)
-                if num_logprobs >= STEP_DELTAS_PART:
-                    self.outbox.send(StepDeltas(deltas))
-                    deltas, num_logprobs = [], 0
+                num_values += len(delta.logprobs) * 21
+            if delta.embedding is not None:
+                num_values += len(delta.embedding)
+            if num_values >= STEP_DELTAS_PART:
+                self.outbox.send(StepDeltas(deltas))
+                deltas, num_values = [], 0
         self.generation_tokens_total += len(ids)
         if deltas or ids:
             plain.deltas = deltas

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from engine.core.batch import Batch
 from engine.core.config import EngineConfig
-from engine.core.request import SampledTokens, TokenLogprobs
+from engine.core.request import Failure, SampledTokens, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 
 CONTROL_TAG = 1
@@ -55,10 +55,11 @@ class StageBatch(msgspec.Struct, tag=True):
 
 
 class StageResult(msgspec.Struct, tag=True):
-    """Last stage -> driver, per iteration: each sampling request's tokens (accepted drafts, then one), in batch order."""
+    """Last stage -> driver, per iteration: each sampling request's tokens (accepted drafts, then one), in batch order,
+    or the Failure of one whose sampling raised."""
 
     batch_id: int
-    sampled: list[SampledTokens]
+    sampled: list[SampledTokens | Failure]
     # Per request whose chunk asked for prompt logprobs, one per row.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 

@@ -27,10 +27,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from engine.core.config import FaultPlan
 from engine.model.loader import load_checkpoint
 from engine.model.lora import LoraSlots
 from engine.model.lora_shards import adapter_from_bytes
-from engine.model.sampling.sampler import Sampler
+from engine.model.sampling.sampler import DeviceSample, Sampler
 from engine.model.sampling.state import SamplingState
 from engine.model.sharding import TensorShard
 from engine.parallel.frames import (
@@ -47,7 +48,7 @@ from engine.parallel.frames import (
 )
 from engine.parallel.world import LinkLost, join, stage_place
 from engine.runner.device import num_kv_blocks
-from engine.runner.local_executor import attach_embeddings, attach_hidden, build_model
+from engine.runner.local_executor import attach_embeddings, attach_hidden, build_model, sample_isolated
 from engine.runner.model_runner import ModelRunner
 
 DRIVER = 0
@@ -110,6 +111,7 @@ class Stage:
         self.runner.lora = self.lora
         self.samples = self.model.is_last and setup.tp_rank == 0
         self.sampler = Sampler(config.seed, self.runner.device, tokenizer) if self.samples else None
+        self.faults = config.faults or FaultPlan()
         # Activations go to and come from the same tensor-parallel rank of the next and previous stage.
         self.prev_rank, self.next_rank = self.rank - setup.tp_size, self.rank + setup.tp_size
         self.pending = PendingSends()
@@ -165,7 +167,10 @@ class Stage:
         if not self.samples:
             return  # its logits went into the gather; tensor-parallel rank 0 samples
         sampling = batch.sampling_ids
-        sampled = self.sampler(out, sampling, batch.sampling_drafts)
+        # One request whose sampling raises (its grammar failed) fails alone, as in a single process.
+        sampled = sample_isolated(self.sampler, out, sampling, batch.sampling_drafts, self.faults.at_sampling)
+        if isinstance(sampled, DeviceSample):
+            sampled = self.sampler.finish(sampled)
         attach_hidden(sampled, self.runner.probed_hidden)
         attach_embeddings(sampled, self.runner.pooled)
         prompt = self.runner.prompt_logprobs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -181,26 +182,7 @@ class LocalExecutor:
         self.done.append((batch, sampled, None, probed, {}))  # a run never pools: no prompt rows
 
     def _sample_isolated(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]) -> DeviceSample | Sampled:
-        restore = self.sampler.save_rng(ids)
-        try:
-            return self._sample(logits, ids, drafts)
-        except Exception:
-            # Who raised? Each request samples alone, its generator back where it was; the others get their tokens.
-            restore()
-            out: Sampled = {}
-            start = 0
-            for request_id, draft in zip(ids, drafts):
-                rows, start = logits[start : start + len(draft) + 1], start + len(draft) + 1
-                try:
-                    out.update(self.sampler.finish(self._sample(rows, [request_id], [draft])))
-                except Exception as e:
-                    out[request_id] = Failure(f"sampling failed: {e!r}")
-            return out
-
-    def _sample(self, logits: torch.Tensor, ids: list[str], drafts: list[list[int]]) -> DeviceSample:
-        sample = self.sampler.sample(logits, ids, drafts)
-        self.faults.at_sampling([r.prompt_token_ids for r in sample.requests])  # after the generators moved
-        return sample
+        return sample_isolated(self.sampler, logits, ids, drafts, self.faults.at_sampling)
 
     def collect(self) -> tuple[Batch, Sampled, PromptLogprobs]:
         batch, result, prompt, probed, pooled = self.done.popleft()
@@ -230,6 +212,38 @@ class LocalExecutor:
 
     def close(self) -> None:
         pass
+
+
+def sample_isolated(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    ids: list[str],
+    drafts: list[list[int]],
+    check: Callable[[list[list[int]]], None],
+) -> DeviceSample | Sampled:
+    """The batch's sample; where it raises, each request samples alone and only the one that raised gets a Failure.
+    `check` (the fault plan's) sees each sample's prompts after its generators moved."""
+
+    def one_sample(rows: torch.Tensor, request_ids: list[str], request_drafts: list[list[int]]) -> DeviceSample:
+        sample = sampler.sample(rows, request_ids, request_drafts)
+        check([r.prompt_token_ids for r in sample.requests])
+        return sample
+
+    restore = sampler.save_rng(ids)
+    try:
+        return one_sample(logits, ids, drafts)
+    except Exception:
+        # Who raised? Each request samples alone, its generator back where it was; the others get their tokens.
+        restore()
+        out: Sampled = {}
+        start = 0
+        for request_id, draft in zip(ids, drafts):
+            rows, start = logits[start : start + len(draft) + 1], start + len(draft) + 1
+            try:
+                out.update(sampler.finish(one_sample(rows, [request_id], [draft])))
+            except Exception as e:
+                out[request_id] = Failure(f"sampling failed: {e!r}")
+        return out
 
 
 def attach_hidden(sampled: Sampled, probed: dict[str, list[float]]) -> None:
