@@ -54,9 +54,10 @@ from engine.ipc.messages import (
 
 RUNNING = RequestStatus.RUNNING
 PROMPT_LOGPROBS_PART = 1024  # prompt positions per frame: with 20 alternatives each, about 350 KB of the 4 MiB ring
-# Numbers per StepDeltas frame: 1024 output positions with 20 alternatives each (the same bound as above), or the
-# pooled vectors of some embedding requests (a step may finish many, each as wide as the model's hidden size).
-STEP_DELTAS_PART = 1024 * 21
+POSITION_VALUES = 21  # numbers a logprob position carries at most: its token's and 20 alternatives'
+# Numbers per StepDeltas frame: 1024 output positions with logprobs (the same bound as above), or the pooled vectors
+# of some embedding requests (a step may finish many, each as wide as the model's hidden size).
+STEP_DELTAS_PART = 1024 * POSITION_VALUES
 IDLE_STATS_INTERVAL = 1.0  # seconds between stats reports while idle: the gateway's liveness signal
 RSS_INTERVAL = 1.0  # seconds between resident-memory samples sent with the stats
 HEARTBEAT_INTERVAL = 0.25  # seconds between Heartbeats: the gateway's sign that this process answers
@@ -244,7 +245,7 @@ class EngineLoop:
             self.generation_tokens_total += len(delta.token_ids)
             deltas.append(delta)
             if delta.logprobs is not None:
-                num_values += len(delta.logprobs) * 21
+                num_values += len(delta.logprobs) * POSITION_VALUES
             if delta.embedding is not None:
                 num_values += len(delta.embedding)
             if num_values >= STEP_DELTAS_PART:
