@@ -134,6 +134,24 @@ def test_full_ring_and_oversize(channels):
         ch.send(StepDeltas([TokenDelta("z", list(range(100)), None)]))
 
 
+def test_a_send_waits_out_a_reader_stalled_past_any_fixed_bound(channels):
+    """The engine's sends wait for as long as the gateway (alive) takes to make room: with a bound, a gateway stalled
+    for more than it (a long collection, a starved core) ended the engine and every request in flight."""
+    ch = channels(FromEngine, capacity=64)
+    ch.send(StepDeltas([TokenDelta("x", list(range(20)), None)]))
+    got: list[str] = []
+
+    def stalled_reader() -> None:
+        time.sleep(5.5)  # the bound the engine's sends had
+        got.extend(m.deltas[0].request_id for m in ch.recv_all())
+
+    reader = threading.Thread(target=stalled_reader)
+    reader.start()
+    ch.send(StepDeltas([TokenDelta("y", list(range(20)), None)]))
+    reader.join()
+    assert got == ["x"] and [m.deltas[0].request_id for m in ch.recv_all()] == ["y"]
+
+
 def test_doorbell_coalesces_and_never_blocks():
     bell = Doorbell.create()
     peer = Doorbell.attach(bell.path)

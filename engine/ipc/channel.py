@@ -322,10 +322,12 @@ class Channel:
         if not self._held:
             self.doorbell.ring()
 
-    def send(self, msg: Any, timeout: float = 5.0) -> None:
-        """Send, sleeping briefly while the ring is full; ChannelFullError after `timeout` seconds."""
+    def send(self, msg: Any, timeout: float | None = None) -> None:
+        """Send, sleeping briefly while the ring is full; ChannelFullError after `timeout` seconds (None: for as long
+        as it stays full, as the engine does: a gateway stalled a while loses nothing, and one that died ends the
+        engine through its orphan watch)."""
         payload = self._encoder.encode(msg)
-        deadline = time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         with self._send_lock:
             while not self.ring.try_write(payload):
                 self.doorbell.ring()  # make sure the consumer is awake to make room
