@@ -84,7 +84,8 @@ class LLM:
 
     def _completion(self, req: Request) -> Completion:
         outputs = [] if req.params.prompt_only else list(req.output_token_ids)  # the prompt's scores only
-        text = self.tokenizer.decode(outputs, skip_special_tokens=True) if self.tokenizer else ""
+        shown = outputs[:-1] if req.finish_reason == "stop" else outputs  # the stop token's text is not the output's
+        text = self.tokenizer.decode(shown, skip_special_tokens=True) if self.tokenizer else ""
         return Completion(
             req.prompt_token_ids,
             outputs,

@@ -239,6 +239,31 @@ def test_stop_fuzz_against_reference(tok):
         assert d.num_tokens == done + 1
 
 
+def test_min_tokens_lets_no_stop_string_end_the_text_before_them(tok):
+    """As vLLM's: a stop string must end in the text of a token past min_tokens (" of" is the third token here)."""
+    text = "The end of the story. The end of it all."
+    ids = tok.encode(text)
+    assert [tok.decode([i]) for i in ids[:3]] == ["The", " end", " of"]
+    for min_tokens, kept in ((2, "The end"), (3, "The end of the story. The end")):
+        for seed in (None, 4):
+            d = IncrementalDetokenizer(tok, stop=[" of"], min_tokens=min_tokens)
+            out = "".join(d.push(g) for g in groups(ids, None if seed is None else random.Random(seed))) + d.flush()
+            assert out == d.text == kept and d.stopped
+
+
+def test_the_stop_token_that_ended_a_sequence_is_counted_but_not_shown(tok):
+    """The engine's eos or stop token id (here ".", not a special token) ends the text before it, as vLLM's."""
+    ids = tok.encode("The end.")
+    assert ids[-1] not in tok.special_token_ids
+    d = IncrementalDetokenizer(tok)
+    out = d.push(ids[:1]) + d.push(ids[1:], ends_with_stop_token=True) + d.flush()
+    assert out == d.text == "The end"
+    assert d.num_tokens == len(ids) and d.token_offsets == [0, 3, 7]
+    # A stop string its text would complete does not fire either.
+    d = IncrementalDetokenizer(tok, stop=["d."])
+    assert d.push(ids, ends_with_stop_token=True) + d.flush() == "The end" and not d.stopped
+
+
 # --- token_text --------------------------------------------------------------------------------------------------
 
 

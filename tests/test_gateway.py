@@ -636,6 +636,39 @@ def test_multi_token_stop_string_cuts_exactly(http, prompt):
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_stop_token_ids_text_is_not_in_the_choice(http, tokenizer):
+    """A stop token id ends the text before its own text, though it counts and has its logprob (vLLM's behaviour;
+    here "." or the like, not a special token that would be skipped anyway), streamed or not."""
+    prompt = "The capital of France is"
+    base = complete(http, prompt=prompt, max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)["choices"][0]
+    tokens, offsets = base["logprobs"]["tokens"], base["logprobs"]["text_offset"]
+    k = next(i for i in range(1, len(tokens)) if tokens[i].strip() and tokens[i] not in tokens[:i])
+    (stop_id,) = tokenizer.encode(tokens[k])
+    cut = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+    r = complete(http, **cut, stop_token_ids=[stop_id])
+    choice = r["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (base["text"][: offsets[k]], "stop")
+    assert choice["logprobs"]["tokens"] == tokens[: k + 1] and r["usage"]["completion_tokens"] == k + 1
+    events = stream(http, **cut, stop_token_ids=[stop_id])
+    assert stream_text(events) == base["text"][: offsets[k]] and finish_reasons(events) == ["stop"]
+
+
+def test_no_stop_string_ends_a_choice_before_min_tokens(http):
+    """vLLM's behaviour: with min_tokens 2, the first token's text as a stop string ends the text only where it
+    occurs again later, streamed or not."""
+    prompt = "The capital of France is"
+    cut = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    base = complete(http, **cut, logprobs=0)["choices"][0]
+    text, offsets = base["text"], base["logprobs"]["text_offset"]
+    first = text[: offsets[1]]
+    later = text.find(first, offsets[1])
+    expected = (text[:later], "stop") if later >= 0 else (text, "length")
+    c = complete(http, **cut, stop=[first], min_tokens=2)["choices"][0]
+    assert (c["text"], c["finish_reason"]) == expected
+    events = stream(http, **cut, stop=[first], min_tokens=2)
+    assert (stream_text(events), *finish_reasons(events)) == expected
+
+
 # ---------------------------------------------------------------- disconnects free the KV cache
 
 

@@ -56,6 +56,9 @@ def test_stop_token_finishes_with_stop(llm, tokenizer):
     [c] = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_id,)))
     assert c.finish_reason == "stop"
     assert c.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    # As vLLM's: the stop token counts, but its text (a plain token's here) is not the completion's.
+    assert stop_id not in tokenizer.special_token_ids
+    assert c.text == tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True)
 
 
 def test_eos_finishes_with_stop_and_min_tokens_masks_it(llm, tokenizer):

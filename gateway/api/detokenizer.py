@@ -34,12 +34,20 @@ class IncrementalDetokenizer:
     O(new bytes + longest stop string), never the whole history.
 
     Stop strings are matched in order of completion, as streaming demands (and as vLLM does): the first token that
-    completes any stop string ends the sequence, cutting at the earliest occurrence among those it completed.
+    completes any stop string ends the sequence, cutting at the earliest occurrence among those it completed. None
+    ends it before `min_tokens` tokens: an occurrence must end in the text of a later token (as vLLM's).
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: Iterable[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        stop: Iterable[str] = (),
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ) -> None:
         self.tokenizer = tokenizer  # None (a dummy model served without one): no text, token ids and counts only
         self.stop = tuple(dict.fromkeys(s for s in stop if s))  # empty strings would match everywhere: ignored
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self._skip = tokenizer.special_token_ids if tokenizer is not None and skip_special_tokens else frozenset()
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
@@ -76,8 +84,12 @@ class IncrementalDetokenizer:
         """
         return self._offsets
 
-    def push(self, token_ids: Iterable[int]) -> str:
-        """Take newly generated tokens; return the text now safe to emit ("" once stopped)."""
+    def push(self, token_ids: list[int], ends_with_stop_token: bool = False) -> str:
+        """Take newly generated tokens; return the text now safe to emit ("" once stopped).
+
+        `ends_with_stop_token`: the last one is the eos or stop token id that ended the sequence; it is taken (counted,
+        with an offset) but its text is not the choice's, as in vLLM's output, whether or not it is a special token.
+        """
         if self.stopped:
             return ""
         if self.finished:
@@ -85,13 +97,16 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             self._offsets += [0] * len(token_ids)
             return ""
+        shown = token_ids[:-1] if ends_with_stop_token else token_ids
         vocab_size, token_bytes, skip = self.tokenizer.vocab_size, self.tokenizer.token_bytes, self._skip
-        for token_id in token_ids:
+        for token_id in shown:
             self._offsets.append(self._decoded_len)
             if 0 <= token_id < vocab_size and token_id not in skip:
                 chunk = self._decoder.decode(token_bytes(token_id))
                 if chunk and self._take(chunk):
                     return self._emit(self._pending)
+        if len(shown) < len(token_ids):
+            self._offsets.append(self._decoded_len)
         held = self._held_len()
         out = self._pending[: len(self._pending) - held]
         self._pending = self._pending[len(self._pending) - held :]
@@ -114,7 +129,7 @@ class IncrementalDetokenizer:
         start = max(0, len(self._pending) - self._max_hold)  # earlier occurrences were found by earlier calls
         self._pending += chunk
         self._decoded_len += len(chunk)
-        if not self.stop:
+        if not self.stop or len(self._offsets) <= self.min_tokens:
             return False
         cut = min((i for i in (self._pending.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut < 0:

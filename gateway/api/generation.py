@@ -127,7 +127,10 @@ class Generation:
                         params = msgspec.structs.replace(params, seed=params.seed + i)
                     rid = f"{base}-{index}"
                     self.choices[rid] = _Choice(
-                        index, len(prompt), IncrementalDetokenizer(self.tokenizer, self.stop), time.monotonic()
+                        index,
+                        len(prompt),
+                        IncrementalDetokenizer(self.tokenizer, self.stop, min_tokens=params.min_tokens),
+                        time.monotonic(),
                     )
                     self.metrics.prompt_tokens.inc(len(prompt))
                     await self.client.add(EngineRequest(rid, prompt, params, self.options), queue, grammar_id)
@@ -197,7 +200,8 @@ class Generation:
             return ChoiceEvent(choice.index, "", [], [], [], "length", prompt, delta.embedding)
         detok = choice.detok
         first = detok.num_tokens
-        text = detok.push(delta.token_ids)
+        # The engine's "stop" is its eos or a stop token id: the delta's last token.
+        text = detok.push(delta.token_ids, ends_with_stop_token=delta.finish_reason == "stop")
         offsets = detok.token_offsets[first:]
         # A delta of several tokens (a step that accepted draft tokens) may hold a stop string's end: the detokenizer
         # stopped there, and the tokens after it are not the choice's.
