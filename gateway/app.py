@@ -7,7 +7,6 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Awaitable
 from pathlib import Path
 
 import msgspec
@@ -25,7 +24,7 @@ from gateway.api.lora import load_lora_adapter, unload_lora_adapter
 from gateway.api.openapi import openapi_document
 from gateway.api.protocol import AdapterCard, ModelCard, ModelList
 from gateway.api.responses import create_response, delete_response, retrieve_response
-from gateway.api.serving import ServerState, json_response
+from gateway.api.serving import ServerState, finished_before, json_response
 from gateway.api.special_tokens import ContentTokens
 from gateway.api.structured import SchemaCompiler
 from gateway.api.tokenize import detokenize, tokenize, tokenizer_info
@@ -48,21 +47,6 @@ def served_name(config: GatewayConfig) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     return model if model.startswith("dummy:") else model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
-
-
-async def until_stopping(work: Awaitable[None], stopping: asyncio.Event) -> bool:
-    """Await `work` unless `stopping` is set first, then cancel it; whether it finished."""
-    task, stop = asyncio.ensure_future(work), asyncio.ensure_future(stopping.wait())
-    try:
-        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return False
-    task.result()
-    return True
 
 
 def load_gateway_tokenizer(model: str | None):
@@ -116,13 +100,16 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.loop = asyncio.get_running_loop()
-        if not await until_stopping(state.client.start(config.engine_start_timeout), state.stopping):
+        start = asyncio.ensure_future(state.client.start(config.engine_start_timeout))
+        if not await finished_before(start, state.stopping.wait()):
             # Ctrl-C or SIGTERM during a load that may take minutes: end it now (uvicorn then listens only to stop).
+            await asyncio.gather(start, return_exceptions=True)
             await state.client.stop()
             state.grammars.close()
             logging.getLogger("uvicorn.error").info("stopped while the engine was loading")
             yield
             return
+        start.result()  # a model that cannot load at all: its error, here
         # What start-up made (the tokenizer's tables, modules, the app) lives as long as the server: out of the
         # collector's sight, a full collection scans only what serving makes: under many open connections a full
         # collection of it all stalls every stream and /health (vLLM freezes it too).

@@ -105,6 +105,13 @@ def running(pid: int) -> bool:
         return False
 
 
+def wait_until_gone(pid: int, what: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while running(pid):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
 def rings_of(gateway: int) -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"orcinus_{gateway}_*")}
 
@@ -335,11 +342,41 @@ def test_kill_9_of_the_gateway_leaves_no_ring_or_doorbell_and_its_engine_exits(t
         gateway.kill()
         gateway.wait()
     assert gateway.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 30
-    while running(engine):  # it notices it was orphaned
-        assert time.monotonic() < deadline, "the engine outlived its gateway"
-        time.sleep(0.1)
+    wait_until_gone(engine, "the engine outlived its gateway")  # it notices it was orphaned
     assert not rings_of(gateway.pid) and not any(b.exists() for b in bells)
+
+
+def model_that_never_loads(tmp_path: Path) -> Path:
+    """A checkpoint directory whose config.json is a FIFO nobody writes: an engine's load waits on it for ever."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    return model
+
+
+def wait_until_it_loads(model: Path, alive) -> int:
+    """Block until something has the model's config.json open (the engine is reading the model); returns our end
+    of the FIFO, to close at the end. `alive()` false, or two minutes, fails the test."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert alive() and time.monotonic() < deadline, "the engine never began to load the model"
+        with contextlib.suppress(OSError):  # ENXIO: no reader yet
+            return os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
+        time.sleep(0.05)
+
+
+def clean_up_launch(gateway: subprocess.Popen, engine: int, writer: int | None, bells: list[Path]) -> None:
+    """Whatever a launch test left: the processes, the FIFO's end, the rings and doorbells never unlinked."""
+    gateway.kill()
+    if running(engine):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGKILL)
+    if writer is not None:
+        os.close(writer)
+    for ring in rings_of(gateway.pid):
+        (Path("/dev/shm") / ring).unlink(missing_ok=True)
+    for bell in bells:
+        shutil.rmtree(bell, ignore_errors=True)
 
 
 GATEWAY_LAUNCHING = """import os, signal, sys, time
@@ -364,9 +401,7 @@ def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp
     """Before, the engine looked for its gateway only once loaded: a load that lasts (or waits on something that
     never comes, as this one's config.json, a FIFO nobody writes) kept it alive for as long, its gateway long gone. And
     a gateway dead before the engine first asked for its parent passed for alive: the engine took init for it."""
-    model = tmp_path / "model"
-    model.mkdir()
-    os.mkfifo(model / "config.json")
+    model = model_that_never_loads(tmp_path)
     gateway = subprocess.Popen(
         [sys.executable, "-c", GATEWAY_LAUNCHING, str(model), "stopped" if when == "before_it_looks" else "running"],
         stdout=subprocess.PIPE,
@@ -376,38 +411,15 @@ def test_kill_9_of_the_gateway_during_the_engine_s_start_ends_the_engine_too(tmp
     spec = json.loads(cmdline(engine)[-1])
     bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
     try:
-
-        def loading() -> bool:  # the engine has config.json open: it is reading the model
-            nonlocal writer
-            try:
-                writer = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:  # ENXIO: no reader yet
-                return False
-            return True
-
-        deadline = time.monotonic() + 120
-        while when == "while_it_loads" and not loading():
-            assert running(engine) and time.monotonic() < deadline, "the engine never began to load the model"
-            time.sleep(0.05)
+        if when == "while_it_loads":
+            writer = wait_until_it_loads(model, lambda: running(engine))
         gateway.kill()
         gateway.wait()
         os.kill(engine, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while running(engine):
-            assert time.monotonic() < deadline, "the engine outlived its gateway"
-            time.sleep(0.1)
+        wait_until_gone(engine, "the engine outlived its gateway")
     finally:
-        gateway.kill()
-        if running(engine):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(engine, signal.SIGKILL)
-        if writer is not None:
-            os.close(writer)
         # Its rings were never unlinked: the gateway does that once the engine is up.
-        for ring in rings_of(gateway.pid):
-            (Path("/dev/shm") / ring).unlink(missing_ok=True)
-        for bell in bells:
-            shutil.rmtree(bell, ignore_errors=True)
+        clean_up_launch(gateway, engine, writer, bells)
 
 
 GATEWAY_READING = """import asyncio, sys
@@ -425,20 +437,13 @@ asyncio.run(main())
 def test_a_gateway_killed_while_its_engine_loads_leaves_no_doorbell(tmp_path):
     """The gateway removes the channels' names once the engine has opened them, which must not wait for the model's
     load (minutes for a large one): killed during it, the gateway left both doorbells in /tmp."""
-    model = tmp_path / "model"
-    model.mkdir()
-    os.mkfifo(model / "config.json")  # the load waits on it: the engine stays loading for as long as the test needs
+    model = model_that_never_loads(tmp_path)
     gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_READING, str(model)], stdout=subprocess.PIPE, text=True)
     engine, writer = int(gateway.stdout.readline()), None
     spec = json.loads(cmdline(engine)[-1])
     bells = [Path(spec[side]["doorbell_path"]).parent for side in ("to_engine", "from_engine")]
     try:
-        deadline = time.monotonic() + 120
-        while writer is None:  # the engine has config.json open: it is reading the model
-            assert running(engine) and time.monotonic() < deadline, "the engine never began to load the model"
-            with contextlib.suppress(OSError):  # ENXIO: no reader yet
-                writer = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
-            time.sleep(0.05)
+        writer = wait_until_it_loads(model, lambda: running(engine))
         deadline = time.monotonic() + 30
         while rings_of(gateway.pid) or any(b.exists() for b in bells):
             assert time.monotonic() < deadline, (
@@ -447,21 +452,9 @@ def test_a_gateway_killed_while_its_engine_loads_leaves_no_doorbell(tmp_path):
             time.sleep(0.05)
         gateway.kill()
         gateway.wait()
-        deadline = time.monotonic() + 30
-        while running(engine):
-            assert time.monotonic() < deadline, "the engine outlived its gateway"
-            time.sleep(0.1)
+        wait_until_gone(engine, "the engine outlived its gateway")
     finally:
-        gateway.kill()
-        if running(engine):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(engine, signal.SIGKILL)
-        if writer is not None:
-            os.close(writer)
-        for ring in rings_of(gateway.pid):
-            (Path("/dev/shm") / ring).unlink(missing_ok=True)
-        for bell in bells:
-            shutil.rmtree(bell, ignore_errors=True)
+        clean_up_launch(gateway, engine, writer, bells)
 
 
 # ---------------------------------------------------------------- start-up that cannot begin or is stopped
@@ -508,9 +501,7 @@ def test_a_port_in_use_stops_the_start_before_any_engine_loads():
 def test_ctrl_c_during_the_model_s_load_stops_the_server_at_once(tmp_path):
     """A load can take minutes: SIGINT during it must end the engine and the server then, with status 0 (it was
     ignored until the load ended). The model's config.json is a FIFO, so the load waits as long as the test needs."""
-    model = tmp_path / "model"
-    model.mkdir()
-    os.mkfifo(model / "config.json")
+    model = model_that_never_loads(tmp_path)
     log, writer = tmp_path / "server.log", None
     with open(log, "w") as out:
         server = subprocess.Popen(
@@ -519,12 +510,7 @@ def test_ctrl_c_during_the_model_s_load_stops_the_server_at_once(tmp_path):
             stderr=out,
         )
     try:
-        deadline = time.monotonic() + 120
-        while writer is None:  # the engine has config.json open: it is loading the model
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            with contextlib.suppress(OSError):  # ENXIO: no reader yet
-                writer = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
-            time.sleep(0.05)
+        writer = wait_until_it_loads(model, lambda: server.poll() is None)
         deadline = time.monotonic() + 60
         while "Waiting for application startup" not in log.read_text():  # uvicorn's handlers are in place
             assert time.monotonic() < deadline, log.read_text()

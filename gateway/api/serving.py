@@ -243,6 +243,19 @@ def sse(
     return _ClosingEventSource(gen(), ping=15, shutdown_grace_period=drain_timeout, on_close=on_close)
 
 
+async def finished_before(task: asyncio.Future, other: Awaitable) -> bool:
+    """Await `task` unless `other` completes first, which cancels `task`; whether `task` finished."""
+    watcher = asyncio.ensure_future(other)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    return False
+
+
 async def until_done_or_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Await `work`, cancelling it (which aborts its engine requests) if the client goes away first."""
     task = asyncio.ensure_future(work)
@@ -251,13 +264,7 @@ async def until_done_or_disconnect(request: Request, work: Awaitable[Response]) 
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
+    if not await finished_before(task, disconnected()):
         return Response(status_code=499)  # nobody is listening; the status is for the access log
     try:
         return task.result()
