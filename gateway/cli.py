@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HOST",
         help="Host header values the server answers to (e.g. api.example.com, *.example.com; * for any); "
-        "default: bound to loopback, only localhost, 127.0.0.1 and [::1] (DNS rebinding); else any",
+        "default: bound to loopback, only localhost, 127.0.0.1, [::1] and the bound address (DNS rebinding); else any",
     )
     srv.add_argument(
         "--header-timeout",

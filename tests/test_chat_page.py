@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import GatewayConfig, build_app
-from tests.conftest import parse_metrics, wait_for_metrics
+from tests.conftest import free_port, parse_metrics, wait_for_metrics
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -135,3 +135,30 @@ def test_chat_in_a_browser_streams_shows_errors_and_stops(browser, server, reque
         out = Path(request.config.getoption("--screenshots"))
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, out / "chat_page.png")
+
+
+@pytest.fixture
+def keyed_page():
+    """A keyed server without an engine (lifespan off): enough for the page's model name, which /v1/models gives."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(
+        build_app(GatewayConfig(api_keys=("sekrit",))), port=port, lifespan="off", log_level="error"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "the server")
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_the_model_name_shows_once_the_key_is_entered(browser, keyed_page):
+    browser.get(keyed_page + "/")
+    wait_until(lambda: "401" in browser.find_element("id", "model").text, 30, "the 401 without a key")
+    set_field(browser, "api_key", "sekrit")
+    wait_until(lambda: browser.find_element("id", "model").text == "model: SmolLM2-135M-Instruct", 30, "the name")

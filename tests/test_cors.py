@@ -47,6 +47,21 @@ def test_an_unlisted_origin_gets_no_cors_headers(origin):
     assert simple.status_code == 200 and ALLOW_ORIGIN not in simple.headers
 
 
+def test_the_openai_js_sdk_headers_and_a_delete_pass_the_preflight():
+    # The SDK adds these to every request from a browser page; DELETE /v1/responses/{id} deletes a stored response.
+    sdk = "authorization, content-type, x-stainless-lang, x-stainless-os, x-stainless-runtime, x-stainless-retry-count"
+    origin = {"Origin": "http://localhost:3000"}
+    c = client()
+    for path, method in (("/v1/chat/completions", "POST"), ("/v1/responses/resp_1", "DELETE")):
+        r = c.options(
+            path, headers={**origin, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": sdk}
+        )
+        assert (r.status_code, r.text) == (200, "OK"), (path, method)
+        assert r.headers[ALLOW_ORIGIN] == "http://localhost:3000"
+        assert method in r.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-headers"].lower() == sdk
+
+
 def test_the_api_key_is_still_enforced_and_its_401_is_readable_by_the_page():
     c = client(api_keys=("sekrit",))
     origin = {"Origin": "http://localhost:3000"}

@@ -424,6 +424,8 @@ def test_the_csp_hashes_are_those_of_the_page_inline_script_and_style():
     [
         ([], ("localhost", "127.0.0.1", "[::1]")),
         (["--host", "::1"], ("localhost", "127.0.0.1", "[::1]")),
+        (["--host", "127.0.0.2"], ("localhost", "127.0.0.1", "[::1]", "127.0.0.2")),
+        (["--host", "0:0:0:0:0:0:0:1"], ("localhost", "127.0.0.1", "[::1]", "[0:0:0:0:0:0:0:1]")),
         (["--host", "0.0.0.0"], None),
         (
             ["--host", "0.0.0.0", "--allowed-hosts", "api.example.com", "*.example.org"],
@@ -439,6 +441,14 @@ def test_allowed_hosts_default_to_loopback_names_on_a_loopback_bind(monkeypatch,
     monkeypatch.setattr("gateway.app.build_app", lambda config, client: seen.setdefault("config", config))
     assert cli_main(["serve", *argv]) == 0
     assert seen["config"].allowed_hosts == want
+
+
+def test_a_server_bound_to_another_loopback_address_answers_its_own_url():
+    from gateway.web.guards import default_allowed_hosts
+
+    c = TestClient(build_app(GatewayConfig(allowed_hosts=default_allowed_hosts("127.0.0.2"))))
+    for host, status in (("127.0.0.2:8000", 200), ("localhost:8000", 200), ("127.0.0.3:8000", 403), ("a.test", 403)):
+        assert c.get("/openapi.json", headers={"Host": host}).status_code == status, host
 
 
 def test_host_patterns():

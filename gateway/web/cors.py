@@ -19,12 +19,13 @@ def add_cors(app: Starlette, allowed_origins: tuple[str, ...] | None) -> None:
         origins = {"allow_origin_regex": LOCAL_ORIGINS}
     else:
         origins = {"allow_origins": list(allowed_origins)}
-    # Authorization is allowed so a page can send the API key, which is still checked on every request.
+    # Any request header (as vLLM): the origin is the boundary, and the API key is still checked on every request.
+    # The OpenAI JS SDK sends its own (X-Stainless-*) on every call, so a short list fails its preflight.
     app.add_middleware(
         CORSMiddleware,
         **origins,
-        allow_methods=["GET", "POST", "OPTIONS"],
-        allow_headers=["Authorization", "Content-Type"],
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],  # DELETE: /v1/responses/{id}
+        allow_headers=["*"],
         expose_headers=["Retry-After"],
         max_age=600,
     )

@@ -25,7 +25,21 @@ def is_loopback(bind_host: str) -> bool:
 def default_allowed_hosts(bind_host: str) -> tuple[str, ...] | None:
     """A server bound to loopback answers only to loopback names (as Ollama, after CVE-2024-28224): a page on
     another site whose name was rebound to 127.0.0.1 sends its own name as Host. Elsewhere: any Host."""
-    return LOOPBACK_HOSTS if is_loopback(bind_host) else None
+    if not is_loopback(bind_host):
+        return None
+    return tuple(dict.fromkeys((*LOOPBACK_HOSTS, *_url_hosts(bind_host))))
+
+
+def _url_hosts(bind_host: str) -> tuple[str, ...]:
+    """The bound address as a URL's host names it (127.0.0.2, [::1]): the only address the server listens on, and
+    an address, unlike a name, cannot be rebound."""
+    try:
+        ip = ipaddress.ip_address(bind_host.strip("[]"))
+    except ValueError:
+        return ()
+    if ip.version == 4:
+        return (str(ip),)
+    return (f"[{bind_host.strip('[]').lower()}]", f"[{ip.compressed}]")
 
 
 def _host_name(header: bytes) -> str:
