@@ -162,3 +162,15 @@ def test_the_model_name_shows_once_the_key_is_entered(browser, keyed_page):
     wait_until(lambda: "401" in browser.find_element("id", "model").text, 30, "the 401 without a key")
     set_field(browser, "api_key", "sekrit")
     wait_until(lambda: browser.find_element("id", "model").text == "model: SmolLM2-135M-Instruct", 30, "the name")
+
+
+def test_an_enter_that_confirms_an_input_method_candidate_sends_nothing(browser, keyed_page):
+    browser.get(keyed_page + "/")
+    set_field(browser, "prompt", "こんにちは")
+    enter = "document.getElementById('prompt').dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', bubbles: true, isComposing: arguments[0]}))"
+    browser.execute_script(enter, True)
+    assert browser.find_element("id", "prompt").get_property("value") == "こんにちは"
+    assert not browser.find_elements("css selector", ".msg.user")
+    browser.execute_script(enter, False)
+    wait_until(lambda: browser.find_elements("css selector", ".msg.user"), 30, "the message sent")
+    assert browser.find_element("id", "prompt").get_property("value") == ""
