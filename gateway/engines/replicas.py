@@ -140,7 +140,7 @@ class Replicas:
 
     async def unload_lora(self, name: str) -> LoraResult:
         for c in self.clients:  # whatever the answer: an engine restarted from now on does not get it again
-            c.runtime_loras.pop(name, None)
+            c.loras.pop(name, None)
         self.router.unloaded(name)
         results = await asyncio.gather(*(c.update_lora(UnloadLora(0, name)) for c in self.clients))
         return next((r for r in results if r.error is not None), results[0])
