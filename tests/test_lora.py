@@ -284,3 +284,21 @@ def test_an_adapter_unloaded_while_it_runs_finishes_and_gives_its_memory_back(tm
     assert not engine.adapters.held and not engine.adapters.holding
     gc.collect()
     assert engine.executor.adapters == {} and host() is None
+
+
+def test_an_adapter_holding_a_nan_or_an_infinity_is_refused(tmp_path):
+    """Such a value in a slot's B reaches the base model's rows on the PyTorch path (a pad's 0 x NaN): refused."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.model.lora import read_adapter
+
+    build("llama", tmp_path / "base")
+    make_adapter(tmp_path / "base", tmp_path / "ok", "llama", 8, 16, ["q_proj", "v_proj"], False, seed=1)
+    assert read_adapter(str(tmp_path / "ok"), 2, 16).rank == 8
+    weights = tmp_path / "ok" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    for bad in (float("nan"), float("inf")):
+        tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"][3, 2] = bad
+        save_file(tensors, weights)
+        with pytest.raises(AdapterError, match="holds non-finite values .NaN or infinity. in layer 1 v_proj"):
+            read_adapter(str(tmp_path / "ok"), 2, 16)

@@ -310,3 +310,56 @@ def test_adapters_load_and_unload_while_others_stream(server_factory, adapters, 
         assert base.result() == {"status": 200, "finish_reason": "length", "tokens": 24, "error": None}
         models = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=10).json()["data"]
         assert [m["id"] for m in models][1:] == ["e", "c"]
+
+
+def test_a_restarted_engine_serves_the_adapters_served_when_it_died(monkeypatch):
+    """A --lora adapter unloaded at run time stays gone from the engine that replaces a dead one, and one loaded again
+    under its name comes back from its new path (not the flag's), as does one loaded at run time."""
+    import asyncio
+
+    from engine.core.config import EngineConfig
+    from engine.core.lora_pool import parse_lora
+    from engine.ipc.messages import EngineReady, LoadLora, LoraResult, UnloadLora
+    from gateway.engines import client as client_module
+    from gateway.web.metrics import Metrics
+
+    class FakeProcess:
+        """An engine process ready at once, answering every adapter update; keeps its config and what it was sent."""
+
+        def __init__(self, config, on_frame, cache_events=False, devices=None):
+            self.config, self.on_frame, self.sent, self.alive, self.unread = config, on_frame, [], True, False
+
+        async def start(self):
+            self.on_frame(EngineReady("m", None, None))
+
+        async def wait(self):
+            await asyncio.Event().wait()
+
+        def try_send(self, msg) -> bool:
+            self.sent.append(msg)
+            if isinstance(msg, (LoadLora, UnloadLora)) and msg.op_id:
+                self.on_frame(LoraResult(msg.op_id))
+            return True
+
+    def served(engine: FakeProcess) -> dict[str, str]:
+        """The adapters the engine serves: its --lora, then the loads it got (one of a name it has fails)."""
+        names = dict(parse_lora(spec) for spec in engine.config.lora)
+        for msg in engine.sent:
+            if isinstance(msg, LoadLora) and msg.name not in names:
+                names[msg.name] = msg.path
+        return names
+
+    monkeypatch.setattr(client_module, "EngineProcess", FakeProcess)
+
+    async def scenario():
+        client = client_module.EngineClient(EngineConfig(lora=("a=/a", "b=/b")), Metrics())
+        await client._spawn()
+        first = served(client.engine)
+        for msg in (UnloadLora(0, "a"), UnloadLora(0, "b"), LoadLora(0, "b", "/b2"), LoadLora(0, "c", "/c")):
+            await client.update_lora(msg)
+        await client._spawn()  # the supervisor's, once the engine died
+        return first, served(client.engine), client.engine.config.lora_enabled
+
+    first, after, enabled = asyncio.run(scenario())
+    assert first == {"a": "/a", "b": "/b"}
+    assert after == {"b": "/b2", "c": "/c"} and enabled

@@ -416,3 +416,54 @@ def test_a_steps_frame_gives_each_request_the_delta_the_engine_made_for_it():
     assert dict(got) == want and len(got) == len(want)
     assert sorted(routes) == sorted(set(want) - {"last"})  # a finished request's route goes
     assert routes["drafted"].num_tokens == 3 + 2 and routes["plain"].num_tokens == 3 + 1
+
+
+def test_an_adapter_load_a_replica_cannot_take_leaves_it_on_none():
+    """A replica restarting while an adapter loads: the load is a 503 and the replicas that loaded it unload it, so
+    loading it again later works (it was refused as "already loaded" by them, and served nowhere)."""
+    import asyncio
+    import time
+
+    from engine.ipc.messages import LoadLora, LoraResult, UnloadLora
+    from gateway.engines.client import EngineUnavailableError
+    from gateway.engines.replicas import Replicas
+    from gateway.web.metrics import Metrics
+
+    class AdapterEngine(FakeEngine):
+        """Answers adapter updates as an engine does: a name it has cannot be loaded again."""
+
+        def __init__(self, client):
+            super().__init__()
+            self.client, self.names = client, set()
+
+        def try_send(self, msg) -> bool:
+            super().try_send(msg)
+            if isinstance(msg, LoadLora):
+                error = "The lora adapter 'x' has already been loaded." if msg.name in self.names else None
+                self.names.add(msg.name)
+            elif isinstance(msg, UnloadLora):
+                error = None if msg.name in self.names else "The lora adapter 'x' cannot be found."
+                self.names.discard(msg.name)
+            self.client._on_frame(LoraResult(msg.op_id, error))
+            return True
+
+    async def scenario():
+        replicas = Replicas(EngineConfig(enable_lora=True), Metrics(), size=2, routing="round-robin")
+        for c in replicas.clients:
+            c.engine, c.ready = AdapterEngine(c), "ready"
+            c.last_heard = c.last_beat = time.monotonic()
+        up, down = replicas.clients
+        down.ready = None  # restarting
+        try:
+            await replicas.load_lora("x", "/x")
+            raise AssertionError("the load went through with a replica down")
+        except EngineUnavailableError:
+            pass
+        after_failure = (set(up.engine.names), dict(up.loras))
+        down.ready = "ready"
+        result = await replicas.load_lora("x", "/x")
+        return after_failure, result.error, up.engine.names, down.engine.names
+
+    after_failure, error, up_names, down_names = asyncio.run(scenario())
+    assert after_failure == (set(), {})
+    assert (error, up_names, down_names) == (None, {"x"}, {"x"})

@@ -56,7 +56,7 @@ def read_adapter(path: str, num_layers: int, max_rank: int, heads: tuple[int, in
     if root.is_file():
         from engine.model.lora_gguf import read_gguf_adapter
 
-        return LoraAdapter(*read_gguf_adapter(path, num_layers, max_rank, heads))
+        return _finite(LoraAdapter(*read_gguf_adapter(path, num_layers, max_rank, heads)), path)
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
         raise AdapterError(
             f"no LoRA adapter at {path}: expected {CONFIG_FILE} and {WEIGHTS_FILE}, or a llama.cpp LoRA .gguf file"
@@ -99,7 +99,18 @@ def read_adapter(path: str, num_layers: int, max_rank: int, heads: tuple[int, in
         weights[where] = ab["A"], ab["B"]
     if not weights:
         raise AdapterError(f"the adapter at {path} holds no LoRA weights")
-    return LoraAdapter(rank, scale, weights)
+    return _finite(LoraAdapter(rank, scale, weights), path)
+
+
+def _finite(adapter: LoraAdapter, path: str) -> LoraAdapter:
+    """The adapter, or AdapterError if it holds a NaN or an infinity: the PyTorch path's pads (whose delta the base
+    model's rows read) multiply zeros by every slot's B, so such a value would reach other requests' rows."""
+    for (layer, module), (a, b) in sorted(adapter.weights.items()):
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(
+                f"the adapter at {path} holds non-finite values (NaN or infinity) in layer {layer} {module}"
+            )
+    return adapter
 
 
 class RowAdapters:

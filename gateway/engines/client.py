@@ -12,11 +12,13 @@ and its requests with no token yet go to `on_lost` too. An engine whose step loo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 from engine.core.config import EngineConfig
+from engine.core.lora_pool import parse_lora
 from engine.core.request import EngineRequest
 from engine.core.sampling_params import InvalidRequestError
 from engine.ipc.messages import (
@@ -110,8 +112,8 @@ class EngineClient:
         self._ready_event = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
         self._launched: EngineProcess | None = None  # spawned by launch(), before the event loop: start() adopts it
-        # LoRA adapters loaded at run time (name -> path): loaded again into a restarted engine, after --lora's.
-        self.runtime_loras: dict[str, str] = {}
+        # The LoRA adapters its engine serves (name -> path): --lora's, then those loaded and unloaded at run time.
+        self.loras: dict[str, str] = dict(parse_lora(spec) for spec in config.lora)
         self._lora_ops: dict[int, asyncio.Future] = {}
         self._next_op = 1
 
@@ -129,8 +131,11 @@ class EngineClient:
             self._launched.discard()
             self._launched = None
 
-    def _new_engine(self) -> EngineProcess:
-        return EngineProcess(self.config, self._on_frame, self.on_cache is not None, self.devices)
+    def _new_engine(self, restart: bool = False) -> EngineProcess:
+        config = self.config
+        if restart:  # not --lora's adapters: some may be unloaded since, or loaded again from elsewhere (see _spawn)
+            config = dataclasses.replace(config, lora=(), enable_lora=config.lora_enabled)
+        return EngineProcess(config, self._on_frame, self.on_cache is not None, self.devices)
 
     async def start(self, timeout: float = 300.0) -> None:
         """Start the first engine. A model that cannot load at all is an error here, not retried."""
@@ -179,7 +184,8 @@ class EngineClient:
         self._ready_event = asyncio.Event()
         if self.on_cache is not None:
             self.on_cache(self.index, None)
-        engine, self._launched = self._launched or self._new_engine(), None
+        restart = self.engine is not None
+        engine, self._launched = self._launched or self._new_engine(restart), None
         self.engine = engine
         await engine.start()
         exited = asyncio.ensure_future(engine.wait())
@@ -200,8 +206,9 @@ class EngineClient:
             raise EngineUnavailableError(f"the engine did not become ready in {self.start_timeout:.0f}s")
         self.last_heard = self.last_beat = time.monotonic()
         self.unresponsive = False
-        for name, path in self.runtime_loras.items():  # before any request that names one (the ring keeps order)
-            await self._send(engine, LoadLora(0, name, path))
+        if restart:  # the adapters served now, before any request that names one (the ring keeps order)
+            for name, path in self.loras.items():
+                await self._send(engine, LoadLora(0, name, path))
 
     async def _supervise(self) -> None:
         while True:
@@ -347,9 +354,9 @@ class EngineClient:
             self._lora_ops.pop(op_id, None)
         if result.error is None:
             if isinstance(msg, LoadLora):
-                self.runtime_loras[msg.name] = msg.path
+                self.loras[msg.name] = msg.path
             else:
-                self.runtime_loras.pop(msg.name, None)
+                self.loras.pop(msg.name, None)
         return result
 
     async def _send(self, engine: EngineProcess, msg) -> None:

@@ -129,18 +129,23 @@ class Replicas:
         return next((c.ready for c in self.clients if c.healthy), None)
 
     async def load_lora(self, name: str, path: str) -> LoraResult:
-        """Load an adapter into every replica (each must serve any request); where one refuses it, none keeps it."""
-        results = await asyncio.gather(*(c.update_lora(LoadLora(0, name, path)) for c in self.clients))
-        failed = next((r for r in results if r.error is not None), None)
-        if failed is not None and len(self.clients) > 1:
-            await asyncio.gather(
-                *(c.update_lora(UnloadLora(0, name)) for c, r in zip(self.clients, results) if r.error is None)
-            )
-        return failed or results[0]
+        """Load an adapter into every replica (each must serve any request); where one refuses it or cannot be
+        reached, none keeps it."""
+        updates = (c.update_lora(LoadLora(0, name, path)) for c in self.clients)
+        results = await asyncio.gather(*updates, return_exceptions=True)
+        loaded = [c for c, r in zip(self.clients, results) if isinstance(r, LoraResult) and r.error is None]
+        if len(loaded) < len(self.clients):
+            for c in loaded:  # a replica restarted meanwhile must not get it again
+                c.loras.pop(name, None)
+            await asyncio.gather(*(c.update_lora(UnloadLora(0, name)) for c in loaded), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return next((r for r in results if r.error is not None), results[0])
 
     async def unload_lora(self, name: str) -> LoraResult:
         for c in self.clients:  # whatever the answer: an engine restarted from now on does not get it again
-            c.runtime_loras.pop(name, None)
+            c.loras.pop(name, None)
         self.router.unloaded(name)
         results = await asyncio.gather(*(c.update_lora(UnloadLora(0, name)) for c in self.clients))
         return next((r for r in results if r.error is not None), results[0])
