@@ -88,6 +88,8 @@ def build_app(config: GatewayConfig, client: Replicas | None = None) -> Starlett
         config.pooling,
     )
     state.adapters.update(parse_lora(spec) for spec in config.engine.lora)
+    if state.model_name in state.adapters:  # a request naming it would get the base model, never the adapter
+        raise ValueError(f"--lora {state.model_name}=...: an adapter may not take the served model's name")
     for name in (state.model_name, *state.adapters):
         metrics.add_model(name)
     started = int(time.time())

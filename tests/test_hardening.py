@@ -485,6 +485,14 @@ def test_a_model_the_engine_cannot_load_ends_the_start_with_its_reason(tmp_path)
     assert "Exception ignored" not in log, log  # the engine left without its teardown's noise
 
 
+def test_an_adapter_named_as_the_served_model_stops_the_start(tmp_path):
+    done = serve("--lora", f"SmolLM2-135M-Instruct={tmp_path}", "--port", str(free_port()))
+    assert (done.returncode, done.stderr) == (
+        1,
+        "orcinus serve: --lora SmolLM2-135M-Instruct=...: an adapter may not take the served model's name\n",
+    )
+
+
 def test_a_port_in_use_stops_the_start_before_any_engine_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
