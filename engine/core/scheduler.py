@@ -148,8 +148,12 @@ class Scheduler:
         num_fast = len(batch.decode)
         budget = self._schedule_running(scheduled, 0 if alone else max_running_seqs - num_fast, budget, first)
         budget = self._admit_waiting(scheduled, max_seqs - num_fast, budget, num_running_at_start)
-        if alone and not scheduled:  # the newcomer could not be admitted after all: the running go on
-            self._schedule_running(scheduled, max_running_seqs, budget)
+        if (not scheduled) if alone else max_running_seqs < max_seqs:
+            # Newcomers took fewer of the slots kept for them than they were given (they did not fit, wait for a
+            # block a running request is computing, or the admission policy refused them): the running requests take
+            # the rest, or nobody might ever run again.
+            taken = {req.request_id for req, _, _ in scheduled}.union(batch.decode.request_ids)
+            self._schedule_running(scheduled, max_seqs - num_fast, budget, taken=taken)
         self.newcomers_ran_alone = alone and bool(scheduled)
 
         if columnar:
@@ -181,10 +185,16 @@ class Scheduler:
         return steps
 
     def _schedule_running(
-        self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int, i: int = 0
+        self,
+        scheduled: list[tuple[Request, int, list[int]]],
+        max_seqs: int,
+        budget: int,
+        i: int = 0,
+        taken: set[str] | None = None,
     ) -> int:
-        """Running requests in order from the `i`th, until `scheduled` holds `max_seqs`; preempts where blocks run
-        out, then gives the decoding ones drafts from what is left. Returns the budget left."""
+        """Running requests in order from the `i`th (but those in `taken`, in this batch already), until `scheduled`
+        holds `max_seqs`; preempts where blocks run out, then gives the decoding ones drafts from what is left. Returns
+        the budget left."""
         # Every running request's tokens first: a draft takes only the budget and blocks they leave, so it never
         # makes a later request preempt itself or wait.
         first = len(scheduled)
@@ -193,7 +203,7 @@ class Scheduler:
         while i < len(running) and len(scheduled) < max_seqs:
             req = running[i]
             num_new = min(schedulable(req), budget)
-            if num_new == 0:
+            if num_new == 0 or (taken and req.request_id in taken):
                 i += 1
                 continue
             while not allocate(req, num_new):
