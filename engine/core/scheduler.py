@@ -207,7 +207,7 @@ class Scheduler:
                 i += 1
                 continue
             while not allocate(req, num_new):
-                victim = self._preempt({r.request_id for r, _, _ in scheduled})
+                victim = self._preempt({r.request_id for r, _, _ in scheduled}, asking=req)
                 if victim is None:  # every newer request is in flight: wait for one to come back
                     i += 1
                     break
@@ -447,9 +447,12 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, scheduled: set[str], above: float | None = None) -> Request | None:
+    def _preempt(
+        self, scheduled: set[str], above: float | None = None, asking: Request | None = None
+    ) -> Request | None:
         """Free the blocks of a running request not in this batch (`scheduled`) nor in one in flight, of the highest
-        rank (above `above`, if given), the newest admitted among equals."""
+        rank (above `above`, if given), the newest admitted among equals; None where there is none, or where it would
+        be `asking` (the request short of blocks) while one ranking after it is in flight."""
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
         # One in a batch still in flight is left alone: its tokens are being computed into those blocks.
         rank = self.policy.rank
@@ -462,7 +465,14 @@ class Scheduler:
         ]
         if not candidates:
             return None
-        victim = self.running[max(candidates)[1]]
+        best = max(candidates)
+        victim = self.running[best[1]]
+        # The request asking waits for that one to come back rather than give up its own blocks: else, with batches in
+        # flight (pipeline stages), two requests could take turns preempting themselves for ever.
+        if victim is asking and any(
+            (rank(r), i) > best for i, r in enumerate(self.running) if r.request_id in self.in_flight
+        ):
+            return None
         self.running.remove(victim)
         self.kv.free(victim)
         self.dropped.append(victim.request_id)
