@@ -158,6 +158,53 @@ def test_a_newcomer_short_of_blocks_takes_them_from_a_predicted_long_request_onl
     assert long.status == RequestStatus.WAITING and long.num_preemptions == 1
 
 
+def probed_step(s: Scheduler) -> list[tuple[str, int]]:
+    """One fake iteration, every probe predicting 500 outputs; returns each row's (request, tokens)."""
+    batch = s.schedule()
+    s.update(
+        batch,
+        {r.request_id: SampledTokens([7], hidden=[500.0] if r.probe else None) for r in batch.requests if r.sample},
+    )
+    return [(r.request_id, len(r.token_ids)) for r in batch.requests]
+
+
+def test_a_newcomer_waiting_for_a_block_being_computed_leaves_its_slot_to_the_request_computing_it():
+    """A request preempted and recomputing its prompt (its cached blocks evicted) keys after a newcomer that shares the
+    prompt; the newcomer waits for the block the preempted one computes, so that one must run in the slot kept for
+    the newcomer, or neither ever runs again."""
+    config = EngineConfig(block_size=4, max_num_batched_tokens=4, scheduling_policy="predicted", max_num_seqs=1)
+    s = Scheduler(config, 5, max_model_len=4096, policy=Predicted(ByHidden()))
+    long = Request("long", list(range(1, 9)), SamplingParams(max_tokens=12, ignore_eos=True), arrival_time=0.0)
+    s.add(long)
+    assert [probed_step(s) for _ in range(3)] == [[("long", 4)], [("long", 4)], [("long", 1)]]  # 11 to go: key 0.22 s
+    s.add(Request("x", list(range(20, 39)), SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=0.01))
+    # x keys first and takes every block (long's named ones evicted); then long computes its prompt again.
+    assert [probed_step(s) for _ in range(6)] == [[("x", 4)]] * 4 + [[("x", 3)], [("long", 4)]]
+    assert long.num_preemptions == 1 and long.num_computed_tokens == 4  # nothing of it was left in the cache
+    s.add(Request("n", list(range(1, 9)) + [50], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=0.02))
+    assert probed_step(s) == [("long", 4)]  # n keys first but waits for long's second block: long runs in its slot
+    assert probed_step(s) == [("n", 1)]  # n takes both blocks from the cache
+    for _ in range(50):
+        probed_step(s)
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 5
+
+
+def test_request_level_admission_under_the_predicted_order_lets_the_running_request_finish():
+    """Request-level batching admits nobody while a request runs: the slot kept for a newcomer that keys before the
+    running request goes back to it."""
+    config = EngineConfig(
+        block_size=4, max_num_batched_tokens=256, scheduling_policy="predicted", max_num_seqs=1, scheduling="request"
+    )
+    s = Scheduler(config, 64, max_model_len=4096, policy=Predicted(ByHidden()))
+    s.add(Request("long", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), arrival_time=0.0))
+    assert probed_step(s) == [("long", 3)]  # its key: 0 s + 4 tokens / AGING
+    s.add(Request("short", [9, 9], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=0.01))
+    assert [probed_step(s) for _ in range(5)] == [[("long", 1)]] * 4 + [[("short", 2)]]
+    for _ in range(3):
+        probed_step(s)
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 64
+
+
 def test_finished_requests_report_their_prediction_error_and_pool():
     s = make(max_num_seqs=4)
     for rid, predicted, real in [("a", 10.0, 5), ("b", 200.0, 100)]:

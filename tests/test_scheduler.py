@@ -152,6 +152,28 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it():
     assert new.output_token_ids == [7] * 8 and s.kv.num_free_blocks == 4
 
 
+def test_with_batches_in_flight_the_oldest_waits_for_the_newest_rather_than_preempting_itself():
+    """Two pipeline stages (two batches in flight) and blocks for one request at a time: short of blocks while the
+    newer request's batch is in flight, the older one waits for it to come back (and give its blocks up) instead of
+    giving up its own; else each preempts itself in turn and neither ever finishes."""
+    s = make(num_blocks=3, max_num_batched_tokens=4, prefix_caching=False)
+    old, new = req("old", prompt_len=8, max_tokens=2), req("new", prompt_len=8, max_tokens=2)  # 3 blocks each
+    s.add(old)
+    s.add(new)
+    in_flight, rows = [], []
+    for _ in range(30):
+        while len(in_flight) < 2 and len(batch := s.schedule(num_batches=2 - len(in_flight))):
+            in_flight.append(batch)
+        if not in_flight:
+            break
+        batch = in_flight.pop(0)
+        rows.append([(r.request_id, r.num_computed_tokens) for r in batch.requests])
+        s.update(batch, {r.request_id: SampledTokens([7]) for r in batch.requests if r.sample})
+    assert old.num_preemptions == 0 and old.status == RequestStatus.FINISHED_LENGTH
+    assert [start for row in rows for rid, start in row if rid == "old"] == [0, 4, 8]  # its prompt, then a decode
+    assert new.status == RequestStatus.FINISHED_LENGTH and s.kv.num_free_blocks == 3
+
+
 def test_request_level_admits_nothing_until_the_batch_drains():
     s = make(scheduling="request")
     s.add(req("a", max_tokens=2))

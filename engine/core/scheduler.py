@@ -148,8 +148,12 @@ class Scheduler:
         num_fast = len(batch.decode)
         budget = self._schedule_running(scheduled, 0 if alone else max_running_seqs - num_fast, budget, first)
         budget = self._admit_waiting(scheduled, max_seqs - num_fast, budget, num_running_at_start)
-        if alone and not scheduled:  # the newcomer could not be admitted after all: the running go on
-            self._schedule_running(scheduled, max_running_seqs, budget)
+        if (not scheduled) if alone else max_running_seqs < max_seqs:
+            # Newcomers took fewer of the slots kept for them than they were given (they did not fit, wait for a
+            # block a running request is computing, or the admission policy refused them): the running requests take
+            # the rest, or nobody might ever run again.
+            taken = {req.request_id for req, _, _ in scheduled}.union(batch.decode.request_ids)
+            self._schedule_running(scheduled, max_seqs - num_fast, budget, taken=taken)
         self.newcomers_ran_alone = alone and bool(scheduled)
 
         if columnar:
@@ -181,10 +185,16 @@ class Scheduler:
         return steps
 
     def _schedule_running(
-        self, scheduled: list[tuple[Request, int, list[int]]], max_seqs: int, budget: int, i: int = 0
+        self,
+        scheduled: list[tuple[Request, int, list[int]]],
+        max_seqs: int,
+        budget: int,
+        i: int = 0,
+        taken: set[str] | None = None,
     ) -> int:
-        """Running requests in order from the `i`th, until `scheduled` holds `max_seqs`; preempts where blocks run
-        out, then gives the decoding ones drafts from what is left. Returns the budget left."""
+        """Running requests in order from the `i`th (but those in `taken`, in this batch already), until `scheduled`
+        holds `max_seqs`; preempts where blocks run out, then gives the decoding ones drafts from what is left. Returns
+        the budget left."""
         # Every running request's tokens first: a draft takes only the budget and blocks they leave, so it never
         # makes a later request preempt itself or wait.
         first = len(scheduled)
@@ -193,11 +203,11 @@ class Scheduler:
         while i < len(running) and len(scheduled) < max_seqs:
             req = running[i]
             num_new = min(schedulable(req), budget)
-            if num_new == 0:
+            if num_new == 0 or (taken and req.request_id in taken):
                 i += 1
                 continue
             while not allocate(req, num_new):
-                victim = self._preempt({r.request_id for r, _, _ in scheduled})
+                victim = self._preempt({r.request_id for r, _, _ in scheduled}, asking=req)
                 if victim is None:  # every newer request is in flight: wait for one to come back
                     i += 1
                     break
@@ -437,9 +447,12 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, scheduled: set[str], above: float | None = None) -> Request | None:
+    def _preempt(
+        self, scheduled: set[str], above: float | None = None, asking: Request | None = None
+    ) -> Request | None:
         """Free the blocks of a running request not in this batch (`scheduled`) nor in one in flight, of the highest
-        rank (above `above`, if given), the newest admitted among equals."""
+        rank (above `above`, if given), the newest admitted among equals; None where there is none, or where it would
+        be `asking` (the request short of blocks) while one ranking after it is in flight."""
         # Recompute, not swap: the newest request gives up its blocks so older ones keep progressing.
         # One in a batch still in flight is left alone: its tokens are being computed into those blocks.
         rank = self.policy.rank
@@ -452,7 +465,14 @@ class Scheduler:
         ]
         if not candidates:
             return None
-        victim = self.running[max(candidates)[1]]
+        best = max(candidates)
+        victim = self.running[best[1]]
+        # The request asking waits for that one to come back rather than give up its own blocks: else, with batches in
+        # flight (pipeline stages), two requests could take turns preempting themselves for ever.
+        if victim is asking and any(
+            (rank(r), i) > best for i, r in enumerate(self.running) if r.request_id in self.in_flight
+        ):
+            return None
         self.running.remove(victim)
         self.kv.free(victim)
         self.dropped.append(victim.request_id)
