@@ -148,10 +148,11 @@ class Scheduler:
         num_fast = len(batch.decode)
         budget = self._schedule_running(scheduled, 0 if alone else max_running_seqs - num_fast, budget, first)
         budget = self._admit_waiting(scheduled, max_seqs - num_fast, budget, num_running_at_start)
-        if (not scheduled) if alone else max_running_seqs < max_seqs:
-            # Newcomers took fewer of the slots kept for them than they were given (they did not fit, wait for a
-            # block a running request is computing, or the admission policy refused them): the running requests take
-            # the rest, or nobody might ever run again.
+        # Slots kept for newcomers (all of them when newcomers run alone, else those _running_slots held back) that
+        # they did not take (they did not fit, wait for a block a running request is computing, or admission refused
+        # them) go to the running requests, or nobody might ever run again.
+        kept_for_newcomers = not scheduled if alone else max_running_seqs < max_seqs
+        if kept_for_newcomers:
             taken = {req.request_id for req, _, _ in scheduled}.union(batch.decode.request_ids)
             self._schedule_running(scheduled, max_seqs - num_fast, budget, taken=taken)
         self.newcomers_ran_alone = alone and bool(scheduled)
