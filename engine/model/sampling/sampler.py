@@ -127,7 +127,7 @@ class Sampler:
             logits = self._adjust(logits.clone(), rows)  # the runner returns an inference tensor: no in-place
             if self.grammar is not None:
                 refused = self.grammar.apply(logits, rows)
-                self._mask_stops_left_by_grammar(logits, rows)
+            self._mask_stops_left_by_grammar(logits, rows)  # min_tokens under a grammar: after its mask, if any
 
         tokens = greedy(logits)
         # A draft token its grammar refuses has probability 0 under the constraint: its row verifies nothing and takes
